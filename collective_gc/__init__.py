@@ -1,0 +1,42 @@
+"""collective_gc: collective deferred destruction for MPI programs.
+
+Objects that wrap collective resources register with the manager of their
+communicator; their finalization, by either collector, on any thread, only
+queues a destroy request, and the destroys run at collective sync points in
+one order agreed by every rank.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    CollectiveGCError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CyclicFinalizationError,
+    CyclicFinalizationWarning,
+    DestroyError,
+    ExitLeakWarning,
+    RegistrationError,
+)
+from ._manager import CollectStats, Manager, collect, manager, pending, register
+from ._queue import Registration
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectStats",
+    "CollectiveGCError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CyclicFinalizationError",
+    "CyclicFinalizationWarning",
+    "DestroyError",
+    "ExitLeakWarning",
+    "Manager",
+    "Registration",
+    "RegistrationError",
+    "collect",
+    "manager",
+    "pending",
+    "register",
+]

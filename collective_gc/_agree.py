@@ -1,0 +1,159 @@
+"""The agreement collectives: which keys has every rank queued?
+
+Every sync point on a communicator of size > 1 starts with one allreduce of a
+small int64 header (MPI_MAX). It carries each rank's pending count, its sync
+sequence number and next registration key (both as x and -x, so that one MAX
+gives the minimum too and a mismatch is seen), the bounds of its pending keys,
+and a few policy fields. With nothing pending anywhere, that is the whole
+agreement: one small allreduce.
+
+Otherwise the intersection of the pending key sets is computed in one more
+allreduce, restricted to the window [max of the minimum keys, min of the
+maximum keys], outside of which no key can be pending on every rank:
+
+- a bitmap of the window reduced with MPI_BAND, when the window is dense
+  (at most 64 bits per pending key, i.e. no larger than the key array);
+- otherwise the sorted key arrays, padded to the largest count and reduced with
+  a merge-intersection operator (the scheme of PETSc's PetscGarbageCleanup).
+
+Both cost O(pending) in time and message size. A deadline turns each blocking
+collective into a non-blocking one polled until it completes or the deadline
+passes, when :class:`CollectiveTimeoutError` is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ._errors import CollectiveTimeoutError
+
+__all__ = ["HEADER_LEN", "NO_KEY", "allreduce", "intersect", "allgather"]
+
+# Header slots (all reduced with MPI_MAX).
+H_COUNT = 0  # pending count -> max over ranks
+H_SEQ = 1  # sync-point number
+H_NEG_SEQ = 2  # -sync-point number, so that max gives -min
+H_NEXT = 3  # next registration key
+H_NEG_NEXT = 4
+H_LO = 5  # smallest pending key (NO_KEY if none) -> max = window start
+H_NEG_HI = 6  # -largest pending key (+1 if none) -> -max = window end
+H_GEN = 7  # requested gc generation + 1 (0: none); see _scope
+H_CYCLIC = 8  # cyclic finalizations seen since the last sync point
+H_ERROR = 9  # nonzero if this rank must make every rank raise (see _scope)
+HEADER_LEN = 10
+
+NO_KEY = np.iinfo(np.int64).max
+
+
+def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> None:
+    if deadline is None:
+        req.Wait()
+        return
+    # Poll: yield the core at first (4 ranks share 2 cores here), then back off
+    # to a millisecond so a long wait does not burn a core.
+    delay = 0.0
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(what())
+        time.sleep(delay)
+        delay = min(1e-3, delay * 2 + 2e-5)
+
+
+def allreduce(
+    comm: MPI.Comm,
+    send: np.ndarray[Any, Any],
+    op: MPI.Op,
+    deadline: float | None,
+    what: Callable[[], str],
+) -> np.ndarray[Any, Any]:
+    """Collective. Allreduce ``send`` with ``op``, blocking or against a deadline."""
+    recv = np.empty_like(send)
+    if deadline is None:
+        comm.Allreduce(send, recv, op)
+    else:
+        _wait(comm.Iallreduce(send, recv, op), deadline, what)
+    return recv
+
+
+def allgather(
+    comm: MPI.Comm, value: Any, deadline: float | None, what: Callable[[], str]
+) -> list[Any]:
+    """Collective. Allgather a picklable value, blocking or against a deadline."""
+    if deadline is None:
+        return comm.allgather(value)  # type: ignore[no-any-return]
+    # A pickled value of unknown size: gather the sizes, then the bytes.
+    import pickle
+
+    data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    _wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), deadline, what)
+    displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    buf = np.empty(int(sizes.sum()), dtype=np.uint8)
+    _wait(
+        comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what
+    )
+    return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
+
+
+def _merge_intersect(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+    # Slot 0 holds the length, then the sorted keys. Commutative.
+    a = np.frombuffer(inbuf, dtype=np.int64)
+    b = np.frombuffer(inoutbuf, dtype=np.int64)
+    common = np.intersect1d(a[1 : 1 + a[0]], b[1 : 1 + b[0]], assume_unique=True)
+    b[0] = common.size
+    b[1 : 1 + common.size] = common
+
+
+_OP_INTERSECT: list[MPI.Op] = []
+
+
+def _intersect_op() -> MPI.Op:
+    if not _OP_INTERSECT:
+        _OP_INTERSECT.append(MPI.Op.Create(_merge_intersect, commute=True))
+    return _OP_INTERSECT[0]
+
+
+def intersect(
+    comm: MPI.Comm,
+    keys: np.ndarray[Any, Any],
+    lo: int,
+    hi: int,
+    max_count: int,
+    deadline: float | None,
+    what: Callable[[], str],
+) -> np.ndarray[Any, Any]:
+    """Collective. The keys in sorted ``keys`` that every rank holds, ascending.
+
+    ``lo``/``hi`` bound the window (the same on every rank, from the header),
+    ``max_count`` is the largest count on any rank. Every rank must choose the
+    same method, so the choice depends only on these agreed values.
+    """
+    if lo > hi:
+        return keys[:0]
+    span = hi - lo + 1
+    if span <= 64 * max_count:
+        inside = keys[(keys >= lo) & (keys <= hi)] - lo
+        bits = np.zeros(span, dtype=bool)
+        bits[inside] = True
+        packed = np.packbits(bits)
+        common = allreduce(comm, packed, MPI.BAND, deadline, what)
+        return np.flatnonzero(np.unpackbits(common, count=span)).astype(np.int64) + lo
+    buf = np.zeros(max_count + 1, dtype=np.int64)
+    buf[0] = keys.size
+    buf[1 : 1 + keys.size] = keys
+    out = np.empty_like(buf)
+    dtype = MPI.BYTE.Create_contiguous(buf.nbytes)
+    dtype.Commit()
+    try:
+        if deadline is None:
+            comm.Allreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
+        else:
+            req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
+            _wait(req, deadline, what)
+    finally:
+        dtype.Free()
+    return out[1 : 1 + out[0]].copy()

@@ -1,0 +1,599 @@
+"""The per-communicator manager: keys, the pending set, sync points, exit.
+
+One :class:`Manager` per communicator, found through an MPI attribute cached
+on the communicator, so every Python wrapper of the same handle gets the same
+manager and a freed-then-reused handle does not. Agreement traffic goes over a
+private duplicate of the communicator (made when the manager is), so it can
+never match a user's message.
+
+Registrations are collective: every rank registers the same objects in the
+same order, so a per-manager counter gives each object the same key on every
+rank. Finalizers push dead registrations onto a lock-free inbox; a sync point
+drains the inbox into the pending set, agrees with the other ranks on the keys
+pending everywhere (:mod:`._agree`), and destroys those newest first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import gc
+import os
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _agree, _reaper
+from ._agree import H_COUNT, H_LO, H_NEG_HI, H_NEG_NEXT, H_NEG_SEQ, H_NEXT, H_SEQ, NO_KEY
+from ._errors import (
+    CollectiveGCError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DestroyError,
+    ExitLeakWarning,
+    RegistrationError,
+)
+from ._queue import _FLAGS, ALIVE, DESTROYED, DETACHED, QUEUED, Registration, check_destroy
+
+__all__ = ["Manager", "CollectStats", "manager", "register", "collect", "pending", "managers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectStats:
+    """What one sync point did on this rank.
+
+    Attributes:
+        destroyed: destroys run at this sync point (the same on every rank).
+        pending: destroy requests still queued on this rank afterwards (keys
+            not yet queued on every rank).
+        cyclic: finalizations drained at this sync point that happened inside
+            the cyclic collector.
+        seconds: wall time of the sync point on this rank, including the local
+            ``gc.collect``.
+        sync: the sync-point number on this communicator (0 for the first).
+        collected: what the local ``gc.collect`` returned, or None if skipped.
+    """
+
+    destroyed: int
+    pending: int
+    cyclic: int
+    seconds: float
+    sync: int
+    collected: int | None = None
+
+
+class Manager:
+    """The collective deferred-destroy manager of one communicator.
+
+    Get it with :func:`collective_gc.manager`; do not construct it.
+    """
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self._size = comm.Get_size()
+        self._rank = comm.Get_rank()
+        # Agreement traffic never shares a communicator with the user's messages.
+        self._comm: MPI.Comm = comm.Dup() if self._size > 1 else comm
+        self._next_key = 0
+        self._live: dict[int, Registration] = {}
+        self._pending: dict[int, Registration] = {}
+        self._inbox: collections.deque[Registration] = collections.deque()
+        self._seq = 0
+        self._lock = threading.RLock()
+        self._destroying = False
+        self._broken: str | None = None
+        self._comm_freed = False
+        self._pid = os.getpid()
+        # Totals over the manager's life.
+        self.created = 0
+        self.destroyed = 0
+        self.cyclic = 0
+        self.sync_seconds = 0.0
+        # Hooks run at every sync point before agreement (e.g. PETSc's own
+        # garbage cleanup on this communicator); set by adapters.
+        self._sync_hooks: list[Callable[[Manager], None]] = []
+
+    # -- description ---------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Size of the communicator."""
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return self._rank
+
+    @property
+    def sync_count(self) -> int:
+        """How many sync points have completed on this communicator."""
+        return self._seq
+
+    @property
+    def next_key(self) -> int:
+        """The key the next registration will get."""
+        return self._next_key
+
+    def _describe(self) -> str:
+        return f"communicator of size {self._size} (rank {self._rank})"
+
+    def __repr__(self) -> str:
+        state = " broken" if self._broken else ""
+        return (
+            f"<collective_gc.Manager{state} of a {self._describe()}: "
+            f"{len(self._live)} alive, {len(self._pending) + len(self._inbox)} pending, "
+            f"{self.destroyed} destroyed, {self._seq} sync points>"
+        )
+
+    # -- registration --------------------------------------------------------
+
+    def _check_usable(self, what: str) -> None:
+        if self._pid != os.getpid():
+            raise CollectiveGCError(
+                f"cannot {what} in a forked child: the {self._describe()} and its "
+                "registrations belong to the parent process"
+            )
+        if self._destroying:
+            raise CollectiveGCError(
+                f"cannot {what} from inside a destroy running at sync point "
+                f"{self._seq} on the {self._describe()}; do it after the sync point"
+            )
+        if self._broken is not None:
+            raise CollectiveGCError(
+                f"cannot {what}: the {self._describe()} is unusable since {self._broken}"
+            )
+
+    def register(
+        self,
+        obj: object,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+    ) -> Registration:
+        """Collective. See :func:`collective_gc.register`."""
+        self._check_usable("register an object")
+        check_destroy(obj, destroy, args, kwargs)
+        for ref in weakref.getweakrefs(obj):
+            if isinstance(ref, Registration) and ref._owner is self and ref._state == ALIVE:
+                raise RegistrationError(
+                    f"this {type(obj).__name__!r} object is already registered on the "
+                    f"{self._describe()} as key {ref.key} ({ref.name!r}); register one "
+                    "destroy that releases all it owns, or detach the first registration"
+                )
+        reg = Registration(obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name)
+        self._next_key += 1
+        self._live[reg.key] = reg
+        self.created += 1
+        return reg
+
+    def _destroy_now(self, reg: Registration) -> None:
+        with self._lock:
+            if reg._state >= DESTROYED:
+                return
+            self._check_usable(f"destroy key {reg.key} ({reg.name!r})")
+            self._live.pop(reg.key, None)
+            self._pending.pop(reg.key, None)
+            reg._state = DESTROYED
+            self.destroyed += 1
+            reg._call()
+
+    def _detach(self, reg: Registration) -> bool:
+        with self._lock:
+            if reg._state >= DESTROYED:
+                return False
+            self._live.pop(reg.key, None)
+            self._pending.pop(reg.key, None)
+            reg._state = DETACHED
+            reg._destroy, reg._args, reg._kwargs = None, (), {}
+            return True
+
+    # -- the queue -------------------------------------------------------------
+
+    def _drain(self) -> int:
+        """Move dead registrations from the inbox to the pending set; count cyclic ones."""
+        cyclic = 0
+        inbox, live, pend = self._inbox, self._live, self._pending
+        while inbox:
+            reg = inbox.popleft()
+            if reg._state != ALIVE:
+                continue  # destroyed or detached before its finalization was seen
+            reg._state = QUEUED
+            reg.queued_at = self._seq
+            del live[reg.key]
+            pend[reg.key] = reg
+            if reg.cyclic:
+                cyclic += 1
+        self.cyclic += cyclic
+        return cyclic
+
+    def pending(self) -> list[Registration]:
+        """What this rank has queued, oldest key first. Local."""
+        with self._lock:
+            self._drain()
+            return sorted(self._pending.values(), key=lambda r: r.key)
+
+    def alive(self) -> list[Registration]:
+        """Registrations whose objects are still alive on this rank. Local."""
+        with self._lock:
+            self._drain()
+            return sorted(self._live.values(), key=lambda r: r.key)
+
+    # -- sync points -----------------------------------------------------------
+
+    def _what(self, stage: str) -> Callable[[], str]:
+        # Formatted only on timeout, while the caller's frames are still on the
+        # stack; extracting a stack at every sync point would cost more than
+        # the agreement itself.
+        def describe() -> str:
+            here = os.path.dirname(__file__)
+            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
+            where = "".join(traceback.format_list(frames[-3:]))
+            return (
+                f"rank {self._rank}: sync point {self._seq} on the {self._describe()} did "
+                f"not complete {stage} before its deadline; called from:\n{where}"
+            )
+
+        return describe
+
+    def sync(
+        self,
+        *,
+        deadline: float | None = None,
+        header_extra: dict[int, int] | None = None,
+        on_header: Callable[[np.ndarray[Any, Any]], None] | None = None,
+    ) -> CollectStats:
+        """Collective. Agree on the keys pending on every rank and destroy them.
+
+        ``header_extra`` sets policy slots of the agreement header and
+        ``on_header`` sees the reduced header before anything is destroyed (may
+        raise, on every rank alike); both are for :mod:`._scope`.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_usable("run a sync point")
+            for hook in self._sync_hooks:
+                hook(self)
+            cyclic = self._drain()
+            try:
+                agreed = self._agree(deadline, header_extra, on_header)
+            except CollectiveTimeoutError as exc:
+                self._broken = f"sync point {self._seq} timed out ({exc})"
+                raise
+            except CollectiveMismatchError:
+                # Every rank saw the same reduced header, so every rank gets here.
+                self._broken = f"the ranks disagreed at sync point {self._seq}"
+                raise
+            seq = self._seq
+            self._seq += 1
+            failures = self._destroy_agreed(agreed)
+            if self._size > 1 and agreed.size:
+                self._raise_failures(failures, seq, deadline)
+            elif failures:
+                self._raise_failures(failures, seq, None)
+            seconds = time.perf_counter() - t0
+            self.sync_seconds += seconds
+            return CollectStats(
+                destroyed=int(agreed.size),
+                pending=len(self._pending) + len(self._inbox),
+                cyclic=cyclic,
+                seconds=seconds,
+                sync=seq,
+            )
+
+    def _agree(
+        self,
+        deadline: float | None,
+        header_extra: dict[int, int] | None,
+        on_header: Callable[[np.ndarray[Any, Any]], None] | None,
+    ) -> np.ndarray[Any, Any]:
+        keys = np.fromiter(self._pending, dtype=np.int64, count=len(self._pending))
+        if self._size == 1:
+            if on_header is not None:
+                head = np.zeros(_agree.HEADER_LEN, dtype=np.int64)
+                for slot, value in (header_extra or {}).items():
+                    head[slot] = value
+                on_header(head)
+            keys.sort()
+            return keys
+        head = np.zeros(_agree.HEADER_LEN, dtype=np.int64)
+        head[H_COUNT] = keys.size
+        head[H_SEQ], head[H_NEG_SEQ] = self._seq, -self._seq
+        head[H_NEXT], head[H_NEG_NEXT] = self._next_key, -self._next_key
+        if keys.size:
+            head[H_LO], head[H_NEG_HI] = keys.min(), -keys.max()
+        else:
+            head[H_LO], head[H_NEG_HI] = NO_KEY, 1
+        for slot, value in (header_extra or {}).items():
+            head[slot] = value
+        red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
+        if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
+            raise self._mismatch(red)
+        if on_header is not None:
+            on_header(red)
+        if red[H_COUNT] == 0:
+            return keys[:0]
+        keys.sort()
+        return _agree.intersect(
+            self._comm,
+            keys,
+            int(red[H_LO]),
+            int(-red[H_NEG_HI]),
+            int(red[H_COUNT]),
+            deadline,
+            self._what("the key agreement"),
+        )
+
+    def _mismatch(self, red: np.ndarray[Any, Any]) -> CollectiveMismatchError:
+        parts = []
+        if red[H_SEQ] != -red[H_NEG_SEQ]:
+            parts.append(
+                f"sync-point numbers range from {-red[H_NEG_SEQ]} to {red[H_SEQ]} across "
+                f"the ranks (this rank: {self._seq}); a rank skipped a sync point"
+            )
+        if red[H_NEXT] != -red[H_NEG_NEXT]:
+            parts.append(
+                f"registration counts range from {-red[H_NEG_NEXT]} to {red[H_NEXT]} "
+                f"(this rank: {self._next_key}); the ranks did not register the same "
+                "objects (register is collective)"
+            )
+        return CollectiveMismatchError(
+            f"rank {self._rank}: the ranks of the {self._describe()} disagree at sync "
+            f"point {self._seq}: " + "; ".join(parts) + ". Nothing was destroyed."
+        )
+
+    def _destroy_agreed(self, agreed: np.ndarray[Any, Any]) -> list[tuple[int, str, BaseException]]:
+        # Newest first: a resource made from another one (a KSP from a Mat, a
+        # sub-communicator from a communicator) is released before its source.
+        failures: list[tuple[int, str, BaseException]] = []
+        pend = self._pending
+        self._destroying = True
+        try:
+            for key in agreed[::-1].tolist():
+                reg = pend.pop(key)
+                reg._state = DESTROYED
+                try:
+                    reg._call()
+                except Exception as exc:  # every agreed destroy still runs; raised below
+                    failures.append((key, reg.name, exc))
+                self.destroyed += 1
+                del reg
+        finally:
+            self._destroying = False
+        return failures
+
+    def _raise_failures(
+        self,
+        failures: list[tuple[int, str, BaseException]],
+        seq: int,
+        deadline: float | None,
+    ) -> None:
+        mine = [(self._rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]
+        if self._size > 1:
+            count = _agree.allreduce(
+                self._comm,
+                np.array([len(mine)], dtype=np.int64),
+                MPI.SUM,
+                deadline,
+                self._what("its error check"),
+            )
+            if count[0] == 0:
+                return
+            everyone = _agree.allgather(self._comm, mine, deadline, self._what("its error report"))
+            mine = [f for per_rank in everyone for f in per_rank]
+        lines = "\n".join(
+            f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine
+        )
+        raise DestroyError(
+            f"{len(mine)} destroy(s) raised at sync point {seq} on the "
+            f"{self._describe()}; every other agreed destroy ran:\n{lines}",
+            mine,
+            [e for _, _, e in failures],
+        )
+
+    # -- exit and fork ---------------------------------------------------------
+
+    def _exit_sync(self, deadline: float) -> None:
+        if self._pid != os.getpid():
+            return
+        if self._broken is not None:
+            self._drain()
+            if self._pending:
+                warnings.warn(
+                    f"collective_gc: rank {self._rank}: {len(self._pending)} pending "
+                    f"destroy(s) on the {self._describe()} were leaked at exit: the "
+                    f"manager is unusable since {self._broken}",
+                    ExitLeakWarning,
+                    stacklevel=1,
+                )
+            return
+        try:
+            self.sync(deadline=deadline)
+        except CollectiveTimeoutError:
+            warnings.warn(
+                f"collective_gc: rank {self._rank}: the final agreement on the "
+                f"{self._describe()} timed out at exit; {len(self._pending)} pending "
+                "destroy(s) were leaked (did another rank exit early or hang?)",
+                ExitLeakWarning,
+                stacklevel=1,
+            )
+        except CollectiveGCError as exc:
+            warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
+
+    def _after_fork(self) -> None:
+        for reg in list(self._live.values()) + list(self._pending.values()):
+            reg._state = DETACHED
+        self._live.clear()
+        self._pending.clear()
+        self._inbox.clear()
+
+    def _on_comm_freed(self) -> None:
+        # Called from an MPI attribute delete callback: record only, no MPI.
+        self._comm_freed = True
+
+
+# -- the registry of managers ------------------------------------------------
+
+_MANAGERS: list[Manager] = []
+_KEYVAL: list[int] = []
+
+
+def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
+    mgr._on_comm_freed()
+
+
+def _keyval() -> int:
+    if not _KEYVAL:
+        _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_delete_attr))
+    return _KEYVAL[0]
+
+
+def _check_comm(comm: object) -> MPI.Intracomm:
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        raise ValueError("the communicator is MPI.COMM_NULL (freed, or this rank is not in it)")
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(
+            f"expected an mpi4py intracommunicator, got {type(comm).__name__!r} object"
+            + (" (use comm=None for a rank-local registration)" if comm is None else "")
+        )
+    if MPI.Is_finalized():
+        raise CollectiveGCError("MPI is already finalized")
+    return comm
+
+
+def manager(comm: MPI.Comm) -> Manager:
+    """The manager of ``comm``: the same object each time for the same communicator.
+
+    Collective the first time it is called for a communicator (it duplicates the
+    communicator for its own traffic); :func:`register` and :func:`collect`
+    call it for you.
+    """
+    c = _check_comm(comm)
+    kv = _keyval()
+    mgr = c.Get_attr(kv)
+    if mgr is None:
+        mgr = Manager(c)
+        c.Set_attr(kv, mgr)
+        _MANAGERS.append(mgr)
+    return mgr  # type: ignore[no-any-return]
+
+
+def managers() -> list[Manager]:
+    """Every manager made so far in this process, oldest first."""
+    return list(_MANAGERS)
+
+
+def register(
+    obj: object,
+    destroy: Callable[..., object],
+    *args: Any,
+    comm: MPI.Comm | None,
+    name: str | None = None,
+    **kwargs: Any,
+) -> Registration:
+    """Manage ``obj``: when it is finalized, queue ``destroy(*args, **kwargs)``.
+
+    Collective over ``comm``: every rank registers the same objects in the same
+    order, so the registration gets the same key on every rank; a rank that
+    registers in a different order makes the next sync point raise
+    :class:`CollectiveMismatchError` on every rank.
+
+    When ``obj`` dies (by refcounting or in the cyclic collector, on any
+    thread) the destroy is only queued: it runs at the next sync point on
+    ``comm`` (:func:`collect`, a scope's sync) at which every rank has queued
+    it, on the thread calling that sync point, newest key first.
+
+    ``comm=None`` makes a rank-local registration, for resources that are safe
+    to release from another thread: the destroy runs on a background reaper
+    thread soon after ``obj`` dies, exactly once, with no agreement.
+
+    The registration holds only a weak reference to ``obj``, and must not hold
+    a strong one: a ``destroy`` or argument that is ``obj``, a bound method of
+    it, or a partial or closure over it, is refused with
+    :class:`RegistrationError` (as is an object that cannot be weakly
+    referenced, a destroy that is not callable, or an object already
+    registered on the same communicator). The keyword arguments ``comm`` and
+    ``name`` belong to ``register`` and cannot be passed on to the destroy.
+    """
+    if comm is None:
+        return _reaper.register(obj, destroy, args, kwargs, name)
+    return manager(comm).register(obj, destroy, args, kwargs, name)
+
+
+def collect(
+    comm: MPI.Comm, *, generation: int | None = 2, timeout: float | None = None
+) -> CollectStats:
+    """Collective sync point: collect garbage locally, then destroy what all ranks queued.
+
+    Runs ``gc.collect(generation)`` on this rank (``None`` skips it), then agrees
+    with the other ranks of ``comm`` on the keys every rank has queued and runs
+    those destroys, newest first, in the same order on every rank. Keys queued
+    on only some ranks stay queued for a later sync point.
+
+    Every rank of ``comm`` must call it: a rank that skips it leaves the others
+    waiting in the agreement (for ever, or until ``timeout`` seconds pass, when
+    :class:`CollectiveTimeoutError` is raised and the manager becomes
+    unusable). If any destroy raises, on any rank, every agreed destroy still
+    runs and then :class:`DestroyError` is raised on every rank.
+    """
+    t0 = time.perf_counter()
+    mgr = manager(comm)
+    collected = None if generation is None else gc.collect(generation)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stats = mgr.sync(deadline=deadline)
+    return dataclasses.replace(stats, seconds=time.perf_counter() - t0, collected=collected)
+
+
+def pending(comm: MPI.Comm | None) -> list[Registration]:
+    """The destroy requests this rank has queued on ``comm``, oldest first. Local."""
+    if comm is None:
+        return []
+    return manager(comm).pending()
+
+
+def _exit_timeout() -> float:
+    try:
+        return float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
+    except ValueError:
+        return 10.0
+
+
+def _at_exit() -> None:
+    # Runs before mpi4py and petsc4py finalize (they use Py_AtExit, which runs
+    # after every atexit handler).
+    if _FLAGS[1]:
+        return  # already shut down
+    if os.getpid() != _PID:
+        # A forked child never runs the parent's destroys or sync points.
+        _FLAGS[1] = 1
+        _reaper.shutdown()
+        return
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized() and _MANAGERS:
+            gc.collect()
+            deadline = time.monotonic() + _exit_timeout()
+            # Newest first: sub-communicators before the communicators they came from.
+            for mgr in reversed(_MANAGERS):
+                mgr._exit_sync(deadline)
+    finally:
+        _FLAGS[1] = 1  # finalizers from now on do nothing
+        _reaper.shutdown()
+
+
+def _after_fork_in_child() -> None:
+    _FLAGS[0] = 0
+    for mgr in _MANAGERS:
+        mgr._after_fork()
+    _reaper.after_fork()
+
+
+_PID = os.getpid()
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)

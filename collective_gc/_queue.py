@@ -1,0 +1,269 @@
+"""Registrations and the finalizer that only records.
+
+A :class:`Registration` is itself the weak reference to the managed object (a
+``weakref.ref`` subclass, like ``weakref.WeakMethod``), so one allocation carries
+the key, the destroy call and the state. Its callback, :func:`_on_finalize`, is
+the only code that runs when the object dies, on whatever thread and inside
+whichever collector: it notes whether the cyclic collector is running on this
+thread and pushes the registration onto its owner's inbox. It takes no lock,
+makes no MPI call and runs no destroy, so it is safe at any point at which
+Python can run a finalizer (including inside our own sync points).
+
+The inbox is a ``collections.deque`` (collective managers) or a
+``queue.SimpleQueue`` (the rank-local reaper); both have an append/put that is
+atomic under the GIL and safe to call re-entrantly from a finalizer.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import traceback
+import weakref
+from typing import Any, Callable, Protocol
+
+from ._errors import RegistrationError
+
+__all__ = ["Registration", "check_destroy", "ALIVE", "QUEUED", "DESTROYED", "DETACHED"]
+
+ALIVE = 0  # the object lives, or died but the owner has not drained it yet
+QUEUED = 1  # drained into the owner's pending set, waiting for a sync point
+DESTROYED = 2  # the destroy has run (or is running)
+DETACHED = 3  # detach() was called, or the owner was shut down or forked away
+
+_STATE_NAMES = ("alive", "queued", "destroyed", "detached")
+
+# Process-wide switches the finalizer reads. A list, bound as a default argument
+# of the finalizer, so it still works while modules are torn down at exit.
+# [0]: ident of the thread running the cyclic collector, or 0.
+# [1]: nonzero once collective_gc has shut down (at exit) or in a forked child:
+#      finalizers then do nothing at all.
+_FLAGS: list[int] = [0, 0]
+
+# Whether register() records a stack summary (set by collective_scope's
+# track_origins, or by tests). Off by default: extracting a stack costs ~20 us.
+TRACK_ORIGINS: list[bool] = [False]
+
+
+def _gc_phase(phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS) -> None:
+    # The collector runs finalizers on the thread that started it, between its
+    # "start" and "stop" callbacks; recording that thread lets a finalizer tell
+    # a cyclic-GC death from a refcount death that happens on another thread
+    # while the collector is paused between bytecodes.
+    _flags[0] = threading.get_ident() if phase == "start" else 0
+
+
+gc.callbacks.append(_gc_phase)
+
+
+class _Owner(Protocol):
+    def _destroy_now(self, reg: Registration) -> None: ...
+    def _detach(self, reg: Registration) -> bool: ...
+    def _describe(self) -> str: ...
+
+
+def _on_finalize(
+    reg: Registration,
+    _flags: list[int] = _FLAGS,
+    _ident: Callable[[], int] = threading.get_ident,
+) -> None:
+    # Only record and queue: see the module docstring.
+    if _flags[1]:
+        return
+    reg.cyclic = _flags[0] == _ident()
+    reg._push(reg)
+
+
+class Registration(weakref.ref):  # type: ignore[type-arg]
+    """A managed object's destroy request, created by :func:`collective_gc.register`.
+
+    It holds a weak reference to the object, never a strong one, and nothing
+    refers back to it from the object, so it can join no reference cycle.
+
+    Attributes:
+        key: the registration's key, the same on every rank of the communicator
+            (a per-communicator creation counter); rank-local registrations have
+            keys of their own.
+        name: the name given at registration, or the object's type name.
+        origin: where it was registered (with origin tracking on), else None.
+    """
+
+    __slots__ = (
+        "key",
+        "name",
+        "origin",
+        "cyclic",
+        "queued_at",
+        "_state",
+        "_owner",
+        "_push",
+        "_destroy",
+        "_args",
+        "_kwargs",
+        "_typename",
+    )
+
+    key: int
+    name: str
+    origin: traceback.StackSummary | None
+    cyclic: bool
+    queued_at: int
+    _state: int
+    _owner: _Owner
+    _push: Callable[[Registration], object]
+    _destroy: Callable[..., object] | None
+    _args: tuple[Any, ...]
+    _kwargs: dict[str, Any]
+    _typename: str
+
+    def __new__(
+        cls,
+        obj: object,
+        owner: _Owner,
+        push: Callable[[Registration], object],
+        key: int,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+    ) -> Registration:
+        try:
+            self = weakref.ref.__new__(cls, obj, _on_finalize)
+        except TypeError:
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__!r} object: it cannot be weakly "
+                "referenced (give its class a __weakref__ slot, or register a small "
+                "weak-referenceable owner object instead)"
+            ) from None
+        typename = type(obj).__name__
+        self.key = key
+        self.name = typename if name is None else name
+        self._typename = typename
+        self.origin = traceback.extract_stack(limit=12)[:-3] if TRACK_ORIGINS[0] else None
+        self.cyclic = False
+        self.queued_at = -1
+        self._state = ALIVE
+        self._owner = owner
+        self._push = push
+        self._destroy = destroy
+        self._args = args
+        self._kwargs = kwargs
+        return self
+
+    def __init__(self, *args: Any) -> None:
+        # weakref.ref.__init__ would reject the extra arguments of __new__.
+        pass
+
+    @property
+    def alive(self) -> bool:
+        """True until the destroy has run or the registration was detached."""
+        return self._state < DESTROYED
+
+    @property
+    def state(self) -> str:
+        """One of ``"alive"``, ``"queued"``, ``"destroyed"``, ``"detached"``."""
+        if self._state == ALIVE and self() is None:
+            return "queued"  # dead, in the inbox, not yet drained
+        return _STATE_NAMES[self._state]
+
+    @property
+    def typename(self) -> str:
+        """The type name of the registered object."""
+        return self._typename
+
+    def destroy(self) -> None:
+        """Run the destroy now, if it has not run yet; later finalization does nothing.
+
+        Collective for a registration on a communicator of size > 1: call it on
+        every rank, in the same order relative to other collectives, as you would
+        the destroy itself. It runs locally and immediately, with no agreement,
+        and an exception from the destroy propagates on the calling rank only.
+        Idempotent: a second call, or a call after the destroy ran at a sync point,
+        does nothing.
+        """
+        self._owner._destroy_now(self)
+
+    def detach(self) -> bool:
+        """Cancel the registration without running the destroy.
+
+        Returns True if it was alive or queued (and is now detached), False if
+        its destroy had already run or it was already detached. Local: the
+        destroy is never run on this rank, so detach on every rank or none.
+        """
+        return self._owner._detach(self)
+
+    def _call(self) -> None:
+        # Drop our references before calling, so that the arguments die as soon
+        # as the destroy returns (and a destroy that drops the last reference to
+        # other managed objects queues them right away).
+        fn, args, kwargs = self._destroy, self._args, self._kwargs
+        self._destroy, self._args, self._kwargs = None, (), {}
+        assert fn is not None
+        fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"<collective_gc.Registration key={self.key} name={self.name!r} "
+            f"{self.state} on {self._owner._describe()}>"
+        )
+
+    # Registrations compare and hash by identity: weakref.ref's own __eq__ and
+    # __hash__ would compare and hash the referents.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
+def _refers_to(value: object, obj: object) -> bool:
+    if value is obj:
+        return True
+    if getattr(value, "__self__", None) is obj:  # a bound method of obj
+        return True
+    func = getattr(value, "func", None)  # functools.partial
+    if func is not None:
+        if func is obj or getattr(func, "__self__", None) is obj:
+            return True
+        if any(a is obj for a in getattr(value, "args", ())):
+            return True
+        if any(v is obj for v in (getattr(value, "keywords", None) or {}).values()):
+            return True
+    cells = getattr(value, "__closure__", None)
+    if cells:
+        for cell in cells:
+            try:
+                if cell.cell_contents is obj:
+                    return True
+            except ValueError:  # an empty cell: nothing to check
+                continue
+    return False
+
+
+def check_destroy(
+    obj: object, destroy: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Refuse a destroy that is not callable, or that would keep ``obj`` alive."""
+    if not callable(destroy):
+        raise RegistrationError(
+            f"destroy must be callable, got {type(destroy).__name__!r} object {destroy!r}"
+        )
+    if _refers_to(destroy, obj):
+        raise RegistrationError(
+            f"the destroy {destroy!r} refers to the registered {type(obj).__name__!r} "
+            "object itself, so the registration would keep it alive forever; pass the "
+            "resource it owns instead (e.g. register(self, self.ksp.destroy) is fine, "
+            "register(self, self.close) is not)"
+        )
+    for i, arg in enumerate(args):
+        if _refers_to(arg, obj):
+            raise RegistrationError(
+                f"argument {i} of the destroy refers to the registered "
+                f"{type(obj).__name__!r} object itself, so the registration would keep "
+                "it alive forever; pass the resource it owns instead"
+            )
+    for k, arg in kwargs.items():
+        if _refers_to(arg, obj):
+            raise RegistrationError(
+                f"keyword argument {k!r} of the destroy refers to the registered "
+                f"{type(obj).__name__!r} object itself, so the registration would keep "
+                "it alive forever; pass the resource it owns instead"
+            )

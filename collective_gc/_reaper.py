@@ -1,0 +1,202 @@
+"""The rank-local reaper: destroys of ``comm=None`` registrations, off-thread.
+
+Rank-local resources (shared-memory segments, plain files) need no agreement,
+but their release should neither run inside a finalizer (which may be the
+cyclic collector, at an arbitrary point of the consumer's code) nor block the
+thread that dropped them (munmap of a large segment is not free). So their
+finalizer puts the registration on a ``queue.SimpleQueue`` (whose ``put`` is
+safe to call re-entrantly from a finalizer), and one daemon thread runs the
+destroys in the order the objects died, each exactly once.
+
+The thread starts with the first rank-local registration. At exit it is
+drained (see :func:`shutdown`); in a forked child it does not exist, and the
+parent's registrations are dropped without running (see :func:`after_fork`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy
+
+__all__ = ["register", "flush", "shutdown", "stats"]
+
+
+class _Reaper:
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Registration | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
+        self.live: dict[int, Registration] = {}
+        self.lock = threading.Lock()
+        self.keys = itertools.count()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        self.destroyed = 0
+        self.errors = 0
+
+    # -- the _Owner protocol of Registration ---------------------------------
+
+    def _describe(self) -> str:
+        return "the rank-local reaper"
+
+    def _claim(self, reg: Registration, new_state: int) -> bool:
+        # The one place a rank-local registration leaves the ALIVE state, so a
+        # destroy runs at most once however the reaper thread and explicit
+        # destroy()/detach() calls interleave.
+        with self.lock:
+            if reg._state != ALIVE:
+                return False
+            reg._state = new_state
+            self.live.pop(reg.key, None)
+            return True
+
+    def _destroy_now(self, reg: Registration) -> None:
+        if self._claim(reg, DESTROYED):
+            reg._call()
+            self.destroyed += 1
+
+    def _detach(self, reg: Registration) -> bool:
+        if self._claim(reg, DETACHED):
+            reg._destroy, reg._args, reg._kwargs = None, (), {}
+            return True
+        return False
+
+    # -- the thread ----------------------------------------------------------
+
+    def register(
+        self,
+        obj: object,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+    ) -> Registration:
+        check_destroy(obj, destroy, args, kwargs)
+        reg = Registration(obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name)
+        self.live[reg.key] = reg
+        if self.thread is None:
+            self._start()
+        return reg
+
+    def _start(self) -> None:
+        with self.lock:
+            if self.thread is None and not self.closed:
+                self.thread = threading.Thread(
+                    target=self._run, name="collective_gc-reaper", daemon=True
+                )
+                self.thread.start()
+
+    def _run(self) -> None:
+        get = self.queue.get
+        while True:
+            item = get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            self._reap(item)
+            del item  # drop it now, not when the next one arrives
+
+    def _reap(self, reg: Registration) -> None:
+        if not self._claim(reg, DESTROYED):
+            return
+        try:
+            reg._call()
+        except BaseException as exc:  # reported, never propagated into the thread's death
+            self.errors += 1
+            _report(reg, exc)
+        else:
+            self.destroyed += 1
+
+    def flush(self, timeout: float | None) -> bool:
+        if self.thread is None or not self.thread.is_alive():
+            self._drain_inline()
+            return True
+        done = threading.Event()
+        self.queue.put(done)
+        return done.wait(timeout)
+
+    def _drain_inline(self) -> None:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Registration):
+                self._reap(item)
+            elif isinstance(item, threading.Event):
+                item.set()
+
+    def shutdown(self, timeout: float) -> None:
+        with self.lock:
+            self.closed = True
+        if self.thread is not None and self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                # A destroy blocks; leave it: the thread is a daemon.
+                sys.stderr.write(
+                    "collective_gc: the rank-local reaper is still busy at exit; "
+                    "remaining rank-local destroys are skipped\n"
+                )
+                return
+        self._drain_inline()
+
+
+def _report(reg: Registration, exc: BaseException) -> None:
+    try:
+        sys.stderr.write(
+            f"collective_gc: rank-local destroy of key {reg.key} ({reg.name!r}) raised:\n"
+            + "".join(traceback.format_exception(exc))
+        )
+    except Exception:  # stderr gone at shutdown: nothing left to report to
+        return
+
+
+_REAPER = _Reaper()
+
+
+def register(
+    obj: object,
+    destroy: Callable[..., object],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str | None,
+) -> Registration:
+    """Register a rank-local destroy; see :func:`collective_gc.register`."""
+    return _REAPER.register(obj, destroy, args, kwargs, name)
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait until every rank-local destroy queued so far has run.
+
+    Returns False if ``timeout`` seconds passed first.
+    """
+    return _REAPER.flush(timeout)
+
+
+def stats() -> tuple[int, int, int]:
+    """(live registrations, destroys run, destroys that raised)."""
+    return len(_REAPER.live), _REAPER.destroyed, _REAPER.errors
+
+
+def shutdown(timeout: float = 5.0) -> None:
+    """Run the queued rank-local destroys and stop the thread (at exit)."""
+    _REAPER.shutdown(timeout)
+
+
+def after_fork() -> None:
+    """In a forked child: forget the parent's registrations, never run them."""
+    global _REAPER
+    old = _REAPER
+    for reg in list(old.live.values()):
+        reg._state = DETACHED
+    old.live.clear()
+    _REAPER = _Reaper()

@@ -1,0 +1,311 @@
+"""The collective manager: keys, queueing, agreement, order, errors.
+
+Each test runs on a fresh duplicate of COMM (the ``comm`` fixture); the same
+tests run on COMM_SELF (serially and on every rank) and on COMM_WORLD under
+``mpiexec -n 4``.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
+
+
+class ManagerTests:
+    COMM: MPI.Intracomm
+
+    def test_keys_agree_and_manager_is_unique(self, comm: MPI.Intracomm) -> None:
+        objs = [Obj() for _ in range(5)]
+        regs = [cgc.register(o, print, comm=comm) for o in objs]
+        keys = [r.key for r in regs]
+        assert keys == list(range(5))
+        assert same_on_all(comm, keys)
+        assert cgc.manager(comm) is cgc.manager(MPI.Intracomm(comm))
+        assert cgc.manager(comm) is not cgc.manager(self.COMM)
+        for r in regs:
+            r.detach()
+
+    def test_nothing_destroyed_before_sync(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        o = Obj()
+        reg = cgc.register(o, log.destroy, 1, comm=comm)
+        del o
+        assert log.keys == []
+        assert reg.state == "queued" and reg.alive
+        assert [r.key for r in cgc.pending(comm)] == [0]
+        stats = cgc.collect(comm)
+        assert log.keys == [1]
+        assert (stats.destroyed, stats.pending, stats.cyclic) == (1, 0, 0)
+        assert reg.state == "destroyed" and not reg.alive
+
+    def test_cyclic_finalization_only_queues(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        with GcDisabled():
+            regs = [make_cycle(comm, log, i) for i in range(10)]
+            gc.collect()  # finalizes the cycles here, outside any sync point
+            assert log.keys == []
+            assert all(r.state == "queued" for r in regs)
+            stats = cgc.collect(comm, generation=None)
+        assert stats.destroyed == 10 and stats.cyclic == 10
+        assert log.keys == list(range(9, -1, -1))  # newest first
+
+    def test_newest_first_on_every_rank(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        objs = [Obj() for _ in range(50)]
+        for i, o in enumerate(objs):
+            cgc.register(o, log.destroy, i, comm=comm)
+        del o
+        # Drop in a different order on each rank.
+        order = list(range(50))
+        import random
+
+        random.Random(comm.Get_rank()).shuffle(order)
+        for i in order:
+            objs[i] = None  # type: ignore[call-overload]
+        cgc.collect(comm)
+        assert log.keys == list(range(49, -1, -1))
+
+    def test_partially_pending_keys_stay(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        rank, size = comm.Get_rank(), comm.Get_size()
+        objs = {i: Obj() for i in range(size)}
+        for i in range(size):
+            cgc.register(objs[i], log.destroy, i, comm=comm)
+        # Rank r drops objects 0..r: object i is dropped on every rank only if i == 0.
+        for i in range(rank + 1):
+            del objs[i]
+        stats = cgc.collect(comm)
+        assert log.keys == [0]
+        assert stats.pending == rank
+        # Now every rank drops the rest: all are destroyed, newest first.
+        objs.clear()
+        stats = cgc.collect(comm)
+        assert log.keys == [0] + list(range(size - 1, 0, -1))
+        assert stats.pending == 0
+
+    def test_explicit_destroy_then_finalization_destroys_once(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        o = Obj()
+        reg = cgc.register(o, log.destroy, "x", comm=comm)
+        reg.destroy()
+        reg.destroy()
+        assert log.keys == ["x"] and not reg.alive
+        del o
+        assert cgc.collect(comm).destroyed == 0
+        assert log.keys == ["x"]
+        # Also when the object died first and the destroy is explicit afterwards.
+        o = Obj()
+        reg = cgc.register(o, log.destroy, "y", comm=comm)
+        del o
+        reg.destroy()
+        assert cgc.collect(comm).destroyed == 0
+        assert log.keys == ["x", "y"]
+
+    def test_detach(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        o = Obj()
+        reg = cgc.register(o, log.destroy, 1, comm=comm)
+        assert reg.detach() and not reg.detach()
+        del o
+        assert cgc.collect(comm).destroyed == 0 and log.keys == []
+        assert "detached" in repr(reg)
+
+    def test_destroy_raising_on_one_rank(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        bad_rank = comm.Get_size() - 1
+
+        def destroy(tag: int) -> None:
+            log.destroy(tag)
+            if tag == 1 and comm.Get_rank() == bad_rank:
+                raise RuntimeError("boom")
+
+        objs = [Obj() for _ in range(3)]
+        for i, o in enumerate(objs):
+            cgc.register(o, destroy, i, comm=comm, name=f"res{i}")
+        del o
+        objs.clear()
+        with pytest.raises(cgc.DestroyError) as info:
+            cgc.collect(comm)
+        assert log.keys == [2, 1, 0]  # every agreed destroy still ran
+        assert info.value.failures == [(bad_rank, 1, "res1", "RuntimeError: boom")]
+        msg = str(info.value)
+        assert f"rank {bad_rank}, key 1 ('res1')" in msg and "sync point 0" in msg
+        assert len(info.value.local) == (comm.Get_rank() == bad_rank)
+        # The manager is still usable.
+        assert cgc.collect(comm).destroyed == 0
+
+    def test_reentrant_destroy_queues_for_next_sync(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        holder = {"inner": Obj()}
+        cgc.register(holder["inner"], log.destroy, "inner", comm=comm)
+
+        def destroy_outer(h: dict[str, Obj]) -> None:
+            log.destroy("outer")
+            h.clear()  # drops the last reference to a managed object
+            with pytest.raises(cgc.CollectiveGCError, match="inside a destroy"):
+                cgc.register(Obj(), print, comm=comm)
+            with pytest.raises(cgc.CollectiveGCError, match="inside a destroy"):
+                cgc.collect(comm)
+
+        outer = Obj()
+        cgc.register(outer, destroy_outer, holder, comm=comm)
+        del holder, outer
+        stats = cgc.collect(comm)
+        assert log.keys == ["outer"] and stats.pending == 1
+        stats = cgc.collect(comm)
+        assert log.keys == ["outer", "inner"] and stats.pending == 0
+
+    def test_finalization_on_another_thread(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        box = [Obj()]
+        cgc.register(box[0], log.destroy, "t", comm=comm)
+        t = threading.Thread(target=box.clear)
+        t.start()
+        t.join()
+        assert log.keys == []
+        assert cgc.collect(comm).destroyed == 1 and log.keys == ["t"]
+
+    def test_cyclic_gc_on_another_thread(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        with GcDisabled():
+            regs = [make_cycle(comm, log, i) for i in range(3)]
+            t = threading.Thread(target=gc.collect)
+            t.start()
+            t.join()
+            assert log.keys == [] and all(r.state == "queued" for r in regs)
+            stats = cgc.collect(comm, generation=None)
+        assert stats.cyclic == 3 and log.keys == [2, 1, 0]
+
+    def test_registration_does_not_keep_object_alive(self, comm: MPI.Intracomm) -> None:
+        o = Obj()
+        o.reg = cgc.register(o, print, "unused", comm=comm)
+        ref = weakref.ref(o)
+        with GcDisabled():
+            del o
+            assert ref() is None  # freed by refcounting alone: no cycle through the registration
+        cgc.manager(comm).pending()[0].detach()
+
+    def test_self_reference_refused(self, comm: MPI.Intracomm) -> None:
+        o = Obj()
+        import functools
+
+        for destroy, args in [
+            (o.__init__, ()),
+            (functools.partial(print, o), ()),
+            (print, (o,)),
+            (lambda: o, ()),
+        ]:
+            with pytest.raises(cgc.RegistrationError, match="itself"):
+                cgc.register(o, destroy, *args, comm=comm)
+        with pytest.raises(cgc.RegistrationError, match="keyword argument 'x'"):
+            cgc.register(o, print, comm=comm, x=o)
+        with pytest.raises(cgc.RegistrationError, match="callable"):
+            cgc.register(o, 42, comm=comm)  # type: ignore[arg-type]
+        with pytest.raises(cgc.RegistrationError, match="weakly referenced"):
+            cgc.register(3, print, comm=comm)
+        # Refusals consumed no key.
+        assert cgc.manager(comm).next_key == 0
+
+    def test_same_object_twice_refused(self, comm: MPI.Intracomm) -> None:
+        o = Obj()
+        reg = cgc.register(o, print, comm=comm)
+        with pytest.raises(cgc.RegistrationError, match="already registered .* key 0"):
+            cgc.register(o, print, comm=comm)
+        reg.detach()
+        cgc.register(o, print, comm=comm).detach()
+
+    def test_repr_shows_state(self, comm: MPI.Intracomm) -> None:
+        o = Obj()
+        reg = cgc.register(o, print, comm=comm, name="ksp")
+        text = repr(reg)
+        assert "key=0" in text and "'ksp'" in text and "alive" in text
+        assert f"size {comm.Get_size()}" in text
+        assert "1 alive" in repr(cgc.manager(comm))
+        reg.detach()
+
+    def test_many_pending_both_agreement_methods(self, comm: MPI.Intracomm) -> None:
+        # Dense keys use the bitmap; a stale old key on one rank plus sparse
+        # keys force the sorted-array intersection.
+        log: list[int] = []
+        rank = comm.Get_rank()
+        objs = [Obj() for _ in range(3000)]
+        for i, o in enumerate(objs):
+            cgc.register(o, log.append, i, comm=comm)
+        del o
+        keep = {i for i in range(3000) if (i + rank) % 7 == 0}
+        objs = [o if i in keep else None for i, o in enumerate(objs)]  # type: ignore[misc]
+        stats = cgc.collect(comm)
+        if comm.Get_size() == 1:
+            expected = [i for i in range(2999, -1, -1) if i not in keep]
+        else:
+            all_keep = set().union(*comm.allgather(keep))
+            expected = [i for i in range(2999, -1, -1) if i not in all_keep]
+        assert log == expected and stats.destroyed == len(expected)
+        log.clear()
+        # Sparse: keep every object except every 1000th.
+        objs2 = [Obj() for _ in range(20000)]
+        for i, o in enumerate(objs2):
+            cgc.register(o, log.append, i, comm=comm)
+        del o
+        sparse = list(range(0, 20000, 1000))
+        for i in sparse:
+            objs2[i] = None  # type: ignore[call-overload]
+        stats = cgc.collect(comm)
+        assert log == sparse[::-1]
+        for r in cgc.manager(comm).alive():
+            r.detach()
+        objs.clear()
+        objs2.clear()
+
+
+class TestManagerSelf(ManagerTests):
+    COMM = MPI.COMM_SELF
+
+
+@pytest.mark.mpi(min_size=2)
+class TestManagerWorld(ManagerTests):
+    COMM = MPI.COMM_WORLD
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatch_detected_on_every_rank(comm: MPI.Intracomm) -> None:
+    if comm.Get_rank() == 0:
+        cgc.register(Obj(), print, comm=comm).detach()  # one extra registration
+    with pytest.raises(cgc.CollectiveMismatchError, match="registration counts range from 0 to 1"):
+        cgc.collect(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_names_rank_and_sync_point(comm: MPI.Intracomm) -> None:
+    # Every rank but the last waits for a sync point the last rank never
+    # reaches: they raise CollectiveTimeoutError, and the manager refuses
+    # further use (its abandoned request could match a later collective).
+    last = comm.Get_size() - 1
+    o = Obj()
+    reg = cgc.register(o, print, comm=comm)
+    del o
+    if comm.Get_rank() != last:
+        with pytest.raises(cgc.CollectiveTimeoutError, match=r"rank \d+: sync point 0"):
+            cgc.collect(comm, timeout=0.3)
+        with pytest.raises(cgc.CollectiveGCError, match="unusable"):
+            cgc.collect(comm)
+        assert reg.state == "queued"  # nothing lost
+    comm.Barrier()
+    # Clean up so the exit agreement does not wait for this manager: the
+    # ranks that timed out skip it at exit, so the last rank must too.
+    reg.detach()
+    cgc.manager(comm)._broken = "the end of this test"
+
+
+def test_bad_communicators() -> None:
+    with pytest.raises(TypeError, match="intracommunicator"):
+        cgc.collect("world")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        cgc.collect(MPI.COMM_NULL)

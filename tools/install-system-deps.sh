@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Make sure Debian's MPI/PETSc stack is present: OpenMPI, mpi4py, petsc4py, numpy.
+# Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
+# what to install and exits non-zero.
+set -euo pipefail
+PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv"
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -z "$missing" ]; then
+    exit 0
+fi
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "collective_gc: installing Debian packages:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq $missing >/dev/null
+    exit 0
+fi
+cat >&2 <<MSG
+collective_gc needs an MPI implementation with mpi4py, petsc4py and numpy. Missing:$missing
+  Debian/Ubuntu (as root):  apt-get install$missing
+  conda-forge:              conda install -c conda-forge openmpi mpi4py petsc4py numpy
+  pip (with an MPI and PETSc already built): pip install mpi4py petsc4py numpy
+Then run make again (set PYTHON to the interpreter that sees them).
+MSG
+exit 1
