@@ -23,15 +23,16 @@ passes, when :class:`CollectiveTimeoutError` is raised.
 
 from __future__ import annotations
 
+import array
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from ._errors import CollectiveTimeoutError
 
-__all__ = ["HEADER_LEN", "NO_KEY", "allreduce", "intersect", "allgather"]
+__all__ = ["HEADER_LEN", "H_POLICY", "NO_KEY", "allreduce", "intersect", "allgather"]
 
 # Header slots (all reduced with MPI_MAX).
 H_COUNT = 0  # pending count -> max over ranks
@@ -41,12 +42,12 @@ H_NEXT = 3  # next registration key
 H_NEG_NEXT = 4
 H_LO = 5  # smallest pending key (NO_KEY if none) -> max = window start
 H_NEG_HI = 6  # -largest pending key (+1 if none) -> -max = window end
-H_GEN = 7  # requested gc generation + 1 (0: none); see _scope
-H_CYCLIC = 8  # cyclic finalizations seen since the last sync point
-H_ERROR = 9  # nonzero if this rank must make every rank raise (see _scope)
+H_POLICY = 7  # from here on: policy slots filled by _scope (gc generation, strict mode)
 HEADER_LEN = 10
 
-NO_KEY = np.iinfo(np.int64).max
+NO_KEY = int(np.iinfo(np.int64).max)
+
+_Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
 
 def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> None:
@@ -63,15 +64,10 @@ def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> 
         delay = min(1e-3, delay * 2 + 2e-5)
 
 
-def allreduce(
-    comm: MPI.Comm,
-    send: np.ndarray[Any, Any],
-    op: MPI.Op,
-    deadline: float | None,
-    what: Callable[[], str],
-) -> np.ndarray[Any, Any]:
-    """Collective. Allreduce ``send`` with ``op``, blocking or against a deadline."""
-    recv = np.empty_like(send)
+def allreduce(comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: float | None, what: Callable[[], str]) -> _Buf:
+    """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``,
+    blocking or against a deadline."""
+    recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
     if deadline is None:
         comm.Allreduce(send, recv, op)
     else:

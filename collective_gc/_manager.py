@@ -15,9 +15,9 @@ pending everywhere (:mod:`._agree`), and destroys those newest first.
 
 from __future__ import annotations
 
+import array
 import atexit
 import collections
-import dataclasses
 import gc
 import os
 import threading
@@ -25,13 +25,23 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _agree, _reaper
-from ._agree import H_COUNT, H_LO, H_NEG_HI, H_NEG_NEXT, H_NEG_SEQ, H_NEXT, H_SEQ, NO_KEY
+from ._agree import (
+    H_COUNT,
+    H_LO,
+    H_NEG_HI,
+    H_NEG_NEXT,
+    H_NEG_SEQ,
+    H_NEXT,
+    H_POLICY,
+    H_SEQ,
+    NO_KEY,
+)
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
@@ -40,13 +50,21 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
-from ._queue import _FLAGS, ALIVE, DESTROYED, DETACHED, QUEUED, Registration, check_destroy
+from ._queue import (
+    _FLAGS,
+    ALIVE,
+    DESTROYED,
+    DETACHED,
+    QUEUED,
+    Registration,
+    check_destroy,
+    make_registration,
+)
 
 __all__ = ["Manager", "CollectStats", "manager", "register", "collect", "pending", "managers"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CollectStats:
+class CollectStats(NamedTuple):
     """What one sync point did on this rank.
 
     Attributes:
@@ -66,7 +84,11 @@ class CollectStats:
     cyclic: int
     seconds: float
     sync: int
-    collected: int | None = None
+    collected: Optional[int] = None  # noqa: UP007 (evaluated at class creation on 3.9)
+
+
+_ZEROS = array.array("q", bytes(8 * 64))
+_NO_KWARGS: dict[str, Any] = {}
 
 
 class Manager:
@@ -89,7 +111,7 @@ class Manager:
         self._destroying = False
         self._broken: str | None = None
         self._comm_freed = False
-        self._pid = os.getpid()
+        self._forked = False
         # Totals over the manager's life.
         self.created = 0
         self.destroyed = 0
@@ -135,7 +157,9 @@ class Manager:
     # -- registration --------------------------------------------------------
 
     def _check_usable(self, what: str) -> None:
-        if self._pid != os.getpid():
+        if not (self._forked or self._destroying or self._broken is not None):
+            return
+        if self._forked:
             raise CollectiveGCError(
                 f"cannot {what} in a forked child: the {self._describe()} and its "
                 "registrations belong to the parent process"
@@ -159,7 +183,8 @@ class Manager:
         name: str | None,
     ) -> Registration:
         """Collective. See :func:`collective_gc.register`."""
-        self._check_usable("register an object")
+        if self._forked or self._destroying or self._broken is not None:
+            self._check_usable("register an object")
         check_destroy(obj, destroy, args, kwargs)
         for ref in weakref.getweakrefs(obj):
             if isinstance(ref, Registration) and ref._owner is self and ref._state == ALIVE:
@@ -168,7 +193,7 @@ class Manager:
                     f"{self._describe()} as key {ref.key} ({ref.name!r}); register one "
                     "destroy that releases all it owns, or detach the first registration"
                 )
-        reg = Registration(obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name)
+        reg = make_registration(obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name)
         self._next_key += 1
         self._live[reg.key] = reg
         self.created += 1
@@ -200,15 +225,17 @@ class Manager:
     def _drain(self) -> int:
         """Move dead registrations from the inbox to the pending set; count cyclic ones."""
         cyclic = 0
-        inbox, live, pend = self._inbox, self._live, self._pending
+        inbox, live, pend, seq = self._inbox, self._live, self._pending, self._seq
+        popleft = inbox.popleft
         while inbox:
-            reg = inbox.popleft()
+            reg = popleft()
             if reg._state != ALIVE:
                 continue  # destroyed or detached before its finalization was seen
             reg._state = QUEUED
-            reg.queued_at = self._seq
-            del live[reg.key]
-            pend[reg.key] = reg
+            reg.queued_at = seq
+            key = reg.key
+            live.pop(key, None)
+            pend[key] = reg
             if reg.cyclic:
                 cyclic += 1
         self.cyclic += cyclic
@@ -247,23 +274,28 @@ class Manager:
         self,
         *,
         deadline: float | None = None,
-        header_extra: dict[int, int] | None = None,
-        on_header: Callable[[np.ndarray[Any, Any]], None] | None = None,
+        policy: Sequence[int] = (),
+        on_header: Callable[[Sequence[int]], None] | None = None,
+        collected: int | None = None,
+        t0: float | None = None,
     ) -> CollectStats:
         """Collective. Agree on the keys pending on every rank and destroy them.
 
-        ``header_extra`` sets policy slots of the agreement header and
-        ``on_header`` sees the reduced header before anything is destroyed (may
-        raise, on every rank alike); both are for :mod:`._scope`.
+        ``policy`` fills the header's policy slots (from ``H_GEN`` on) and
+        ``on_header`` sees the reduced header before anything is destroyed (it
+        may raise, and then does so on every rank alike); both are for
+        :mod:`._scope`. ``collected``/``t0`` only feed the returned stats.
         """
-        t0 = time.perf_counter()
+        if t0 is None:
+            t0 = time.perf_counter()
         with self._lock:
-            self._check_usable("run a sync point")
+            if self._forked or self._destroying or self._broken is not None:
+                self._check_usable("run a sync point")
             for hook in self._sync_hooks:
                 hook(self)
-            cyclic = self._drain()
+            cyclic = self._drain() if self._inbox else 0
             try:
-                agreed = self._agree(deadline, header_extra, on_header)
+                agreed = self._agree(deadline, policy, on_header)
             except CollectiveTimeoutError as exc:
                 self._broken = f"sync point {self._seq} timed out ({exc})"
                 raise
@@ -273,63 +305,60 @@ class Manager:
                 raise
             seq = self._seq
             self._seq += 1
-            failures = self._destroy_agreed(agreed)
-            if self._size > 1 and agreed.size:
-                self._raise_failures(failures, seq, deadline)
-            elif failures:
-                self._raise_failures(failures, seq, None)
+            if agreed:
+                failures = self._destroy_agreed(agreed)
+                # Whether to check errors depends only on agreed values, so every
+                # rank takes the same branch.
+                if self._size > 1 or failures:
+                    self._raise_failures(failures, seq, deadline)
             seconds = time.perf_counter() - t0
             self.sync_seconds += seconds
             return CollectStats(
-                destroyed=int(agreed.size),
-                pending=len(self._pending) + len(self._inbox),
-                cyclic=cyclic,
-                seconds=seconds,
-                sync=seq,
+                len(agreed), len(self._pending) + len(self._inbox), cyclic, seconds, seq, collected
             )
 
     def _agree(
         self,
         deadline: float | None,
-        header_extra: dict[int, int] | None,
-        on_header: Callable[[np.ndarray[Any, Any]], None] | None,
-    ) -> np.ndarray[Any, Any]:
-        keys = np.fromiter(self._pending, dtype=np.int64, count=len(self._pending))
+        policy: Sequence[int],
+        on_header: Callable[[Sequence[int]], None] | None,
+    ) -> list[int]:
+        """Collective. The keys to destroy now, ascending."""
+        pend = self._pending
+        n = len(pend)
         if self._size == 1:
             if on_header is not None:
-                head = np.zeros(_agree.HEADER_LEN, dtype=np.int64)
-                for slot, value in (header_extra or {}).items():
-                    head[slot] = value
+                head = [0] * _agree.HEADER_LEN
+                head[H_POLICY : H_POLICY + len(policy)] = policy
                 on_header(head)
-            keys.sort()
-            return keys
-        head = np.zeros(_agree.HEADER_LEN, dtype=np.int64)
-        head[H_COUNT] = keys.size
-        head[H_SEQ], head[H_NEG_SEQ] = self._seq, -self._seq
-        head[H_NEXT], head[H_NEG_NEXT] = self._next_key, -self._next_key
-        if keys.size:
-            head[H_LO], head[H_NEG_HI] = keys.min(), -keys.max()
+            return sorted(pend)
+        if n:
+            keys = np.fromiter(pend, dtype=np.int64, count=n)
+            lo, neg_hi = int(keys.min()), -int(keys.max())
         else:
-            head[H_LO], head[H_NEG_HI] = NO_KEY, 1
-        for slot, value in (header_extra or {}).items():
-            head[slot] = value
+            lo, neg_hi = NO_KEY, 1
+        seq, nk = self._seq, self._next_key
+        head = array.array("q", (n, seq, -seq, nk, -nk, lo, neg_hi))
+        head.extend(policy)
+        head.extend(_ZEROS[: _agree.HEADER_LEN - len(head)])
         red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
         if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
             raise self._mismatch(red)
         if on_header is not None:
             on_header(red)
         if red[H_COUNT] == 0:
-            return keys[:0]
+            return []
         keys.sort()
-        return _agree.intersect(
+        common = _agree.intersect(
             self._comm,
             keys,
-            int(red[H_LO]),
-            int(-red[H_NEG_HI]),
-            int(red[H_COUNT]),
+            red[H_LO],
+            -red[H_NEG_HI],
+            red[H_COUNT],
             deadline,
             self._what("the key agreement"),
         )
+        return common.tolist()  # type: ignore[no-any-return]
 
     def _mismatch(self, red: np.ndarray[Any, Any]) -> CollectiveMismatchError:
         parts = []
@@ -349,24 +378,36 @@ class Manager:
             f"point {self._seq}: " + "; ".join(parts) + ". Nothing was destroyed."
         )
 
-    def _destroy_agreed(self, agreed: np.ndarray[Any, Any]) -> list[tuple[int, str, BaseException]]:
+    def _destroy_agreed(self, agreed: list[int]) -> list[tuple[int, str, BaseException]]:
         # Newest first: a resource made from another one (a KSP from a Mat, a
         # sub-communicator from a communicator) is released before its source.
         failures: list[tuple[int, str, BaseException]] = []
-        pend = self._pending
+        pop = self._pending.pop
         self._destroying = True
         try:
-            for key in agreed[::-1].tolist():
-                reg = pend.pop(key)
+            for key in reversed(agreed):
+                reg = pop(key)
                 reg._state = DESTROYED
+                # Registration._call, inlined: this loop is the cost per key.
+                fn, args, kwargs = reg._destroy, reg._args, reg._kwargs
+                reg._destroy = None
+                reg._args = ()
+                reg._kwargs = _NO_KWARGS
                 try:
-                    reg._call()
-                except Exception as exc:  # every agreed destroy still runs; raised below
+                    if kwargs:
+                        fn(*args, **kwargs)  # type: ignore[misc]
+                    else:
+                        fn(*args)  # type: ignore[misc]
+                except Exception as exc:  # every agreed destroy still runs; raised after
                     failures.append((key, reg.name, exc))
-                self.destroyed += 1
-                del reg
+                del reg, fn, args, kwargs
         finally:
             self._destroying = False
+            self.destroyed += len(agreed)
+            if not self._pending:
+                # A dict never shrinks: after a large backlog, iterating even an
+                # empty one costs its old size, so start a new one.
+                self._pending = {}
         return failures
 
     def _raise_failures(
@@ -401,7 +442,7 @@ class Manager:
     # -- exit and fork ---------------------------------------------------------
 
     def _exit_sync(self, deadline: float) -> None:
-        if self._pid != os.getpid():
+        if self._forked:
             return
         if self._broken is not None:
             self._drain()
@@ -428,6 +469,7 @@ class Manager:
             warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
 
     def _after_fork(self) -> None:
+        self._forked = True
         for reg in list(self._live.values()) + list(self._pending.values()):
             reg._state = DETACHED
         self._live.clear()
@@ -443,6 +485,9 @@ class Manager:
 
 _MANAGERS: list[Manager] = []
 _KEYVAL: list[int] = []
+# The communicator object of the last lookup and its manager: a cache for the
+# common case of many registrations on one communicator.
+_LAST: list[Any] = [None, None]
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
@@ -475,6 +520,11 @@ def manager(comm: MPI.Comm) -> Manager:
     communicator for its own traffic); :func:`register` and :func:`collect`
     call it for you.
     """
+    last = _LAST
+    if comm is last[0] and not last[1]._comm_freed:
+        # The same Python object as last time, and its handle was not freed
+        # (freeing runs our attribute delete callback): the same manager.
+        return last[1]  # type: ignore[no-any-return]
     c = _check_comm(comm)
     kv = _keyval()
     mgr = c.Get_attr(kv)
@@ -482,6 +532,7 @@ def manager(comm: MPI.Comm) -> Manager:
         mgr = Manager(c)
         c.Set_attr(kv, mgr)
         _MANAGERS.append(mgr)
+    last[0], last[1] = comm, mgr
     return mgr  # type: ignore[no-any-return]
 
 
@@ -547,8 +598,7 @@ def collect(
     mgr = manager(comm)
     collected = None if generation is None else gc.collect(generation)
     deadline = None if timeout is None else time.monotonic() + timeout
-    stats = mgr.sync(deadline=deadline)
-    return dataclasses.replace(stats, seconds=time.perf_counter() - t0, collected=collected)
+    return mgr.sync(deadline=deadline, collected=collected, t0=t0)
 
 
 def pending(comm: MPI.Comm | None) -> list[Registration]:
@@ -589,6 +639,7 @@ def _at_exit() -> None:
 
 def _after_fork_in_child() -> None:
     _FLAGS[0] = 0
+    _LAST[0] = _LAST[1] = None
     for mgr in _MANAGERS:
         mgr._after_fork()
     _reaper.after_fork()

@@ -16,15 +16,17 @@ atomic under the GIL and safe to call re-entrantly from a finalizer.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import traceback
+import types
 import weakref
 from typing import Any, Callable, Protocol
 
 from ._errors import RegistrationError
 
-__all__ = ["Registration", "check_destroy", "ALIVE", "QUEUED", "DESTROYED", "DETACHED"]
+__all__ = ["Registration", "make_registration", "check_destroy", "ALIVE", "QUEUED", "DESTROYED", "DETACHED"]
 
 ALIVE = 0  # the object lives, or died but the owner has not drained it yet
 QUEUED = 1  # drained into the owner's pending set, waiting for a sync point
@@ -116,44 +118,6 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     _kwargs: dict[str, Any]
     _typename: str
 
-    def __new__(
-        cls,
-        obj: object,
-        owner: _Owner,
-        push: Callable[[Registration], object],
-        key: int,
-        destroy: Callable[..., object],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        name: str | None,
-    ) -> Registration:
-        try:
-            self = weakref.ref.__new__(cls, obj, _on_finalize)
-        except TypeError:
-            raise RegistrationError(
-                f"cannot register {type(obj).__name__!r} object: it cannot be weakly "
-                "referenced (give its class a __weakref__ slot, or register a small "
-                "weak-referenceable owner object instead)"
-            ) from None
-        typename = type(obj).__name__
-        self.key = key
-        self.name = typename if name is None else name
-        self._typename = typename
-        self.origin = traceback.extract_stack(limit=12)[:-3] if TRACK_ORIGINS[0] else None
-        self.cyclic = False
-        self.queued_at = -1
-        self._state = ALIVE
-        self._owner = owner
-        self._push = push
-        self._destroy = destroy
-        self._args = args
-        self._kwargs = kwargs
-        return self
-
-    def __init__(self, *args: Any) -> None:
-        # weakref.ref.__init__ would reject the extra arguments of __new__.
-        pass
-
     @property
     def alive(self) -> bool:
         """True until the destroy has run or the registration was detached."""
@@ -214,34 +178,83 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     __hash__ = object.__hash__
 
 
+def make_registration(
+    obj: object,
+    owner: _Owner,
+    push: Callable[[Registration], object],
+    key: int,
+    destroy: Callable[..., object],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str | None,
+) -> Registration:
+    """Create a registration (the weak reference to ``obj``) in the ALIVE state."""
+    # The C constructor of weakref.ref, then plain slot stores: no Python-level
+    # __new__/__init__, since registration is on the hot path of every object.
+    try:
+        reg = Registration(obj, _on_finalize)
+    except TypeError:
+        raise RegistrationError(
+            f"cannot register {type(obj).__name__!r} object: it cannot be weakly "
+            "referenced (give its class a __weakref__ slot, or register a small "
+            "weak-referenceable owner object instead)"
+        ) from None
+    typename = type(obj).__name__
+    reg.key = key
+    reg.name = typename if name is None else name
+    reg._typename = typename
+    reg.origin = traceback.extract_stack(limit=12)[:-3] if TRACK_ORIGINS[0] else None
+    reg.cyclic = False
+    reg.queued_at = -1
+    reg._state = ALIVE
+    reg._owner = owner
+    reg._push = push
+    reg._destroy = destroy
+    reg._args = args
+    reg._kwargs = kwargs
+    return reg
+
+
+_METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
+
+
 def _refers_to(value: object, obj: object) -> bool:
+    # Dispatch on the exact type first: getattr() with a default on a missing
+    # attribute costs an exception internally, and this runs per registration.
     if value is obj:
         return True
-    if getattr(value, "__self__", None) is obj:  # a bound method of obj
-        return True
-    func = getattr(value, "func", None)  # functools.partial
-    if func is not None:
-        if func is obj or getattr(func, "__self__", None) is obj:
-            return True
-        if any(a is obj for a in getattr(value, "args", ())):
-            return True
-        if any(v is obj for v in (getattr(value, "keywords", None) or {}).values()):
-            return True
-    cells = getattr(value, "__closure__", None)
-    if cells:
-        for cell in cells:
-            try:
-                if cell.cell_contents is obj:
-                    return True
-            except ValueError:  # an empty cell: nothing to check
-                continue
+    tp = type(value)
+    if tp is types.FunctionType:
+        cells = value.__closure__  # type: ignore[attr-defined]
+        return bool(cells) and any(_cell_is(c, obj) for c in cells)
+    if tp in _METHOD_TYPES:
+        return value.__self__ is obj  # type: ignore[attr-defined,no-any-return]
+    if isinstance(value, functools.partial):
+        return (
+            _refers_to(value.func, obj)
+            or any(a is obj for a in value.args)
+            or any(v is obj for v in value.keywords.values())
+        )
     return False
+
+
+def _cell_is(cell: Any, obj: object) -> bool:
+    try:
+        return cell.cell_contents is obj  # type: ignore[no-any-return]
+    except ValueError:  # an empty cell
+        return False
 
 
 def check_destroy(
     obj: object, destroy: object, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """Refuse a destroy that is not callable, or that would keep ``obj`` alive."""
+    """Refuse a destroy that is not callable, or that would keep ``obj`` alive.
+
+    Shallow on purpose (the object itself, a bound method of it, a partial or a
+    closure over it): it runs at every registration.
+    """
+    if type(destroy) is types.FunctionType and not destroy.__closure__ and not args and not kwargs:  # type: ignore[attr-defined]
+        return  # the common case: a plain function, nothing to check
     if not callable(destroy):
         raise RegistrationError(
             f"destroy must be callable, got {type(destroy).__name__!r} object {destroy!r}"

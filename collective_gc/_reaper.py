@@ -22,7 +22,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy
+from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy, make_registration
 
 __all__ = ["register", "flush", "shutdown", "stats"]
 
@@ -78,7 +78,7 @@ class _Reaper:
         name: str | None,
     ) -> Registration:
         check_destroy(obj, destroy, args, kwargs)
-        reg = Registration(obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name)
+        reg = make_registration(obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name)
         self.live[reg.key] = reg
         if self.thread is None:
             self._start()

@@ -1,0 +1,114 @@
+"""Core costs on all ranks of COMM_WORLD, each beside a baseline from the same run.
+
+1. register + drop + queue per object, beside a bare weakref.finalize create + drop.
+2. sync-point cost with 0, 1e3, 1e4, 1e5 pending, beside one Allreduce of 8 int64,
+   and the empty sync again after the large backlog was destroyed.
+
+Run: mpiexec -n 4 python bench/bench_core.py   (make bench)
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _common import paired, save, say  # noqa: E402
+
+import collective_gc as cgc  # noqa: E402
+
+comm = MPI.COMM_WORLD
+REPEATS = 5
+
+
+class Res:
+    pass
+
+
+def noop(*args: object) -> None:
+    pass
+
+
+def per_object(n: int = 20000) -> list[dict[str, object]]:
+    c = comm.Dup()
+    mgr = cgc.manager(c)
+
+    def ours() -> None:
+        reg = cgc.register
+        for _ in range(n):
+            reg(Res(), noop, comm=c)
+
+    def base() -> None:
+        fin = weakref.finalize
+        for _ in range(n):
+            fin(Res(), noop)
+
+    # Destroy between repeats (untimed), as a sync point would.
+    t_ours, t_base, ratio = paired(
+        comm, ours, base, REPEATS, setup=lambda: cgc.collect(c, generation=None)
+    )
+    cgc.collect(c, generation=None)
+    say(comm, f"register+drop+queue: {t_ours / n * 1e6:6.2f} us/object   "
+        f"weakref.finalize create+drop: {t_base / n * 1e6:6.2f} us   ratio {ratio:.2f} (target <= 1.5)")
+    return [{"bench": "per_object", "ours_us": t_ours / n * 1e6, "base_us": t_base / n * 1e6, "ratio": ratio}]
+
+
+def sync_costs() -> list[dict[str, object]]:
+    c = comm.Dup()
+    cgc.manager(c)
+    a = np.zeros(8, dtype=np.int64)
+    b = np.empty_like(a)
+    k = 500
+
+    def allreduce() -> None:
+        for _ in range(k):
+            c.Allreduce(a, b, MPI.MAX)
+
+    def empty_sync() -> None:
+        for _ in range(k):
+            cgc.collect(c, generation=None)
+
+    t_empty, t_ar, r_empty = paired(comm, empty_sync, allreduce, REPEATS)
+    t_empty, t_ar = t_empty / k, t_ar / k
+    rows = [{"bench": "sync", "pending": 0, "sync_us": t_empty * 1e6, "allreduce_us": t_ar * 1e6,
+             "ratio": r_empty}]
+    say(comm, f"Allreduce(8 int64): {t_ar * 1e6:8.1f} us")
+    say(comm, f"sync,      0 pending: {t_empty * 1e6:10.1f} us   ratio to Allreduce {r_empty:7.2f} (target <= 2)")
+    holders: list[Res] = []
+
+    def fill(n: int) -> None:
+        holders.extend(Res() for _ in range(n))
+        for h in holders:
+            cgc.register(h, noop, comm=c)
+        holders.clear()
+
+    for n in (1000, 10000, 100000):
+        t, t_ar_n, r = paired(
+            comm, lambda: cgc.collect(c, generation=None), allreduce, REPEATS, setup=lambda n=n: fill(n)
+        )
+        rows.append({"bench": "sync", "pending": n, "sync_us": t * 1e6, "allreduce_us": t_ar_n / k * 1e6,
+                     "ratio": r * k, "us_per_key": t / n * 1e6})
+        say(comm, f"sync, {n:6d} pending: {t * 1e6:10.1f} us   ratio to Allreduce {r * k:7.1f}   "
+            f"{t / n * 1e6:.2f} us/key")
+    gc.collect()
+    t_after, t_ar2, r_after = paired(comm, empty_sync, allreduce, REPEATS)
+    rows.append({"bench": "sync_after_backlog", "pending": 0, "sync_us": t_after / k * 1e6,
+                 "allreduce_us": t_ar2 / k * 1e6, "ratio": r_after})
+    say(comm, f"sync, 0 pending after 3.3e5 destroyed: {t_after / k * 1e6:.1f} us   "
+        f"ratio to Allreduce {r_after:.2f}   (before: {r_empty:.2f})")
+    return rows
+
+
+def main() -> None:
+    gc.disable()  # no automatic collection pauses inside the timings
+    say(comm, f"bench_core: {comm.Get_size()} ranks, median of {REPEATS}, slowest rank per repeat")
+    rows = per_object() + sync_costs()
+    save("core", rows, comm)
+
+
+if __name__ == "__main__":
+    main()
