@@ -25,7 +25,7 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -117,11 +117,44 @@ class Manager:
         self.destroyed = 0
         self.cyclic = 0
         self.sync_seconds = 0.0
-        # Hooks run at every sync point before agreement (e.g. PETSc's own
-        # garbage cleanup on this communicator); set by adapters.
+        self._user_comm = comm
+        # Adapter hooks (PETSc's own garbage cleanup, say); see add_sync_hook.
         self._sync_hooks: list[Callable[[Manager], None]] = []
+        self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
 
     # -- description ---------------------------------------------------------
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The user's communicator this manager was made for (not its private duplicate)."""
+        return self._user_comm
+
+    @property
+    def comm_freed(self) -> bool:
+        """True once the user's communicator was freed (the manager still works)."""
+        return self._comm_freed
+
+    def add_sync_hook(self, hook: Callable[[Manager], None]) -> None:
+        """Run ``hook(manager)`` at every sync point on this communicator.
+
+        Collective: add it on every rank, since it runs on every rank at each
+        sync point, after the agreed destroys and before any
+        :class:`DestroyError` is raised, so it may make collective calls on
+        :attr:`comm` (PETSc's garbage cleanup does). Adding the same hook again
+        does nothing. A hook that raises does so on its rank only: keep hooks
+        to calls that succeed or fail on every rank alike.
+        """
+        if hook not in self._sync_hooks:
+            self._sync_hooks.append(hook)
+
+    def add_view_hook(self, hook: Callable[[Manager], Iterable[tuple[str, str]]]) -> None:
+        """Let :func:`collective_gc.view` show pending entries we do not manage.
+
+        ``hook(manager)`` returns ``(type name, description)`` pairs for this
+        rank (PETSc's own garbage, say). Local; must not make MPI calls.
+        """
+        if hook not in self._view_hooks:
+            self._view_hooks.append(hook)
 
     @property
     def size(self) -> int:
@@ -291,8 +324,6 @@ class Manager:
         with self._lock:
             if self._forked or self._destroying or self._broken is not None:
                 self._check_usable("run a sync point")
-            for hook in self._sync_hooks:
-                hook(self)
             cyclic = self._drain() if self._inbox else 0
             try:
                 agreed = self._agree(deadline, policy, on_header)
@@ -305,12 +336,14 @@ class Manager:
                 raise
             seq = self._seq
             self._seq += 1
-            if agreed:
-                failures = self._destroy_agreed(agreed)
-                # Whether to check errors depends only on agreed values, so every
-                # rank takes the same branch.
-                if self._size > 1 or failures:
-                    self._raise_failures(failures, seq, deadline)
+            failures = self._destroy_agreed(agreed) if agreed else []
+            if self._sync_hooks and not self._comm_freed:
+                for hook in self._sync_hooks:
+                    hook(self)
+            # Whether to check errors depends only on agreed values, so every
+            # rank takes the same branch.
+            if agreed and (self._size > 1 or failures):
+                self._raise_failures(failures, seq, deadline)
             seconds = time.perf_counter() - t0
             self.sync_seconds += seconds
             return CollectStats(
