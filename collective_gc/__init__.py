@@ -18,8 +18,11 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
+from ._comms import dup, split
+from ._diagnose import find_cycles, view
 from ._manager import CollectStats, Manager, collect, manager, pending, register
 from ._queue import Registration
+from ._scope import collective_scope, current_scope, sync_point
 
 __version__ = "0.1.0"
 
@@ -36,7 +39,14 @@ __all__ = [
     "Registration",
     "RegistrationError",
     "collect",
+    "collective_scope",
+    "current_scope",
+    "dup",
+    "find_cycles",
     "manager",
     "pending",
     "register",
+    "split",
+    "sync_point",
+    "view",
 ]

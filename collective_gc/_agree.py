@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from ._errors import CollectiveTimeoutError
 
-__all__ = ["HEADER_LEN", "H_POLICY", "NO_KEY", "allreduce", "intersect", "allgather"]
+__all__ = ["HEADER_LEN", "H_CHILD_ERRORS", "H_CYCLIC", "H_POLICY", "NO_KEY", "allreduce", "intersect", "allgather"]
 
 # Header slots (all reduced with MPI_MAX).
 H_COUNT = 0  # pending count -> max over ranks
@@ -42,7 +42,9 @@ H_NEXT = 3  # next registration key
 H_NEG_NEXT = 4
 H_LO = 5  # smallest pending key (NO_KEY if none) -> max = window start
 H_NEG_HI = 6  # -largest pending key (+1 if none) -> -max = window end
-H_POLICY = 7  # from here on: policy slots filled by _scope (gc generation, strict mode)
+H_CYCLIC = 7  # cyclic finalizations drained at this sync point
+H_CHILD_ERRORS = 8  # destroys that raised on derived communicators (see _comms)
+H_POLICY = 9  # from here on: policy slots filled by _scope (the gc generation)
 HEADER_LEN = 10
 
 NO_KEY = int(np.iinfo(np.int64).max)

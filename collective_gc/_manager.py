@@ -25,14 +25,16 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _agree, _reaper
 from ._agree import (
+    H_CHILD_ERRORS,
     H_COUNT,
+    H_CYCLIC,
     H_LO,
     H_NEG_HI,
     H_NEG_NEXT,
@@ -87,8 +89,17 @@ class CollectStats(NamedTuple):
     collected: Optional[int] = None  # noqa: UP007 (evaluated at class creation on 3.9)
 
 
+class _Child(Protocol):
+    """A communicator derived from a manager's (see :mod:`._comms`)."""
+
+    released: bool
+
+    def visit(self, deadline: float | None) -> list[tuple[int, str, BaseException]]: ...
+
+
 _ZEROS = array.array("q", bytes(8 * 64))
 _NO_KWARGS: dict[str, Any] = {}
+_NO_KEYS = np.empty(0, dtype=np.int64)
 
 
 class Manager:
@@ -101,7 +112,9 @@ class Manager:
         self._size = comm.Get_size()
         self._rank = comm.Get_rank()
         # Agreement traffic never shares a communicator with the user's messages.
-        self._comm: MPI.Comm = comm.Dup() if self._size > 1 else comm
+        # Never hold the user's own communicator object: it may be a managed
+        # one (cgc.dup) whose death we are waiting for; hold a wrapper of the handle.
+        self._comm: MPI.Intracomm = comm.Dup() if self._size > 1 else MPI.Intracomm(comm)
         self._next_key = 0
         self._live: dict[int, Registration] = {}
         self._pending: dict[int, Registration] = {}
@@ -117,9 +130,15 @@ class Manager:
         self.destroyed = 0
         self.cyclic = 0
         self.sync_seconds = 0.0
-        self._user_comm = comm
+        self._user_comm = MPI.Intracomm(comm)
         # Adapter hooks (PETSc's own garbage cleanup, say); see add_sync_hook.
         self._sync_hooks: list[Callable[[Manager], None]] = []
+        # Communicators derived from this one with cgc.dup/cgc.split (see _comms),
+        # in creation order, which is the same on every rank.
+        self._children: list[_Child] = []
+        # (type, name, key, origin) of the cyclic finalizations drained at the
+        # last sync point, for strict mode's diagnostics.
+        self.last_cyclic: list[tuple[str, str, int, traceback.StackSummary | None]] = []
         self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
 
     # -- description ---------------------------------------------------------
@@ -263,6 +282,7 @@ class Manager:
         while inbox:
             reg = popleft()
             if reg._state != ALIVE:
+                live.pop(reg.key, None)
                 continue  # destroyed or detached before its finalization was seen
             reg._state = QUEUED
             reg.queued_at = seq
@@ -271,6 +291,7 @@ class Manager:
             pend[key] = reg
             if reg.cyclic:
                 cyclic += 1
+                self.last_cyclic.append((reg._typename, reg.name, key, reg.origin))
         self.cyclic += cyclic
         return cyclic
 
@@ -324,9 +345,16 @@ class Manager:
         with self._lock:
             if self._forked or self._destroying or self._broken is not None:
                 self._check_usable("run a sync point")
+            # Derived communicators first: their resources are newer, and may
+            # have to go before one of ours (the communicator itself) can.
+            child_failures = self._sync_children(deadline) if self._children else []
+            if self.last_cyclic:
+                self.last_cyclic = []
             cyclic = self._drain() if self._inbox else 0
             try:
-                agreed = self._agree(deadline, policy, on_header)
+                agreed, any_errors = self._agree(
+                    deadline, policy, on_header, cyclic, len(child_failures)
+                )
             except CollectiveTimeoutError as exc:
                 self._broken = f"sync point {self._seq} timed out ({exc})"
                 raise
@@ -340,9 +368,12 @@ class Manager:
             if self._sync_hooks and not self._comm_freed:
                 for hook in self._sync_hooks:
                     hook(self)
+            if self._children:
+                self._children = [c for c in self._children if not c.released]
+            failures.extend(child_failures)
             # Whether to check errors depends only on agreed values, so every
             # rank takes the same branch.
-            if agreed and (self._size > 1 or failures):
+            if (agreed or any_errors) and (self._size > 1 or failures):
                 self._raise_failures(failures, seq, deadline)
             seconds = time.perf_counter() - t0
             self.sync_seconds += seconds
@@ -355,23 +386,29 @@ class Manager:
         deadline: float | None,
         policy: Sequence[int],
         on_header: Callable[[Sequence[int]], None] | None,
-    ) -> list[int]:
-        """Collective. The keys to destroy now, ascending."""
+        cyclic: int,
+        child_errors: int,
+    ) -> tuple[list[int], bool]:
+        """Collective. The keys to destroy now, ascending, and whether any rank
+        saw a destroy fail on a derived communicator."""
         pend = self._pending
         n = len(pend)
         if self._size == 1:
             if on_header is not None:
                 head = [0] * _agree.HEADER_LEN
+                head[H_CYCLIC] = cyclic
+                head[H_CHILD_ERRORS] = child_errors
                 head[H_POLICY : H_POLICY + len(policy)] = policy
                 on_header(head)
-            return sorted(pend)
+            return sorted(pend), child_errors > 0
         if n:
             keys = np.fromiter(pend, dtype=np.int64, count=n)
             lo, neg_hi = int(keys.min()), -int(keys.max())
         else:
+            keys = _NO_KEYS
             lo, neg_hi = NO_KEY, 1
         seq, nk = self._seq, self._next_key
-        head = array.array("q", (n, seq, -seq, nk, -nk, lo, neg_hi))
+        head = array.array("q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors))
         head.extend(policy)
         head.extend(_ZEROS[: _agree.HEADER_LEN - len(head)])
         red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
@@ -379,8 +416,9 @@ class Manager:
             raise self._mismatch(red)
         if on_header is not None:
             on_header(red)
+        any_errors = red[H_CHILD_ERRORS] > 0
         if red[H_COUNT] == 0:
-            return []
+            return [], any_errors
         keys.sort()
         common = _agree.intersect(
             self._comm,
@@ -391,7 +429,15 @@ class Manager:
             deadline,
             self._what("the key agreement"),
         )
-        return common.tolist()  # type: ignore[no-any-return]
+        return common.tolist(), any_errors
+
+    def _sync_children(self, deadline: float | None) -> list[tuple[int, str, BaseException]]:
+        failures: list[tuple[int, str, BaseException]] = []
+        for child in list(self._children):
+            failures.extend(child.visit(deadline))
+            if child.released:
+                self._children.remove(child)
+        return failures
 
     def _mismatch(self, red: np.ndarray[Any, Any]) -> CollectiveMismatchError:
         parts = []
@@ -518,8 +564,8 @@ class Manager:
 
 _MANAGERS: list[Manager] = []
 _KEYVAL: list[int] = []
-# The communicator object of the last lookup and its manager: a cache for the
-# common case of many registrations on one communicator.
+# A weak reference to the communicator object of the last lookup, and its
+# manager: a cache for the common case of many registrations on one communicator.
 _LAST: list[Any] = [None, None]
 
 
@@ -554,7 +600,7 @@ def manager(comm: MPI.Comm) -> Manager:
     call it for you.
     """
     last = _LAST
-    if comm is last[0] and not last[1]._comm_freed:
+    if last[0] is not None and last[0]() is comm and not last[1]._comm_freed:
         # The same Python object as last time, and its handle was not freed
         # (freeing runs our attribute delete callback): the same manager.
         return last[1]  # type: ignore[no-any-return]
@@ -565,7 +611,9 @@ def manager(comm: MPI.Comm) -> Manager:
         mgr = Manager(c)
         c.Set_attr(kv, mgr)
         _MANAGERS.append(mgr)
-    last[0], last[1] = comm, mgr
+    # A weak reference: holding the user's communicator object would keep a
+    # managed one (cgc.dup) alive for ever.
+    last[0], last[1] = weakref.ref(comm), mgr
     return mgr  # type: ignore[no-any-return]
 
 

@@ -90,6 +90,18 @@ class ManagerTests:
         assert log.keys == [0] + list(range(size - 1, 0, -1))
         assert stats.pending == 0
 
+    def test_rank_with_nothing_pending(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        o = Obj()
+        cgc.register(o, log.destroy, "late", comm=comm)
+        if comm.Get_rank() != 0:
+            del o
+        stats = cgc.collect(comm)
+        assert stats.destroyed == 0 and stats.pending == (comm.Get_rank() != 0)
+        if comm.Get_rank() == 0:
+            del o
+        assert cgc.collect(comm).destroyed == 1 and log.keys == ["late"]
+
     def test_explicit_destroy_then_finalization_destroys_once(self, comm: MPI.Intracomm) -> None:
         log = CheckedLog(comm)
         o = Obj()

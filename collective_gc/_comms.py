@@ -1,0 +1,141 @@
+"""Managed derived communicators: ``dup`` and ``split``.
+
+A communicator is itself a collective resource: freeing it is collective over
+its group, and a program that duplicates one per solve and never frees them
+runs out of communicators (Firedrake #2669: near 2,036 meshes). Python's GC
+never frees an mpi4py communicator, and freeing one from a finalizer or an MPI
+attribute delete callback is the hazard this library exists to remove.
+
+``dup``/``split`` make the new communicator a registration on the parent's
+manager, so it is freed at a sync point of the parent, in the agreed order,
+once every rank has dropped it. The parent's sync points first visit each
+derived communicator (in creation order, which is the same on every rank, so
+ranks that share several derived communicators visit them in the same order
+and ranks outside one skip it): they run a sync point of its manager, if it
+has one, and free it once it has been dropped and nothing registered on it is
+left. Otherwise it stays, and is tried again at the parent's next sync point.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ._errors import DestroyError
+from ._manager import Manager, _check_comm, manager, register
+
+__all__ = ["dup", "split"]
+
+_CHILD_KEYVAL: list[int] = []
+
+
+def _child_deleted(comm: MPI.Comm, keyval: int, record: _Derived) -> None:
+    # An MPI attribute delete callback: record only, never call MPI here.
+    record.handle_freed = True
+
+
+def _keyval() -> int:
+    if not _CHILD_KEYVAL:
+        _CHILD_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_child_deleted))
+    return _CHILD_KEYVAL[0]
+
+
+def _existing_manager(comm: MPI.Intracomm) -> Manager | None:
+    from ._manager import _keyval as manager_keyval
+
+    return comm.Get_attr(manager_keyval())  # type: ignore[no-any-return]
+
+
+class _Derived:
+    """This rank's record of one derived communicator of a parent manager."""
+
+    __slots__ = ("handle", "label", "dropped", "released", "handle_freed", "__weakref__")
+
+    def __init__(self, handle: MPI.Intracomm | None, label: str) -> None:
+        # Our own wrapper of the handle: the user's object is the one whose
+        # death we watch, so we must not hold it.
+        self.handle = handle
+        self.label = label
+        self.dropped = False
+        self.released = False
+        self.handle_freed = False
+
+    def drop(self) -> None:
+        """The destroy of the user's communicator object: agreed, so every rank runs it."""
+        self.dropped = True
+        self._try_release()
+
+    def visit(self, deadline: float | None) -> list[tuple[int, str, BaseException]]:
+        """Collective over the derived communicator: sync its manager, free it if done."""
+        failures: list[tuple[int, str, BaseException]] = []
+        if self.handle is not None and not self.handle_freed:
+            mgr = _existing_manager(self.handle)
+            if mgr is not None and mgr._broken is None:
+                try:
+                    mgr.sync(deadline=deadline)
+                except DestroyError as exc:
+                    failures.extend(
+                        (key, f"{name} (on {self.label})", RuntimeError(msg))
+                        for r, key, name, msg in exc.failures
+                        if r == mgr.rank
+                    )
+        if self.dropped:
+            self._try_release()
+        return failures
+
+    def _try_release(self) -> None:
+        handle = self.handle
+        if handle is not None and not self.handle_freed:
+            mgr = _existing_manager(handle)
+            if mgr is not None:
+                if mgr._live or mgr._pending or mgr._inbox:
+                    # Still in use. The count left is the same on every rank of
+                    # the derived communicator after its sync point (registration
+                    # is collective and destroys are agreed), so they all wait.
+                    return
+                if mgr.size > 1:
+                    mgr._comm.Free()  # its private duplicate
+                mgr._broken = f"its communicator ({self.label}) was freed"
+            handle.Free()
+        self.handle = None
+        self.released = True
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "dropped" if self.dropped else "in use"
+        return f"<collective_gc derived communicator {self.label}: {state}>"
+
+
+def _adopt(parent: Manager, new: MPI.Intracomm, comm: MPI.Intracomm, label: str) -> MPI.Intracomm:
+    member = new != MPI.COMM_NULL
+    record = _Derived(MPI.Intracomm(new) if member else None, label)
+    if member:
+        new.Set_attr(_keyval(), record)
+    parent._children.append(record)
+    register(new, record.drop, comm=comm, name=label)
+    return new
+
+
+def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Collective over ``comm``: a duplicate freed by collective_gc, not by you.
+
+    When every rank has dropped the returned communicator, it is freed at a
+    sync point of ``comm`` (after anything registered on it is destroyed),
+    or at exit. Do not ``Free()`` it yourself while it is still registered
+    (that would be seen and not freed twice, but it wastes nothing to let it be).
+    """
+    c = _check_comm(comm)
+    parent = manager(c)
+    new = c.Dup()
+    return _adopt(parent, new, c, f"dup #{len(parent._children)} of a {parent._describe()}")
+
+
+def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
+    """Collective over ``comm``: ``comm.Split(color, key)``, freed by collective_gc.
+
+    As :func:`dup`. A rank that passes ``MPI.UNDEFINED`` gets ``MPI.COMM_NULL``
+    (still registered, so the parent's keys stay the same on every rank).
+    """
+    c = _check_comm(comm)
+    parent = manager(c)
+    new = c.Split(color, key)
+    label = f"split #{len(parent._children)} (color {color}) of a {parent._describe()}"
+    return _adopt(parent, new, c, label)

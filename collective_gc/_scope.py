@@ -1,0 +1,340 @@
+"""collective_scope: sync points around a solver loop, GC policy, strict mode.
+
+A scope is where a user says "these ranks run this loop together": inside it
+the automatic cyclic collector can be replaced by collections that happen at
+the same sync point on every rank (``gc="managed"``), cyclic finalization of a
+managed object can be forbidden (``strict=True``), and every sync point can
+carry a deadline (``timeout``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc as _gc
+import os
+import threading
+import time
+import traceback
+import warnings
+from types import TracebackType
+from typing import Any, Callable, Literal, Sequence, TypeVar, Union
+
+from mpi4py import MPI
+
+from . import _agree, _queue
+from ._agree import H_CYCLIC, H_POLICY
+from ._errors import (
+    CollectiveGCError,
+    CyclicFinalizationError,
+    CyclicFinalizationWarning,
+)
+from ._manager import CollectStats, Manager, manager
+
+__all__ = ["collective_scope", "sync_point", "current_scope"]
+
+GcMode = Literal["managed", "auto", "off"]
+Strict = Union[bool, Literal["warn"]]
+
+_local = threading.local()
+
+
+def _stack() -> list[collective_scope]:
+    try:
+        return _local.stack  # type: ignore[no-any-return]
+    except AttributeError:
+        _local.stack = []
+        return _local.stack  # type: ignore[no-any-return]
+
+
+def current_scope(comm: MPI.Comm | None = None) -> collective_scope | None:
+    """The innermost open scope of this thread (on ``comm``, if given), or None."""
+    mgr = None if comm is None else manager(comm)
+    for scope in reversed(_stack()):
+        if mgr is None or scope.manager is mgr:
+            return scope
+    return None
+
+
+def _wanted_generation() -> int:
+    """The generation Python's automatic collector would collect now, or -1.
+
+    CPython collects when the youngest generation's count passes its threshold,
+    and then the oldest generation whose count passes its own threshold.
+    """
+    t0, t1, t2 = _gc.get_threshold()
+    c0, c1, c2 = _gc.get_count()
+    if t0 == 0 or c0 <= t0:
+        return -1
+    if c2 > t2 and c1 > t1:
+        return 2
+    if c1 > t1:
+        return 1
+    return 0
+
+
+class collective_scope:
+    """Collective sync points around a block: ``with collective_scope(comm) as scope:``.
+
+    Collective over ``comm``: every rank enters and leaves the scope, and calls
+    :meth:`sync` the same number of times, in the same order relative to
+    other collectives. A rank that skips one leaves the others waiting (for
+    ever, or until ``timeout``), or, if it reaches a later sync point instead,
+    makes that one raise :class:`CollectiveMismatchError` on every rank.
+
+    Args:
+        comm: the communicator whose manager the scope drives.
+        gc: ``"managed"`` (default): Python's automatic cyclic collector is off
+            inside the scope; at each sync point the ranks agree whether to
+            collect, and which generation (the oldest any rank's allocation
+            counts call for), so collections happen at the same point on
+            every rank. ``"auto"``: the collector stays on (safe: finalization
+            only queues). ``"off"``: no collection but explicit ones. The
+            collector's previous state is restored on exit, exceptions included.
+        strict: ``False`` counts cyclic finalizations of managed objects
+            (:attr:`cyclic`); ``"warn"`` also warns
+            (:class:`CyclicFinalizationWarning`) on the ranks where they
+            happened; ``True`` raises :class:`CyclicFinalizationError` at the
+            sync point that sees one, on every rank together, after that sync
+            point's destroys ran (nothing is lost).
+        timeout: seconds each sync point may wait for the other ranks before
+            raising :class:`CollectiveTimeoutError` (the manager is then unusable).
+        track_origins: record where each object is registered inside the scope,
+            for strict mode's messages (costs a stack extraction per registration).
+
+    The scope syncs at exit, after a full collection on every rank, so nothing
+    dropped inside it stays queued. If the body raised, that exit sync gets a
+    deadline (``timeout``, or ``COLLECTIVE_GC_EXIT_TIMEOUT`` seconds, default
+    10) since the exception may have happened on some ranks only: past it the
+    original exception propagates, with a note, instead of hanging (run under
+    ``python -m mpi4py`` to then abort the job). A scope is single-use.
+    Scopes nest; they must be exited innermost first.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        *,
+        gc: GcMode = "managed",
+        strict: Strict = False,
+        timeout: float | None = None,
+        track_origins: bool = False,
+    ) -> None:
+        if gc not in ("managed", "auto", "off"):
+            raise ValueError(f"gc must be 'managed', 'auto' or 'off', not {gc!r}")
+        if strict not in (False, True, "warn"):
+            raise ValueError(f"strict must be False, True or 'warn', not {strict!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self.comm = comm
+        self.gc = gc
+        self.strict = strict
+        self.timeout = timeout
+        self.track_origins = track_origins
+        self.manager: Manager = manager(comm)
+        self.syncs = 0
+        self.destroyed = 0
+        self.cyclic = 0
+        self.collections = 0
+        self.seconds = 0.0
+        self._state = "new"
+        self._gc_was_enabled = False
+        self._origins_were = False
+        self._thread = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<collective_scope {self._state} on a {self.manager._describe()}: gc={self.gc!r}, "
+            f"strict={self.strict!r}, {self.syncs} syncs, {self.destroyed} destroyed, "
+            f"{self.cyclic} cyclic>"
+        )
+
+    # -- entering and leaving ----------------------------------------------
+
+    def __enter__(self) -> collective_scope:
+        if self._state != "new":
+            raise CollectiveGCError(
+                f"{self!r} was already entered; a scope is single-use, make a new one"
+            )
+        self._state = "open"
+        self._thread = threading.get_ident()
+        self._gc_was_enabled = _gc.isenabled()
+        if self.gc in ("managed", "off"):
+            _gc.disable()
+        elif not self._gc_was_enabled:
+            _gc.enable()
+        self._origins_were = _queue.TRACK_ORIGINS[0]
+        if self.track_origins:
+            _queue.TRACK_ORIGINS[0] = True
+        _stack().append(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack = _stack()
+        if self._state != "open" or threading.get_ident() != self._thread:
+            raise CollectiveGCError(f"attempted to exit {self!r}, which is not open in this thread")
+        if stack[-1] is not self:
+            raise CollectiveGCError(
+                f"attempted to exit {self!r} while an inner scope, {stack[-1]!r}, is still "
+                "open; scopes must be exited innermost first"
+            )
+        try:
+            if exc is None:
+                self._sync(collect=True, deadline_s=self.timeout)
+            else:
+                self._sync_after_error(exc)
+        finally:
+            stack.pop()
+            self._state = "exited"
+            _queue.TRACK_ORIGINS[0] = self._origins_were
+            if self._gc_was_enabled:
+                _gc.enable()
+            else:
+                _gc.disable()
+
+    def _sync_after_error(self, exc: BaseException) -> None:
+        if self.manager._broken is not None:
+            return
+        try:
+            limit = float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
+        except ValueError:
+            limit = 10.0
+        try:
+            self._sync(collect=True, deadline_s=self.timeout or limit)
+        except CollectiveGCError as sync_exc:
+            # The body's exception is the one that matters; say why the
+            # scope could not clean up, and let it propagate.
+            exc.add_note(f"collective_gc: the exit sync of {self!r} failed: {sync_exc}")
+
+    # -- sync points -----------------------------------------------------------
+
+    def sync(self) -> CollectStats:
+        """Collective: a sync point on the scope's communicator (see the class docs)."""
+        if self._state != "open":
+            raise CollectiveGCError(f"cannot sync {self!r}: it is not open")
+        return self._sync(collect=False, deadline_s=self.timeout)
+
+    def _sync(self, *, collect: bool, deadline_s: float | None) -> CollectStats:
+        t0 = time.perf_counter()
+        collected = None
+        if collect and self.gc != "off":
+            # The exit sync: the same full collection on every rank first.
+            collected = _gc.collect()
+            self.collections += 1
+        seen: list[Sequence[int]] = []
+        policy: tuple[int, ...] = ()
+        if self.gc == "managed" and not collect:
+            policy = (_wanted_generation() + 1,)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        try:
+            stats = self.manager.sync(
+                deadline=deadline, policy=policy, on_header=seen.append, collected=collected, t0=t0
+            )
+        finally:
+            if seen and self.gc == "managed" and not collect:
+                gen = seen[0][H_POLICY] - 1
+                if gen >= 0:
+                    # The same generation on every rank, at the same sync point;
+                    # what it finds is queued for the next one.
+                    _gc.collect(gen)
+                    self.collections += 1
+        self.syncs += 1
+        self.destroyed += stats.destroyed
+        self.cyclic += stats.cyclic
+        self.seconds += stats.seconds
+        if seen and seen[0][H_CYCLIC] and self.strict:
+            self._report_cyclic()
+        return stats
+
+    def _report_cyclic(self) -> None:
+        mine = list(self.manager.last_cyclic)
+        rank = self.manager.rank
+        if self.strict == "warn":
+            if mine:
+                warnings.warn(
+                    CyclicFinalizationWarning(_describe_cyclic(rank, mine, self.manager._seq - 1)),
+                    stacklevel=4,
+                )
+            return
+        # strict=True: every rank saw (through the header) that some rank had
+        # one, so every rank raises, with the whole list.
+        rows = [(rank, t, n, k, _origin(o)) for t, n, k, o in mine]
+        if self.manager.size > 1:
+            rows = [row for per in self.manager._comm.allgather(rows) for row in per]
+        lines = "\n".join(
+            f"  rank {r}: {t} {n!r} (key {k})" + (f", registered at\n{o}" if o else "")
+            for r, t, n, k, o in rows
+        )
+        raise CyclicFinalizationError(
+            f"{len(rows)} managed object(s) were finalized by the cyclic collector before sync "
+            f"point {self.manager._seq - 1} of {self!r} (strict mode); their destroys ran, "
+            "but when they die depends on each rank's allocations. Break the reference "
+            "cycles (cgc.find_cycles(obj) on a live instance shows them):\n" + lines
+        )
+
+
+def _origin(origin: traceback.StackSummary | None) -> str:
+    if origin is None:
+        return ""
+    return "".join(traceback.format_list(origin[-3:])).rstrip()
+
+
+def _describe_cyclic(
+    rank: int, mine: list[tuple[str, str, int, traceback.StackSummary | None]], seq: int
+) -> str:
+    parts = [f"{t} {n!r} (key {k})" + (f" registered at\n{_origin(o)}" if o else "") for t, n, k, o in mine]
+    return (
+        f"rank {rank}: {len(mine)} managed object(s) finalized by the cyclic collector before "
+        f"sync point {seq}: " + "; ".join(parts)
+    )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def sync_point(
+    fn: F | None = None, *, comm: MPI.Comm | Callable[..., MPI.Comm] | None = None
+) -> Any:
+    """Decorator: make a function (a solve) a sync point after it returns.
+
+    Collective, like the sync point it adds: every rank must call the decorated
+    function the same number of times. After it returns, the innermost open
+    :class:`collective_scope` of this thread (on ``comm``, if given) syncs; with
+    no such scope, ``comm`` is required and :func:`collective_gc.collect`
+    runs on it. ``comm`` may be a communicator or a callable that gets the
+    function's arguments and returns one (``comm=lambda self, *a: self.comm``).
+    If the function raises, no sync point runs.
+    """
+
+    def decorate(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = f(*args, **kwargs)
+            c = comm(*args, **kwargs) if callable(comm) else comm
+            scope = current_scope(c)
+            if scope is not None:
+                scope.sync()
+            elif c is not None:
+                from ._manager import collect
+
+                collect(c)
+            else:
+                raise CollectiveGCError(
+                    f"{f.__qualname__} is a sync point, but no collective_scope is open in "
+                    "this thread and no comm was given to @sync_point"
+                )
+            return result
+
+        return wrapper  # type: ignore[return-value]
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate
+
+
+# The header slots this module reads must exist.
+assert H_POLICY < _agree.HEADER_LEN

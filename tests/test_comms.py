@@ -1,0 +1,111 @@
+"""Managed derived communicators: freed at a parent's sync point, never by the GC."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from _util import CheckedLog, Obj
+
+
+class CommsTests:
+    COMM: MPI.Intracomm
+
+    def test_dup_freed_at_parent_sync(self, comm: MPI.Intracomm) -> None:
+        freed: list[str] = []
+        sub = cgc.dup(comm)
+        kv = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: freed.append(v))
+        sub.Set_attr(kv, "sub")
+        assert sub.Get_size() == comm.Get_size()
+        del sub
+        assert freed == []
+        cgc.collect(comm)
+        assert freed == ["sub"]  # MPI_Comm_free ran (it deletes the attribute)
+        MPI.Comm.Free_keyval(kv)
+
+    def test_objects_on_a_derived_comm_go_first(self, comm: MPI.Intracomm) -> None:
+        freed: list[str] = []
+        sub = cgc.dup(comm)
+        log = CheckedLog(MPI.Intracomm(sub))  # not the managed object itself
+        kv = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: freed.append(v))
+        sub.Set_attr(kv, "sub")
+        objs = [Obj() for _ in range(3)]
+        for i, o in enumerate(objs):
+            cgc.register(o, log.destroy, i, comm=sub)
+        del o
+        # Two cycles keep two objects alive until a collection.
+        objs[0].peer = objs[0]
+        keep = objs[1]
+        objs.clear()
+        del sub
+        with cgc.collective_scope(comm) as scope:
+            scope.sync()  # the sub-communicator's own sync runs from the parent's
+            assert log.keys == [2] and freed == []  # still in use: not freed
+            del keep
+        # Exit sync: gc.collect everywhere, the derived manager syncs, then the
+        # communicator is freed since nothing registered on it is left.
+        assert log.keys == [2, 1, 0]
+        cgc.collect(comm)
+        assert freed == ["sub"]
+        MPI.Comm.Free_keyval(kv)
+
+    def test_user_free_is_not_freed_twice(self, comm: MPI.Intracomm) -> None:
+        sub = cgc.dup(comm)
+        sub.Free()  # nulls the handle; our record sees it through its attribute
+        del sub
+        cgc.collect(comm)  # would abort with MPI_ERR_COMM on a second free
+        assert not cgc.manager(comm)._children
+
+
+class TestCommsSelf(CommsTests):
+    COMM = MPI.COMM_SELF
+
+
+@pytest.mark.mpi(min_size=2)
+class TestCommsWorld(CommsTests):
+    COMM = MPI.COMM_WORLD
+
+
+@pytest.mark.mpi(min_size=2)
+def test_split_subcommunicators_with_undefined_color(comm: MPI.Intracomm) -> None:
+    rank = comm.Get_rank()
+    color = MPI.UNDEFINED if rank == 0 else rank % 2
+    freed: list[int] = []
+    sub = cgc.split(comm, color)
+    assert (sub == MPI.COMM_NULL) == (rank == 0)
+    if rank:
+        kv = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: freed.append(v))
+        sub.Set_attr(kv, color)
+        log = CheckedLog(MPI.Intracomm(sub))  # not the managed object itself
+        o = Obj()
+        o.peer = o
+        cgc.register(o, log.destroy, f"color{color}", comm=sub)
+        del o
+    del sub
+    gc.collect()
+    cgc.collect(comm)  # syncs each rank's own split, then frees it
+    if rank:
+        assert log.keys == [f"color{color}"] and freed == [color]
+        MPI.Comm.Free_keyval(kv)
+    assert not cgc.manager(comm)._children
+
+
+@pytest.mark.mpi(min_size=2)
+def test_destroy_error_on_a_split_raises_on_every_parent_rank(comm: MPI.Intracomm) -> None:
+    rank = comm.Get_rank()
+    sub = cgc.split(comm, rank % 2)
+
+    def destroy() -> None:
+        if rank == 1:
+            raise RuntimeError("fails in color 1 only")
+
+    o = Obj()
+    cgc.register(o, destroy, comm=sub, name="res")
+    del o
+    with pytest.raises(cgc.DestroyError, match="fails in color 1 only"):
+        cgc.collect(comm)
+    del sub
+    cgc.collect(comm)

@@ -1,0 +1,55 @@
+"""find_cycles and view."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from _util import Obj
+
+
+class KSPWrapper:
+    def __init__(self, owner: object) -> None:
+        self.owner = owner
+
+
+class Solver:
+    __slots__ = ("ksp", "cache", "__weakref__")
+
+
+def test_find_cycles_readable_paths() -> None:
+    s = Solver()
+    s.ksp = KSPWrapper(s)
+    s.cache = {"last": [s]}
+    cycles = cgc.find_cycles(s)
+    assert "Solver.ksp -> KSPWrapper.owner -> Solver" in cycles
+    assert "Solver.cache -> dict['last'] -> list[0] -> Solver" in cycles
+    assert cgc.find_cycles(KSPWrapper(None)) == []
+    # A closure cycle.
+    o = Obj()
+    o.cb = lambda: o
+    assert any("Obj.cb" in c for c in cgc.find_cycles(o))
+
+
+@pytest.mark.parametrize("comm", [MPI.COMM_SELF, MPI.COMM_WORLD], ids=["self", "world"])
+def test_view_lists_queued_on_every_rank(comm: MPI.Intracomm) -> None:
+    c = comm.Dup()
+    try:
+        o = Obj()
+        cgc.register(o, print, comm=c, name="solver-ksp")
+        keep = Obj()
+        cgc.register(keep, print, comm=c, name="alive")
+        del o
+        buf = io.StringIO()
+        text = cgc.view(c, file=buf)
+        lines = [line for line in text.splitlines() if "solver-ksp" in line]
+        assert len(lines) == c.Get_size()  # one row per rank
+        assert "alive" not in text
+        assert (buf.getvalue() == text) == (c.Get_rank() == 0)
+        cgc.collect(c)
+        cgc.manager(c).alive()[0].detach()
+    finally:
+        c.Free()
