@@ -20,6 +20,7 @@ import atexit
 import collections
 import gc
 import os
+import sys
 import threading
 import time
 import traceback
@@ -707,6 +708,20 @@ def _at_exit() -> None:
         _reaper.shutdown()
         return
     try:
+        if getattr(sys, "last_value", None) is not None and _MANAGERS:
+            # Dying of an uncaught exception, which may have happened on this
+            # rank only: the others may never reach an exit agreement, and
+            # under `python -m mpi4py` the job is about to be aborted. Waiting
+            # for them would only delay that; leak instead, and say so.
+            left = sum(len(m._pending) + len(m._inbox) for m in _MANAGERS)
+            if left:
+                warnings.warn(
+                    f"collective_gc: exiting on an uncaught exception: {left} pending "
+                    "collective destroy(s) not run",
+                    ExitLeakWarning,
+                    stacklevel=1,
+                )
+            return
         if MPI.Is_initialized() and not MPI.Is_finalized() and _MANAGERS:
             gc.collect()
             deadline = time.monotonic() + _exit_timeout()
