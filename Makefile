@@ -50,5 +50,14 @@ demo: install
 bench: install
 	$(MPIRUN) bench/bench_core.py
 
+# The randomized stress harness on many seeds (CI runs 20 in `make test`).
+SEEDS ?= 200
+stress: install
+	$(MPIEXEC) $(PY) -m mpi4py tests/stress_harness.py --seeds $(SEEDS)
+	@if $(MPIEXEC) $(PY) -m mpi4py tests/stress_harness.py --naive --seeds 1 --deadline 10 \
+	        >/dev/null 2>&1; then \
+	    echo "the naive version (destroy in __del__) should have deadlocked" >&2; exit 1; \
+	else echo "naive version (destroy in __del__): deadlocked, caught by the watchdog, as expected"; fi
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
