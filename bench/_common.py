@@ -6,15 +6,21 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def timed(comm: MPI.Comm, fn: Callable[[], object], repeats: int = 5, setup: Callable[[], object] | None = None) -> float:
+def timed(
+    comm: MPI.Comm,
+    fn: Callable[[], object],
+    repeats: int = 5,
+    setup: Callable[[], object] | None = None,
+) -> float:
     """Median over ``repeats`` of the slowest rank's wall time of ``fn()``."""
     samples = []
     for _ in range(repeats):
@@ -53,7 +59,11 @@ def paired(
 def save(name: str, rows: list[dict[str, Any]], comm: MPI.Comm) -> None:
     if comm.Get_rank() == 0:
         RESULTS.mkdir(exist_ok=True)
-        meta = {"ranks": comm.Get_size(), "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()}
+        meta = {
+            "ranks": comm.Get_size(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "host_cpus": os.cpu_count(),
+        }
         (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

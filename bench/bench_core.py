@@ -17,9 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _common import paired, save, say  # noqa: E402
-
 import collective_gc as cgc  # noqa: E402
+
+from _common import paired, save, say  # noqa: E402
 
 comm = MPI.COMM_WORLD
 REPEATS = 5
@@ -35,7 +35,7 @@ def noop(*args: object) -> None:
 
 def per_object(n: int = 20000) -> list[dict[str, object]]:
     c = comm.Dup()
-    mgr = cgc.manager(c)
+    cgc.manager(c)
 
     def ours() -> None:
         reg = cgc.register
@@ -52,9 +52,20 @@ def per_object(n: int = 20000) -> list[dict[str, object]]:
         comm, ours, base, REPEATS, setup=lambda: cgc.collect(c, generation=None)
     )
     cgc.collect(c, generation=None)
-    say(comm, f"register+drop+queue: {t_ours / n * 1e6:6.2f} us/object   "
-        f"weakref.finalize create+drop: {t_base / n * 1e6:6.2f} us   ratio {ratio:.2f} (target <= 1.5)")
-    return [{"bench": "per_object", "ours_us": t_ours / n * 1e6, "base_us": t_base / n * 1e6, "ratio": ratio}]
+    say(
+        comm,
+        f"register+drop+queue: {t_ours / n * 1e6:6.2f} us/object   "
+        f"weakref.finalize create+drop: {t_base / n * 1e6:6.2f} us   "
+        f"ratio {ratio:.2f} (target <= 1.5)",
+    )
+    return [
+        {
+            "bench": "per_object",
+            "ours_us": t_ours / n * 1e6,
+            "base_us": t_base / n * 1e6,
+            "ratio": ratio,
+        }
+    ]
 
 
 def sync_costs() -> list[dict[str, object]]:
@@ -74,10 +85,21 @@ def sync_costs() -> list[dict[str, object]]:
 
     t_empty, t_ar, r_empty = paired(comm, empty_sync, allreduce, REPEATS)
     t_empty, t_ar = t_empty / k, t_ar / k
-    rows = [{"bench": "sync", "pending": 0, "sync_us": t_empty * 1e6, "allreduce_us": t_ar * 1e6,
-             "ratio": r_empty}]
+    rows = [
+        {
+            "bench": "sync",
+            "pending": 0,
+            "sync_us": t_empty * 1e6,
+            "allreduce_us": t_ar * 1e6,
+            "ratio": r_empty,
+        }
+    ]
     say(comm, f"Allreduce(8 int64): {t_ar * 1e6:8.1f} us")
-    say(comm, f"sync,      0 pending: {t_empty * 1e6:10.1f} us   ratio to Allreduce {r_empty:7.2f} (target <= 2)")
+    say(
+        comm,
+        f"sync,      0 pending: {t_empty * 1e6:10.1f} us   "
+        f"ratio to Allreduce {r_empty:7.2f} (target <= 2)",
+    )
     holders: list[Res] = []
 
     def fill(n: int) -> None:
@@ -88,18 +110,43 @@ def sync_costs() -> list[dict[str, object]]:
 
     for n in (1000, 10000, 100000):
         t, t_ar_n, r = paired(
-            comm, lambda: cgc.collect(c, generation=None), allreduce, REPEATS, setup=lambda n=n: fill(n)
+            comm,
+            lambda: cgc.collect(c, generation=None),
+            allreduce,
+            REPEATS,
+            setup=lambda n=n: fill(n),
         )
-        rows.append({"bench": "sync", "pending": n, "sync_us": t * 1e6, "allreduce_us": t_ar_n / k * 1e6,
-                     "ratio": r * k, "us_per_key": t / n * 1e6})
-        say(comm, f"sync, {n:6d} pending: {t * 1e6:10.1f} us   ratio to Allreduce {r * k:7.1f}   "
-            f"{t / n * 1e6:.2f} us/key")
+        rows.append(
+            {
+                "bench": "sync",
+                "pending": n,
+                "sync_us": t * 1e6,
+                "allreduce_us": t_ar_n / k * 1e6,
+                "ratio": r * k,
+                "us_per_key": t / n * 1e6,
+            }
+        )
+        say(
+            comm,
+            f"sync, {n:6d} pending: {t * 1e6:10.1f} us   ratio to Allreduce {r * k:7.1f}   "
+            f"{t / n * 1e6:.2f} us/key",
+        )
     gc.collect()
     t_after, t_ar2, r_after = paired(comm, empty_sync, allreduce, REPEATS)
-    rows.append({"bench": "sync_after_backlog", "pending": 0, "sync_us": t_after / k * 1e6,
-                 "allreduce_us": t_ar2 / k * 1e6, "ratio": r_after})
-    say(comm, f"sync, 0 pending after 3.3e5 destroyed: {t_after / k * 1e6:.1f} us   "
-        f"ratio to Allreduce {r_after:.2f}   (before: {r_empty:.2f})")
+    rows.append(
+        {
+            "bench": "sync_after_backlog",
+            "pending": 0,
+            "sync_us": t_after / k * 1e6,
+            "allreduce_us": t_ar2 / k * 1e6,
+            "ratio": r_after,
+        }
+    )
+    say(
+        comm,
+        f"sync, 0 pending after 3.3e5 destroyed: {t_after / k * 1e6:.1f} us   "
+        f"ratio to Allreduce {r_after:.2f}   (before: {r_empty:.2f})",
+    )
     return rows
 
 

@@ -8,6 +8,8 @@ one order agreed by every rank.
 
 from __future__ import annotations
 
+from ._comms import dup, split
+from ._diagnose import find_cycles, view
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
@@ -18,8 +20,6 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
-from ._comms import dup, split
-from ._diagnose import find_cycles, view
 from ._manager import CollectStats, Manager, collect, manager, pending, register
 from ._queue import Registration
 from ._scope import collective_scope, current_scope, sync_point

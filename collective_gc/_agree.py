@@ -25,14 +25,24 @@ from __future__ import annotations
 
 import array
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from ._errors import CollectiveTimeoutError
 
-__all__ = ["HEADER_LEN", "H_CHILD_ERRORS", "H_CYCLIC", "H_POLICY", "NO_KEY", "allreduce", "intersect", "allgather"]
+__all__ = [
+    "HEADER_LEN",
+    "H_CHILD_ERRORS",
+    "H_CYCLIC",
+    "H_POLICY",
+    "NO_KEY",
+    "allreduce",
+    "intersect",
+    "allgather",
+]
 
 # Header slots (all reduced with MPI_MAX).
 H_COUNT = 0  # pending count -> max over ranks
@@ -66,7 +76,9 @@ def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> 
         delay = min(1e-3, delay * 2 + 2e-5)
 
 
-def allreduce(comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: float | None, what: Callable[[], str]) -> _Buf:
+def allreduce(
+    comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: float | None, what: Callable[[], str]
+) -> _Buf:
     """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``,
     blocking or against a deadline."""
     recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
@@ -82,7 +94,7 @@ def allgather(
 ) -> list[Any]:
     """Collective. Allgather a picklable value, blocking or against a deadline."""
     if deadline is None:
-        return comm.allgather(value)  # type: ignore[no-any-return]
+        return comm.allgather(value)
     # A pickled value of unknown size: gather the sizes, then the bytes.
     import pickle
 
@@ -91,9 +103,7 @@ def allgather(
     _wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), deadline, what)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    _wait(
-        comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what
-    )
+    _wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 

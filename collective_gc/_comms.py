@@ -42,7 +42,8 @@ def _keyval() -> int:
 def _existing_manager(comm: MPI.Intracomm) -> Manager | None:
     from ._manager import _keyval as manager_keyval
 
-    return comm.Get_attr(manager_keyval())  # type: ignore[no-any-return]
+    mgr = comm.Get_attr(manager_keyval())
+    return mgr if isinstance(mgr, Manager) else None
 
 
 class _Derived:
@@ -124,7 +125,7 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     """
     c = _check_comm(comm)
     parent = manager(c)
-    new = c.Dup()
+    new = MPI.Intracomm(c.Dup())
     return _adopt(parent, new, c, f"dup #{len(parent._children)} of a {parent._describe()}")
 
 
@@ -136,6 +137,6 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     """
     c = _check_comm(comm)
     parent = manager(c)
-    new = c.Split(color, key)
+    new = MPI.Intracomm(c.Split(color, key))
     label = f"split #{len(parent._children)} (color {color}) of a {parent._describe()}"
     return _adopt(parent, new, c, label)

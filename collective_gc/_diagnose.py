@@ -14,7 +14,8 @@ import collections
 import gc
 import sys
 import types
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 from mpi4py import MPI
 
@@ -77,7 +78,9 @@ def _label(owner: object, ref: object) -> str:
     return f".<{_name(ref)}>"
 
 
-def find_cycles(obj: object, *, max_depth: int = 8, max_objects: int = 100_000, limit: int = 10) -> list[str]:
+def find_cycles(
+    obj: object, *, max_depth: int = 8, max_objects: int = 100_000, limit: int = 10
+) -> list[str]:
     """The reference cycles through a live ``obj``, as readable paths. Local.
 
     Returns at most ``limit`` paths, shortest first, each like
@@ -160,5 +163,3 @@ def view(comm: MPI.Intracomm, *, file: IO[str] | None = sys.stdout) -> str:
         file.write(text)
         file.flush()
     return text
-
-

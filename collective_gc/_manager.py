@@ -26,7 +26,8 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -87,7 +88,7 @@ class CollectStats(NamedTuple):
     cyclic: int
     seconds: float
     sync: int
-    collected: Optional[int] = None  # noqa: UP007 (evaluated at class creation on 3.9)
+    collected: int | None = None  # noqa: UP007 (evaluated at class creation on 3.9)
 
 
 class _Child(Protocol):
@@ -115,7 +116,7 @@ class Manager:
         # Agreement traffic never shares a communicator with the user's messages.
         # Never hold the user's own communicator object: it may be a managed
         # one (cgc.dup) whose death we are waiting for; hold a wrapper of the handle.
-        self._comm: MPI.Intracomm = comm.Dup() if self._size > 1 else MPI.Intracomm(comm)
+        self._comm = MPI.Intracomm(comm.Dup() if self._size > 1 else comm)
         self._next_key = 0
         self._live: dict[int, Registration] = {}
         self._pending: dict[int, Registration] = {}
@@ -246,7 +247,9 @@ class Manager:
                     f"{self._describe()} as key {ref.key} ({ref.name!r}); register one "
                     "destroy that releases all it owns, or detach the first registration"
                 )
-        reg = make_registration(obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name)
+        reg = make_registration(
+            obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name
+        )
         self._next_key += 1
         self._live[reg.key] = reg
         self.created += 1
@@ -396,11 +399,11 @@ class Manager:
         n = len(pend)
         if self._size == 1:
             if on_header is not None:
-                head = [0] * _agree.HEADER_LEN
-                head[H_CYCLIC] = cyclic
-                head[H_CHILD_ERRORS] = child_errors
-                head[H_POLICY : H_POLICY + len(policy)] = policy
-                on_header(head)
+                local = [0] * _agree.HEADER_LEN
+                local[H_CYCLIC] = cyclic
+                local[H_CHILD_ERRORS] = child_errors
+                local[H_POLICY : H_POLICY + len(policy)] = policy
+                on_header(local)
             return sorted(pend), child_errors > 0
         if n:
             keys = np.fromiter(pend, dtype=np.int64, count=n)
@@ -440,7 +443,7 @@ class Manager:
                 self._children.remove(child)
         return failures
 
-    def _mismatch(self, red: np.ndarray[Any, Any]) -> CollectiveMismatchError:
+    def _mismatch(self, red: Sequence[int]) -> CollectiveMismatchError:
         parts = []
         if red[H_SEQ] != -red[H_NEG_SEQ]:
             parts.append(
@@ -509,9 +512,7 @@ class Manager:
                 return
             everyone = _agree.allgather(self._comm, mine, deadline, self._what("its error report"))
             mine = [f for per_rank in everyone for f in per_rank]
-        lines = "\n".join(
-            f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine
-        )
+        lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine)
         raise DestroyError(
             f"{len(mine)} destroy(s) raised at sync point {seq} on the "
             f"{self._describe()}; every other agreed destroy ran:\n{lines}",
@@ -581,6 +582,7 @@ def _keyval() -> int:
 
 
 def _check_comm(comm: object) -> MPI.Intracomm:
+    """Refuse what is not a usable intracommunicator, with a clear error."""
     if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
         raise ValueError("the communicator is MPI.COMM_NULL (freed, or this rank is not in it)")
     if not isinstance(comm, MPI.Intracomm):
@@ -615,7 +617,8 @@ def manager(comm: MPI.Comm) -> Manager:
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
     last[0], last[1] = weakref.ref(comm), mgr
-    return mgr  # type: ignore[no-any-return]
+    assert isinstance(mgr, Manager)
+    return mgr
 
 
 def managers() -> list[Manager]:

@@ -22,11 +22,20 @@ import threading
 import traceback
 import types
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ._errors import RegistrationError
 
-__all__ = ["Registration", "make_registration", "check_destroy", "ALIVE", "QUEUED", "DESTROYED", "DETACHED"]
+__all__ = [
+    "Registration",
+    "make_registration",
+    "check_destroy",
+    "ALIVE",
+    "QUEUED",
+    "DESTROYED",
+    "DETACHED",
+]
 
 ALIVE = 0  # the object lives, or died but the owner has not drained it yet
 QUEUED = 1  # drained into the owner's pending set, waiting for a sync point
@@ -203,7 +212,11 @@ def make_registration(
     reg.key = key
     reg.name = typename if name is None else name
     reg._typename = typename
-    reg.origin = traceback.extract_stack(limit=12)[:-3] if TRACK_ORIGINS[0] else None
+    reg.origin = (
+        traceback.StackSummary.from_list(traceback.extract_stack(limit=12)[:-3])
+        if TRACK_ORIGINS[0]
+        else None
+    )
     reg.cyclic = False
     reg.queued_at = -1
     reg._state = ALIVE
@@ -228,7 +241,7 @@ def _refers_to(value: object, obj: object) -> bool:
         cells = value.__closure__  # type: ignore[attr-defined]
         return bool(cells) and any(_cell_is(c, obj) for c in cells)
     if tp in _METHOD_TYPES:
-        return value.__self__ is obj  # type: ignore[attr-defined,no-any-return]
+        return value.__self__ is obj  # type: ignore[attr-defined]
     if isinstance(value, functools.partial):
         return (
             _refers_to(value.func, obj)
@@ -240,7 +253,7 @@ def _refers_to(value: object, obj: object) -> bool:
 
 def _cell_is(cell: Any, obj: object) -> bool:
     try:
-        return cell.cell_contents is obj  # type: ignore[no-any-return]
+        return cell.cell_contents is obj
     except ValueError:  # an empty cell
         return False
 
@@ -253,7 +266,7 @@ def check_destroy(
     Shallow on purpose (the object itself, a bound method of it, a partial or a
     closure over it): it runs at every registration.
     """
-    if type(destroy) is types.FunctionType and not destroy.__closure__ and not args and not kwargs:  # type: ignore[attr-defined]
+    if type(destroy) is types.FunctionType and not destroy.__closure__ and not args and not kwargs:
         return  # the common case: a plain function, nothing to check
     if not callable(destroy):
         raise RegistrationError(

@@ -20,7 +20,8 @@ import queue
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy, make_registration
 
@@ -29,9 +30,7 @@ __all__ = ["register", "flush", "shutdown", "stats"]
 
 class _Reaper:
     def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Registration | threading.Event | None] = (
-            queue.SimpleQueue()
-        )
+        self.queue: queue.SimpleQueue[Registration | threading.Event | None] = queue.SimpleQueue()
         self.live: dict[int, Registration] = {}
         self.lock = threading.Lock()
         self.keys = itertools.count()
@@ -78,7 +77,9 @@ class _Reaper:
         name: str | None,
     ) -> Registration:
         check_destroy(obj, destroy, args, kwargs)
-        reg = make_registration(obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name)
+        reg = make_registration(
+            obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name
+        )
         self.live[reg.key] = reg
         if self.thread is None:
             self._start()

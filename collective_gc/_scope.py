@@ -16,8 +16,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Callable, Literal, Sequence, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 from mpi4py import MPI
 
@@ -33,7 +34,7 @@ from ._manager import CollectStats, Manager, manager
 __all__ = ["collective_scope", "sync_point", "current_scope"]
 
 GcMode = Literal["managed", "auto", "off"]
-Strict = Union[bool, Literal["warn"]]
+Strict = Union[bool, Literal["warn"]]  # noqa: UP007 (a runtime alias: | needs 3.10 types)
 
 _local = threading.local()
 
@@ -286,7 +287,10 @@ def _origin(origin: traceback.StackSummary | None) -> str:
 def _describe_cyclic(
     rank: int, mine: list[tuple[str, str, int, traceback.StackSummary | None]], seq: int
 ) -> str:
-    parts = [f"{t} {n!r} (key {k})" + (f" registered at\n{_origin(o)}" if o else "") for t, n, k, o in mine]
+    parts = [
+        f"{t} {n!r} (key {k})" + (f" registered at\n{_origin(o)}" if o else "")
+        for t, n, k, o in mine
+    ]
     return (
         f"rank {rank}: {len(mine)} managed object(s) finalized by the cyclic collector before "
         f"sync point {seq}: " + "; ".join(parts)

@@ -32,8 +32,9 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -95,7 +96,9 @@ class Watchdog:
         while True:
             time.sleep(0.2)
             if time.monotonic() > self.deadline:
-                sys.stderr.write(f"HANG: rank {self.rank} seed {self.seed} overran {self.seconds} s\n")
+                sys.stderr.write(
+                    f"HANG: rank {self.rank} seed {self.seed} overran {self.seconds} s\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -278,19 +281,26 @@ def main() -> int:
         totals.double += res.double
         totals.leaks += res.leaks
         totals.hangs += res.hangs
-        flags = world.allreduce(int(bool(res.errors or res.double or res.leaks or res.hangs)), op=MPI.SUM)
+        flags = world.allreduce(
+            int(bool(res.errors or res.double or res.leaks or res.hangs)), op=MPI.SUM
+        )
         if flags:
             bad += 1
             for e in res.errors:
                 print(f"seed {seed}: {e}", file=sys.stderr, flush=True)
         if rank == 0 and (seed + 1 - args.first) % 20 == 0:
-            print(f"  {seed + 1 - args.first}/{args.seeds} seeds, {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"  {seed + 1 - args.first}/{args.seeds} seeds, {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
     sums = world.allreduce(
-        (totals.objects, totals.destroys, totals.double, totals.leaks, totals.hangs), op=_tuple_sum()
+        (totals.objects, totals.destroys, totals.double, totals.leaks, totals.hangs),
+        op=_tuple_sum(),
     )
     if rank == 0:
         print(
-            f"stress{' (naive)' if args.naive else ''}: {world.Get_size()} ranks, seeds {args.seeds}, "
+            f"stress{' (naive)' if args.naive else ''}: {world.Get_size()} ranks, "
+            f"seeds {args.seeds}, "
             f"objects {sums[0] // world.Get_size()} per rank, destroys {sums[1]} (all ranks), "
             f"hangs {sums[4]}, double destroys {sums[2]}, leaks {sums[3]}, bad seeds {bad}, "
             f"{time.perf_counter() - t0:.1f} s",

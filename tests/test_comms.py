@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+
 from _util import CheckedLog, Obj
 
 

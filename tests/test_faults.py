@@ -14,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+
 from _util import CheckedLog, Obj
 from conftest import mpiexec_env
 
@@ -141,7 +142,9 @@ def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
 @pytest.mark.launcher
 def test_uncaught_exception_mid_loop_ends_the_job(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    proc = _mpiexec([sys.executable, "-m", "mpi4py", str(SCRIPTS / "uncaught_midloop.py"), str(tmp_path / "m")])
+    proc = _mpiexec(
+        [sys.executable, "-m", "mpi4py", str(SCRIPTS / "uncaught_midloop.py"), str(tmp_path / "m")]
+    )
     out, err = proc.communicate(timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
@@ -163,7 +166,9 @@ def test_sigterm_to_the_whole_job(tmp_path: Path) -> None:
     proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 15
     assert proc.returncode != 0
-    left = subprocess.run(["pgrep", "-f", str(SCRIPTS / "long_loop.py")], capture_output=True, text=True)
+    left = subprocess.run(
+        ["pgrep", "-f", str(SCRIPTS / "long_loop.py")], capture_output=True, text=True
+    )
     assert left.stdout.strip() == "", "ranks survived SIGTERM"
 
 
@@ -180,7 +185,10 @@ def test_finalizers_after_mpi_finalize_do_nothing() -> None:
 def test_shutdown_with_the_reaper_busy() -> None:
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "busy_reaper.py")], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SCRIPTS / "busy_reaper.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - t0 < 12  # bounded: it does not wait for all 40 x 0.3 s

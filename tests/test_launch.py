@@ -18,11 +18,22 @@ SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.launcher
 
 
-def mpiexec(script: str, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+def mpiexec(
+    script: str, *args: str, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     e = mpiexec_env()
     e.update(env)
     return subprocess.run(
-        ["mpiexec", "-n", "4", "--timeout", str(int(timeout)), sys.executable, str(SCRIPTS / script), *args],
+        [
+            "mpiexec",
+            "-n",
+            "4",
+            "--timeout",
+            str(int(timeout)),
+            sys.executable,
+            str(SCRIPTS / script),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout + 30,

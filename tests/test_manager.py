@@ -15,6 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+
 from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import collective_gc as cgc
 from collective_gc import _reaper
+
 from _util import GcDisabled, Obj
 
 

@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+
 from _util import CheckedLog, Obj, make_cycle, same_on_all
 
 
@@ -198,6 +199,6 @@ def test_exit_sync_after_error_on_one_rank_does_not_hang(comm: MPI.Intracomm) ->
             with cgc.collective_scope(comm, timeout=0.5):
                 raise KeyError("only here")
         assert "exit sync" in "".join(getattr(info.value, "__notes__", []))
-        assert not gc.isenabled() is False  # gc state restored
+        assert gc.isenabled() is not False  # gc state restored
     comm.Barrier()
     cgc.manager(comm)._broken = "the end of this test"  # the others skip it at exit too

@@ -35,9 +35,26 @@ def test_one_seed_on_self() -> None:
 def test_naive_version_deadlocks_and_the_harness_catches_it() -> None:
     harness = Path(__file__).parent / "stress_harness.py"
     proc = subprocess.run(
-        ["mpiexec", "-n", "4", "--timeout", "60", sys.executable, "-m", "mpi4py", str(harness),
-         "--naive", "--seeds", "3", "--deadline", "6"],
-        capture_output=True, text=True, timeout=120, env=mpiexec_env(),
+        [
+            "mpiexec",
+            "-n",
+            "4",
+            "--timeout",
+            "60",
+            sys.executable,
+            "-m",
+            "mpi4py",
+            str(harness),
+            "--naive",
+            "--seeds",
+            "3",
+            "--deadline",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=mpiexec_env(),
     )
     assert proc.returncode != 0
     assert "HANG: rank" in proc.stderr, proc.stderr[-2000:]

@@ -14,7 +14,7 @@ class Res:
 
 
 keep = []
-for i in range(10):
+for _ in range(10):
     r = Res()
     r.me = r  # only the collector frees it: after MPI_Finalize below
     cgc.register(r, comm.Barrier, comm=comm)
