@@ -56,21 +56,52 @@ def current_scope(comm: MPI.Comm | None = None) -> collective_scope | None:
     return None
 
 
+# CPython runs a full collection only when the objects promoted to the oldest
+# generation since the last full one exceed a quarter of those that survived
+# it (gcmodule.c, "long_lived_pending > long_lived_total / 4"), so that a
+# large long-lived heap is not traversed over and over. Managed mode keeps the
+# same rule, with its own books: the objects in the oldest generation after
+# the last full collection (None: not measured yet), and those promoted since.
+_LONG_LIVED_TOTAL: list[int | None] = [None]
+_LONG_LIVED_PENDING: list[int] = [0]
+
+
 def _wanted_generation() -> int:
     """The generation Python's automatic collector would collect now, or -1.
 
     CPython collects when the youngest generation's count passes its threshold,
-    and then the oldest generation whose count passes its own threshold.
+    and then the oldest generation whose count passes its own threshold (for
+    the oldest, only if enough objects were promoted since the last full one).
     """
     t0, t1, t2 = _gc.get_threshold()
     c0, c1, c2 = _gc.get_count()
     if t0 == 0 or c0 <= t0:
         return -1
     if c2 > t2 and c1 > t1:
-        return 2
+        total = _LONG_LIVED_TOTAL[0]
+        if total is None:
+            total = _LONG_LIVED_TOTAL[0] = len(_gc.get_objects(2))
+        if _LONG_LIVED_PENDING[0] > total // 4:
+            return 2
     if c1 > t1:
         return 1
     return 0
+
+
+def _collect(generation: int) -> int:
+    """``gc.collect(generation)``, keeping the books of the long-lived rule."""
+    if generation >= 2:
+        found = _gc.collect(2)
+        _LONG_LIVED_TOTAL[0] = len(_gc.get_objects(2))
+        _LONG_LIVED_PENDING[0] = 0
+        return found
+    if generation == 1:
+        # What survives a collection of generation 1 is promoted to 2.
+        before = len(_gc.get_objects(0)) + len(_gc.get_objects(1))
+        found = _gc.collect(1)
+        _LONG_LIVED_PENDING[0] += max(0, before - found)
+        return found
+    return _gc.collect(0)
 
 
 class collective_scope:
@@ -101,9 +132,13 @@ class collective_scope:
             raising :class:`CollectiveTimeoutError` (the manager is then unusable).
         track_origins: record where each object is registered inside the scope,
             for strict mode's messages (costs a stack extraction per registration).
+        exit_collect: the generation every rank collects before the exit sync
+            (default 2, a full collection, so that nothing dropped inside the
+            scope stays queued; its cost grows with the heap, so a scope around
+            each of many short solves may prefer 0, or None for no collection).
 
-    The scope syncs at exit, after a full collection on every rank, so nothing
-    dropped inside it stays queued. If the body raised, that exit sync gets a
+    The scope syncs at exit, after the ``exit_collect`` collection on every
+    rank (``gc="off"``: none). If the body raised, that exit sync gets a
     deadline (``timeout``, or ``COLLECTIVE_GC_EXIT_TIMEOUT`` seconds, default
     10) since the exception may have happened on some ranks only: past it the
     original exception propagates, with a note, instead of hanging (run under
@@ -119,6 +154,7 @@ class collective_scope:
         strict: Strict = False,
         timeout: float | None = None,
         track_origins: bool = False,
+        exit_collect: int | None = 2,
     ) -> None:
         if gc not in ("managed", "auto", "off"):
             raise ValueError(f"gc must be 'managed', 'auto' or 'off', not {gc!r}")
@@ -131,6 +167,9 @@ class collective_scope:
         self.strict = strict
         self.timeout = timeout
         self.track_origins = track_origins
+        if exit_collect not in (None, 0, 1, 2):
+            raise ValueError(f"exit_collect must be 0, 1, 2 or None, not {exit_collect!r}")
+        self.exit_collect = exit_collect
         self.manager: Manager = manager(comm)
         self.syncs = 0
         self.destroyed = 0
@@ -222,9 +261,9 @@ class collective_scope:
     def _sync(self, *, collect: bool, deadline_s: float | None) -> CollectStats:
         t0 = time.perf_counter()
         collected = None
-        if collect and self.gc != "off":
+        if collect and self.gc != "off" and self.exit_collect is not None:
             # The exit sync: the same full collection on every rank first.
-            collected = _gc.collect()
+            collected = _collect(self.exit_collect) if self.exit_collect is not None else None
             self.collections += 1
         seen: list[Sequence[int]] = []
         policy: tuple[int, ...] = ()
@@ -241,7 +280,7 @@ class collective_scope:
                 if gen >= 0:
                     # The same generation on every rank, at the same sync point;
                     # what it finds is queued for the next one.
-                    _gc.collect(gen)
+                    _collect(gen)
                     self.collections += 1
         self.syncs += 1
         self.destroyed += stats.destroyed

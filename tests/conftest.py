@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if WORLD.Get_size() > 1 and config.option.basetemp is None:
+        # Ranks sharing one pytest temp root race on its cleanup.
+        config.option.basetemp = os.path.join(
+            tempfile.gettempdir(), f"cgc-pytest-{os.getuid()}-rank{WORLD.Get_rank()}"
+        )
     if WORLD.Get_size() > 1 and WORLD.Get_rank() > 0:
         # One report is enough; failures on any rank still print (see above).
         config.option.verbose = -2
