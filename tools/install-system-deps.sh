@@ -3,7 +3,7 @@
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail
-PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv"
+PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-matplotlib"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
