@@ -22,7 +22,7 @@ MPIEXEC ?= mpiexec -n $(NP) --timeout 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi demo bench stress lint clean
+.PHONY: all install test test-serial test-mpi demo bench stress lint docs clean
 
 all: test
 
@@ -58,6 +58,16 @@ stress: install
 	        >/dev/null 2>&1; then \
 	    echo "the naive version (destroy in __del__) should have deadlocked" >&2; exit 1; \
 	else echo "naive version (destroy in __del__): deadlocked, caught by the watchdog, as expected"; fi
+
+docs: install
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[docs]'
+	$(PY) -m sphinx -W -q -b html docs docs/_build/html
+
+lint: install
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[lint]'
+	$(PY) -m ruff check collective_gc tests bench examples
+	$(PY) -m ruff format --check collective_gc tests bench examples
+	$(PY) -m mypy --strict collective_gc
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

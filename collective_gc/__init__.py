@@ -26,6 +26,16 @@ from ._scope import collective_scope, current_scope, sync_point
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # parallel_assert lives in the pytest plugin, which imports pytest: load it
+    # only when asked for, so that importing collective_gc never needs pytest.
+    if name == "parallel_assert":
+        from .pytest_plugin import parallel_assert
+
+        return parallel_assert
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "CollectStats",
     "CollectiveGCError",

@@ -62,7 +62,15 @@ NO_KEY = int(np.iinfo(np.int64).max)
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
 
-def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> None:
+# Requests abandoned at a deadline, with the buffers MPI may still write into
+# or read from if a late rank arrives: kept alive for the life of the process
+# (a collective cannot be cancelled), so MPI never touches freed memory.
+_ABANDONED: list[tuple[MPI.Request, tuple[object, ...]]] = []
+
+
+def _wait(
+    req: MPI.Request, deadline: float | None, what: Callable[[], str], *buffers: object
+) -> None:
     if deadline is None:
         req.Wait()
         return
@@ -71,6 +79,7 @@ def _wait(req: MPI.Request, deadline: float | None, what: Callable[[], str]) -> 
     delay = 0.0
     while not req.Test():
         if time.monotonic() > deadline:
+            _ABANDONED.append((req, buffers))
             raise CollectiveTimeoutError(what())
         time.sleep(delay)
         delay = min(1e-3, delay * 2 + 2e-5)
@@ -85,7 +94,7 @@ def allreduce(
     if deadline is None:
         comm.Allreduce(send, recv, op)
     else:
-        _wait(comm.Iallreduce(send, recv, op), deadline, what)
+        _wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
     return recv
 
 
@@ -100,10 +109,11 @@ def allgather(
 
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
-    _wait(comm.Iallgather(np.array([data.size], dtype=np.int64), sizes), deadline, what)
+    mine = np.array([data.size], dtype=np.int64)
+    _wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    _wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what)
+    _wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 
@@ -161,7 +171,7 @@ def intersect(
             comm.Allreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
         else:
             req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
-            _wait(req, deadline, what)
+            _wait(req, deadline, what, buf, out, dtype)
     finally:
         dtype.Free()
     return out[1 : 1 + out[0]].copy()

@@ -339,7 +339,7 @@ class Manager:
     ) -> CollectStats:
         """Collective. Agree on the keys pending on every rank and destroy them.
 
-        ``policy`` fills the header's policy slots (from ``H_GEN`` on) and
+        ``policy`` fills the header's policy slots (from ``H_POLICY`` on) and
         ``on_header`` sees the reduced header before anything is destroyed (it
         may raise, and then does so on every rank alike); both are for
         :mod:`._scope`. ``collected``/``t0`` only feed the returned stats.
@@ -634,11 +634,11 @@ def register(
     name: str | None = None,
     **kwargs: Any,
 ) -> Registration:
-    """Manage ``obj``: when it is finalized, queue ``destroy(*args, **kwargs)``.
+    """Collective over ``comm``: manage ``obj``; when it dies, queue ``destroy(*args, **kwargs)``.
 
-    Collective over ``comm``: every rank registers the same objects in the same
-    order, so the registration gets the same key on every rank; a rank that
-    registers in a different order makes the next sync point raise
+    Every rank registers the same objects in the same order, so the
+    registration gets the same key on every rank; a rank that registers in a
+    different order makes the next sync point raise
     :class:`CollectiveMismatchError` on every rank.
 
     When ``obj`` dies (by refcounting or in the cyclic collector, on any

@@ -342,10 +342,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 def sync_point(
     fn: F | None = None, *, comm: MPI.Comm | Callable[..., MPI.Comm] | None = None
 ) -> Any:
-    """Decorator: make a function (a solve) a sync point after it returns.
+    """Collective decorator: make a function (a solve) a sync point after it returns.
 
-    Collective, like the sync point it adds: every rank must call the decorated
-    function the same number of times. After it returns, the innermost open
+    Every rank must call the decorated function the same number of times (each
+    call ends in a collective sync point; a rank that skips one hangs the others
+    or makes the next sync point raise :class:`CollectiveMismatchError`). After it returns, the innermost open
     :class:`collective_scope` of this thread (on ``comm``, if given) syncs; with
     no such scope, ``comm`` is required and :func:`collective_gc.collect`
     runs on it. ``comm`` may be a communicator or a callable that gets the

@@ -1,0 +1,542 @@
+"""pytest plugin: a leak check, a strict-mode marker and ``parallel_assert``.
+
+Registered through the ``pytest11`` entry point, so it is active in every
+pytest run once collective_gc is installed; with no option and no marker it
+only registers its markers and options (and imports neither mpi4py nor
+collective_gc). It works serially and under
+``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi`` beside pytest-mpi.
+
+- ``--cgc-leak-check`` (or ``cgc_leak_check = true`` in the ini file): after
+  each test, a final collective sync on every manager the test registered
+  objects on; the test fails, on every rank together, if objects it
+  registered are still alive or queued. ``@pytest.mark.cgc_leak_check`` turns
+  the check on for one test, ``@pytest.mark.cgc_leak_check(False)`` off.
+- ``@pytest.mark.cgc_strict``: the test fails if a managed object is finalized
+  by the cyclic collector while it runs (as in
+  ``collective_scope(strict=True)``).
+- :func:`parallel_assert`: every rank learns whether the condition held on all
+  of them, and they raise :class:`AssertionError` together.
+
+Both checks run in the teardown of an autouse fixture, so they run on every
+rank whether the test passed or not (a check that one rank skipped would
+leave the others waiting), after the test's other function-scoped fixtures
+were torn down, and they report as an error at teardown.
+"""
+
+from __future__ import annotations
+
+import array
+import gc
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from ._manager import Manager
+    from ._queue import Registration
+
+__all__ = ["parallel_assert"]
+
+_DEFAULT_TIMEOUT = 60.0
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# At most this many rounds of collect-and-sync per leak check: a destroy that
+# drops more managed objects queues them for the next round.
+_ROUNDS = 3
+
+
+# -- parallel_assert ------------------------------------------------------------
+
+# Requests abandoned at their deadline, with their buffers: MPI may still write
+# into the receive buffer when a late rank arrives, so both must outlive the
+# call. Completed ones are dropped at the next call.
+_ABANDONED: list[tuple[Any, array.array[int], array.array[int]]] = []
+
+
+def _reduce(
+    comm: MPI.Comm, values: list[int], op: MPI.Op, deadline: float | None
+) -> list[int] | None:
+    """Collective. Non-blocking allreduce of ints; None if ``deadline`` passed first.
+
+    Always non-blocking, with or without a deadline: a non-blocking collective
+    never matches a blocking one, so every rank must issue the same kind.
+    """
+    if _ABANDONED:
+        _ABANDONED[:] = [a for a in _ABANDONED if not a[0].Test()]
+    send = array.array("q", values)
+    recv = array.array("q", values)
+    req = comm.Iallreduce(send, recv, op)
+    if deadline is None:
+        req.Wait()
+        return recv.tolist()
+    delay = 0.0
+    while not req.Test():
+        if time.monotonic() > deadline:
+            _ABANDONED.append((req, send, recv))
+            return None
+        # Yield the core: oversubscribed ranks share cores with the one we wait for.
+        time.sleep(delay)
+        delay = min(1e-3, delay * 2 + 2e-5)
+    return recv.tolist()
+
+
+def _holds(condition: object) -> tuple[bool, str]:
+    # Evaluate on this rank; an exception is a local failure, never a skipped
+    # collective (which would leave the other ranks waiting).
+    try:
+        value = condition() if callable(condition) else condition
+        return bool(value), ""
+    except Exception as exc:  # noqa: BLE001 - any exception is this rank's failure
+        return False, f"evaluating the condition raised {type(exc).__name__}: {exc}"
+
+
+def parallel_assert(
+    condition: object,
+    msg: str | Callable[[], str] = "",
+    comm: MPI.Comm | None = None,
+    *,
+    timeout: float | None = None,
+) -> None:
+    """Collective over ``comm`` (default ``MPI.COMM_WORLD``): assert on every rank together.
+
+    Every rank passes its own ``condition`` (a value, or a callable evaluated
+    here; an exception it raises counts as a failure on that rank). If it is
+    false on any rank, :class:`AssertionError` is raised on *every* rank,
+    naming the ranks where it failed and their messages (``msg``: a string,
+    or a callable evaluated only on failing ranks). So a condition that fails
+    on one rank never leaves the others waiting in the next collective.
+
+    Every rank of ``comm`` must call it, in the same order relative to other
+    collectives on ``comm`` (it is one non-blocking allreduce, plus an
+    allgather when something failed). A rank that skips it leaves the others
+    waiting for ever, or, with ``timeout`` seconds, until they raise
+    :class:`AssertionError` saying so; after such a timeout the abandoned
+    allreduce still waits to be matched, so ``comm`` must not be used for
+    collectives again unless the late ranks do call ``parallel_assert``.
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line, not ours
+    from mpi4py import MPI
+
+    c = MPI.COMM_WORLD if comm is None else comm
+    ok, detail = _holds(condition)
+    if not ok and not detail:
+        try:
+            detail = msg() if callable(msg) else msg
+        except Exception as exc:  # noqa: BLE001 - reported, never skips the collective
+            detail = f"formatting the message raised {type(exc).__name__}: {exc}"
+    size, rank = c.Get_size(), c.Get_rank()
+    if size == 1:
+        if not ok:
+            raise AssertionError(_assert_message([(rank, detail)], size))
+        return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    agreed = _reduce(c, [int(ok)], MPI.MIN, deadline)
+    if agreed is None:
+        raise AssertionError(
+            f"rank {rank}: parallel_assert did not hear from every rank of a communicator "
+            f"of size {size} within {timeout} s (did a rank fail before reaching it, or "
+            f"skip it?); here the condition {'held' if ok else 'failed: ' + detail}"
+        )
+    if agreed[0]:
+        return
+    # Every rank got here together, so this blocking gather cannot wait for long.
+    failed = [(r, d) for r, d in enumerate(c.allgather(None if ok else detail)) if d is not None]
+    raise AssertionError(_assert_message(failed, size))
+
+
+def _assert_message(failed: list[tuple[int, str]], size: int) -> str:
+    ranks = ", ".join(str(r) for r, _ in failed)
+    texts = {d for _, d in failed}
+    head = f"parallel assertion failed on rank(s) {ranks} of {size}"
+    if len(texts) == 1:
+        (text,) = texts
+        return f"{head}: {text}" if text else head
+    return head + ":\n" + "\n".join(f"  rank {r}: {d}" for r, d in failed)
+
+
+# -- options and markers ----------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("collective_gc", "collective_gc checks")
+    group.addoption(
+        "--cgc-leak-check",
+        action="store_true",
+        default=None,
+        help="after each test, sync the collective_gc managers it used and fail it "
+        "if objects it registered are still alive or queued (ini: cgc_leak_check)",
+    )
+    group.addoption(
+        "--cgc-timeout",
+        type=float,
+        default=None,
+        help="seconds the checks' own collectives may wait for the other ranks "
+        f"(ini: cgc_timeout; default {_DEFAULT_TIMEOUT:g})",
+    )
+    parser.addini(
+        "cgc_leak_check", "collective_gc leak check for every test", type="bool", default=False
+    )
+    parser.addini(
+        "cgc_timeout", "deadline of the collective_gc checks' collectives, seconds", default=""
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cgc_leak_check(enabled=True): run (or, with False, skip) collective_gc's leak "
+        "check after this test, whatever --cgc-leak-check says",
+    )
+    config.addinivalue_line(
+        "markers",
+        "cgc_strict: fail this test if a collective_gc-managed object is finalized by "
+        "the cyclic collector while it runs",
+    )
+    option = config.getoption("cgc_leak_check")
+    leak = bool(config.getini("cgc_leak_check")) if option is None else bool(option)
+    timeout = config.getoption("cgc_timeout")
+    if timeout is None:
+        raw = str(config.getini("cgc_timeout")).strip()
+        timeout = float(raw) if raw else _DEFAULT_TIMEOUT
+    config.stash[_STATE] = _State(leak_default=leak, timeout=float(timeout))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is not None and state.comm is not None and state.broken is None:
+        # Collective, and every rank gets here (unless one aborted, when the
+        # job is over anyway).
+        state.comm.Free()
+        state.comm = None
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # The call report is logged before the teardown, where the leak check runs.
+    if report.when == "call" and report.failed:
+        _FAILED_CALLS.add(report.nodeid)
+
+
+# -- the per-test checks ----------------------------------------------------------
+
+
+@dataclass
+class _State:
+    leak_default: bool
+    timeout: float
+    # A private duplicate of COMM_WORLD for the checks' own agreement, made at
+    # the first check (at the same test on every rank), so it never matches a
+    # test's own collectives on COMM_WORLD.
+    comm: Any = None
+    broken: str | None = None
+
+
+_STATE = pytest.StashKey[_State]()
+# One rank's findings: strict rows, leak rows (rank, text), sync errors, and
+# whether the test's call failed on this rank.
+_Report = tuple[list[tuple[str, str]], list[tuple[str, str]], list[str], bool]
+_FAILED_CALLS: set[str] = set()
+
+
+@dataclass
+class _Watch:
+    """What one checked test started from, on this rank."""
+
+    leak: bool
+    strict: bool
+    # next_key of each manager when the test started: keys from there on were
+    # registered by the test (managers made during it start from 0).
+    keys: dict[Manager, int] = field(default_factory=dict)
+    local: set[int] = field(default_factory=set)
+    cyclic: dict[Manager, int] = field(default_factory=dict)
+    hook: _CyclicRecorder | None = None
+    origins_were: bool = False
+
+
+class _CyclicRecorder:
+    """A ``gc.callbacks`` hook: at the end of each collection, note the managed
+    objects it finalized (they sit in their manager's inbox, flagged cyclic).
+
+    It only reads and records, as a GC callback must: no MPI, no destroy.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[Registration] = set()
+        self.rows: list[tuple[Registration, Manager]] = []
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase != "stop":
+            return
+        from ._manager import _MANAGERS
+
+        for mgr in _MANAGERS:
+            if not mgr._inbox:
+                continue
+            try:
+                # tuple() copies in C without running Python code, so a
+                # finalizer on another thread cannot append mid-copy.
+                regs = tuple(mgr._inbox)
+            except RuntimeError:
+                continue
+            for reg in regs:
+                if reg.cyclic and reg not in self.seen:
+                    self.seen.add(reg)
+                    self.rows.append((reg, mgr))
+
+
+def _wants(item: pytest.Item, state: _State) -> tuple[bool, bool]:
+    marker = item.get_closest_marker("cgc_leak_check")
+    leak = state.leak_default
+    if marker is not None:
+        leak = bool(marker.kwargs.get("enabled", marker.args[0] if marker.args else True))
+    return leak, item.get_closest_marker("cgc_strict") is not None
+
+
+@pytest.fixture(autouse=True)
+def _cgc_checks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """collective_gc's leak check and strict mode around one test (see the module docs)."""
+    state = request.config.stash.get(_STATE, None)
+    leak, strict = (False, False) if state is None else _wants(request.node, state)
+    if not (leak or strict) or state is None or state.broken is not None:
+        yield
+        return
+    watch = _begin(leak, strict)
+    try:
+        yield
+    finally:
+        _drop_fixture_values(request.node)
+        _end(watch, state, request.node)
+
+
+def _drop_fixture_values(item: pytest.Item) -> None:
+    # pytest lets go of the fixture values it passed to the test only after
+    # every teardown hook has run; by now every function-scoped fixture has
+    # been torn down (ours is the first set up, so the last torn down), and
+    # their values would look leaked. Wider-scoped values stay: their
+    # fixtures are still live. Private attribute: if it is gone, keep all.
+    funcargs = getattr(item, "funcargs", None)
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None)
+    if not isinstance(funcargs, dict) or not isinstance(defs, dict):
+        return
+    for name, fixturedefs in defs.items():
+        if name in funcargs and fixturedefs and getattr(fixturedefs[-1], "scope", "") == "function":
+            del funcargs[name]
+
+
+def _begin(leak: bool, strict: bool) -> _Watch:
+    from . import _queue, _reaper
+    from ._manager import managers
+
+    watch = _Watch(leak, strict)
+    if strict:
+        # Cycles left by earlier tests die now, not during this one; drain so
+        # that their counts are in the baseline.
+        gc.collect()
+        for mgr in managers():
+            mgr.pending()
+            watch.cyclic[mgr] = mgr.cyclic
+        watch.hook = _CyclicRecorder()
+        gc.callbacks.append(watch.hook)
+        # Name where each object was registered in the failure message.
+        watch.origins_were = _queue.TRACK_ORIGINS[0]
+        _queue.TRACK_ORIGINS[0] = True
+    if leak:
+        watch.keys = {mgr: mgr.next_key for mgr in managers()}
+        watch.local = set(_reaper._REAPER.live)
+    return watch
+
+
+def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
+    from mpi4py import MPI
+
+    deadline = time.monotonic() + state.timeout
+    strict_rows = _end_strict(watch) if watch.strict else []
+    leak_rows: list[tuple[str, str]] = []
+    errors: list[str] = []
+    world = MPI.COMM_WORLD
+    if state.comm is None and world.Get_size() > 1:
+        state.comm = world.Dup()
+    if watch.leak:
+        errors = _final_syncs(watch, state, deadline)
+        leak_rows = _leaks(watch)
+    failed_here = item.nodeid in _FAILED_CALLS
+    _FAILED_CALLS.discard(item.nodeid)
+    mine: _Report = (strict_rows, leak_rows, errors, failed_here)
+    everyone = [mine]
+    if state.comm is not None and state.broken is None:
+        flags = [int(bool(strict_rows or leak_rows or errors)), int(failed_here)]
+        agreed = _reduce(state.comm, flags, MPI.MAX, deadline)
+        if agreed is None:
+            state.broken = "its agreement timed out"
+        elif agreed[0]:
+            # Something to report somewhere: every rank is here, gather it all.
+            everyone = state.comm.allgather(mine)
+    if state.broken is not None:
+        pytest.fail(
+            f"collective_gc checks: rank {world.Get_rank()} waited {state.timeout:g} s for "
+            "the other ranks at the end of this test (did a rank stop, or hang in the "
+            "test?); the checks are off for the rest of the session",
+            pytrace=False,
+        )
+    _raise(everyone, item)
+
+
+def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
+    from . import _queue
+    from ._manager import managers
+
+    hook = watch.hook
+    assert hook is not None
+    try:
+        gc.collect()  # cycles the test left behind die here, inside the watch
+    finally:
+        gc.callbacks.remove(hook)
+        _queue.TRACK_ORIGINS[0] = watch.origins_were
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    rows: list[tuple[str, str]] = []
+    for reg, mgr in hook.rows:
+        where = ""
+        if reg.origin is not None:
+            # The user's frames, not the registering adapter's.
+            frames = [f for f in reg.origin if not f.filename.startswith(_HERE)][-2:]
+            where = " registered at " + "; ".join(f"{f.filename}:{f.lineno}" for f in frames)
+        text = f"{reg.typename} {reg.name!r} (key {reg.key}) on a communicator of size {mgr.size}"
+        rows.append((str(rank), text + where))
+    # Finalizations the hook could not see (drained by a sync on another thread
+    # before the collection ended) still show in the managers' counts.
+    counted = 0
+    for mgr in managers():
+        mgr.pending()
+        counted += mgr.cyclic - watch.cyclic.get(mgr, 0)
+    if counted > len(rows):
+        rows.append((str(rank), f"{counted - len(rows)} more, drained before they could be named"))
+    return rows
+
+
+def _final_syncs(watch: _Watch, state: _State, deadline: float) -> list[str]:
+    """Collective over COMM_WORLD (through the plugin's duplicate): sync the
+    managers the test registered objects on, until no more destroys run.
+
+    Which managers: those whose next key moved during the test. Registration
+    is collective, so every rank of a communicator picks its manager, and ranks
+    outside it have no manager to pick; managers are visited in creation order,
+    which is the same on every rank that shares them, so no two ranks wait for
+    each other in opposite orders.
+    """
+    from mpi4py import MPI
+
+    from . import _reaper
+    from ._errors import CollectiveGCError
+    from ._manager import managers
+
+    used = [m for m in managers() if m.next_key > watch.keys.get(m, 0) and m._broken is None]
+    errors: list[str] = []
+    for round_ in range(_ROUNDS):
+        if round_ == 0:
+            # Once: a full collection costs tens of ms in a test process (more on
+            # oversubscribed ranks), and what later rounds find was dropped by
+            # destroys, by refcount.
+            gc.collect()
+        _reaper.flush(max(0.0, deadline - time.monotonic()))
+        destroyed = 0
+        for mgr in used:
+            if mgr._broken is not None:
+                continue
+            try:
+                destroyed += mgr.sync(deadline=deadline).destroyed
+            except CollectiveGCError as exc:
+                errors.append(f"rank {mgr.rank} of a communicator of size {mgr.size}: {exc}")
+        if state.comm is None:
+            if not destroyed or errors:
+                break
+            continue
+        # Another round only if some rank destroyed something (its destroys
+        # may have dropped more managed objects) and nothing went wrong.
+        agreed = _reduce(state.comm, [int(destroyed > 0), int(bool(errors))], MPI.MAX, deadline)
+        if agreed is None:
+            state.broken = "its agreement timed out"
+            errors.append("the leak check's own agreement timed out")
+            break
+        if not agreed[0] or agreed[1]:
+            break
+    _reaper.flush(max(0.0, deadline - time.monotonic()))
+    return errors
+
+
+def _leaks(watch: _Watch) -> list[tuple[str, str]]:
+    from mpi4py import MPI
+
+    from . import _reaper
+    from ._manager import managers
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    rows: list[tuple[str, str]] = []
+    for mgr in managers():
+        start = watch.keys.get(mgr, 0)
+        if mgr.next_key <= start:
+            continue
+        for reg in mgr.alive() + mgr.pending():
+            if reg.key >= start:
+                rows.append((str(rank), _describe(reg, f"a communicator of size {mgr.size}")))
+    live = dict(_reaper._REAPER.live)
+    for key in sorted(set(live) - watch.local):
+        rows.append((str(rank), _describe(live[key], "the rank-local reaper (comm=None)")))
+    return rows
+
+
+def _describe(reg: Registration, where: str) -> str:
+    state = "queued" if reg.state == "queued" else "alive"
+    return f"{reg.typename} {reg.name!r} (key {reg.key}), {state}, on {where}"
+
+
+def _group(rows: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    # The same object is usually reported by every rank: one line, its ranks.
+    out: dict[str, list[str]] = {}
+    for rank, text in rows:
+        out.setdefault(text, []).append(rank)
+    return out
+
+
+def _lines(groups: dict[str, list[str]], limit: int = 20) -> str:
+    # A test that leaks in a loop would otherwise print thousands of lines.
+    lines = [f"  rank(s) {', '.join(ranks)}: {text}" for text, ranks in groups.items()]
+    if len(lines) > limit:
+        lines[limit:] = [f"  ... and {len(lines) - limit} more"]
+    return "\n".join(lines)
+
+
+def _raise(everyone: list[_Report], item: pytest.Item) -> None:
+    strict = _group(row for per in everyone for row in per[0])
+    errors = [e for per in everyone for e in per[2]]
+    # A test that already failed keeps its locals alive in the traceback: its
+    # leak report would be noise, so only its other problems are reported.
+    failed = any(per[3] for per in everyone)
+    leaks = {} if failed else _group(row for per in everyone for row in per[1])
+    parts = []
+    if strict:
+        parts.append(
+            f"{sum(len(r) for r in strict.values())} managed object(s) were finalized by "
+            "the cyclic collector during this test (cgc_strict); when they die depends "
+            "on each rank's allocations. "
+            "Break their reference cycles (collective_gc.find_cycles(obj) shows them):\n"
+            + _lines(strict)
+        )
+    if leaks:
+        parts.append(
+            f"{sum(len(r) for r in leaks.values())} managed object(s) registered during this "
+            "test are still alive or queued after its final sync point (a reference kept in "
+            "a global, a cache or a wider fixture? an object dropped on some ranks only?):\n"
+            + _lines(leaks)
+        )
+    if errors:
+        parts.append("the final sync points raised:\n" + "\n".join(f"  {e}" for e in errors))
+    if parts:
+        pytest.fail(
+            f"collective_gc checks failed for {item.nodeid}:\n" + "\n".join(parts), pytrace=False
+        )
