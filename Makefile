@@ -22,7 +22,7 @@ MPIEXEC ?= mpiexec -n $(NP) --timeout 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi demo bench stress lint docs clean
+.PHONY: all install test test-serial test-mpi demo demo-resources demo-naive bench stress lint docs clean
 
 all: test
 
@@ -44,11 +44,23 @@ test-serial: install
 test-mpi: install
 	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" tests
 
+# The main job: a PETSc solver loop with per-step objects in reference cycles.
 demo: install
+	$(MPIRUN) examples/solver_loop.py
+
+# Thousands of MPI windows and communicators in cycles (no PETSc).
+demo-resources: install
 	$(MPIRUN) examples/demo.py
+
+# The same solver loop destroying in __del__: it hangs; a watchdog ends it.
+demo-naive: install
+	-$(MPIEXEC) $(PY) examples/naive_deadlock.py || echo "the naive loop hung, as expected"
 
 bench: install
 	$(MPIRUN) bench/bench_core.py
+	$(MPIRUN) bench/bench_petsc.py
+	$(MPIRUN) bench/bench_gcpause.py
+	$(PY) bench/report.py
 
 # The randomized stress harness on many seeds (CI runs 20 in `make test`).
 SEEDS ?= 200

@@ -1,0 +1,444 @@
+"""petsc4py adapter: PETSc objects destroyed at sync points, PETSc's garbage cleaned there too.
+
+Two kinds of PETSc object need a collective destroy in a Python program:
+
+- objects a wrapper class owns (a solver's KSP, its work Vecs): :func:`manage`
+  registers the wrapper so that, once it has died on every rank, ``.destroy()``
+  runs on each object at the agreed sync point, in the agreed order;
+- petsc4py objects Python drops on its own (temporaries, sub-objects fetched
+  with ``ksp.getPC()``): petsc4py >= 3.18 hands them to PETSc's *delayed
+  destroy*, which parks them in a per-communicator garbage map until someone
+  calls ``PETSc.garbage_cleanup(comm)``. Nothing calls it for the user, so
+  memory and communicators pile up. :func:`install` makes every sync point on a
+  communicator also clean PETSc's garbage of that communicator and of
+  ``COMM_SELF`` (in PETSc 3.18 even serial objects are delayed).
+
+``collective_gc.view(comm)`` shows PETSc's garbage entries beside ours. They are
+read from PETSc's own hash map through ``ctypes`` (a local attribute lookup,
+no communication); if this PETSc build does not export what that needs, the
+view omits them and every sync point calls ``garbage_cleanup`` unconditionally.
+
+petsc4py 3.18 has no KSP/SNES post-solve hooks (``KSP.setPostSolve`` came to
+petsc4py in 2024), and a sync point inside one would run while PETSc is in the
+middle of the solve, with the solver's own objects possibly among those to
+destroy. Make the wrapper's solve method the sync point instead: decorate it
+with :func:`collective_gc.sync_point`, or call :func:`solve`.
+
+This is the only module of collective_gc that imports petsc4py.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mpi4py import MPI
+from petsc4py import PETSc
+
+from ._errors import RegistrationError
+from ._manager import Manager, manager, register
+from ._queue import Registration
+from ._scope import sync_point
+
+__all__ = ["manage", "destroy_all", "install", "garbage", "solve"]
+
+
+# -- reading PETSc's garbage maps (local, read-only) -------------------------
+
+
+class _KHash(ctypes.Structure):
+    # The khash table behind PETSc's PetscHMapObj (include/petsc/private/
+    # hashmapobj.h: PetscInt64 creation index -> PetscObject).
+    _fields_ = [
+        ("n_buckets", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("n_occupied", ctypes.c_uint32),
+        ("upper_bound", ctypes.c_uint32),
+        ("flags", ctypes.POINTER(ctypes.c_uint32)),
+        ("keys", ctypes.POINTER(ctypes.c_int64)),
+        ("vals", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+class _Internals:
+    """PETSc's communicator attributes and garbage maps, through ctypes.
+
+    PETSc keeps its objects on an *inner* duplicate of the user's communicator,
+    found through an attribute of the user's one, and bins delayed-destroy
+    garbage in a hash map attached to that inner communicator. Reading them is
+    ``MPI_Comm_get_attr`` (local: no message, no synchronization) and plain
+    memory reads, so it is safe at any time on one rank alone.
+    """
+
+    def __init__(self) -> None:
+        # dlsym through the extension modules' handles searches the libraries
+        # they link, whatever the PETSc and MPI libraries are called here.
+        petsc = ctypes.CDLL(PETSc.__file__)
+        mpi = ctypes.CDLL(MPI.__file__)
+        self._inner_kv = ctypes.c_int.in_dll(petsc, "Petsc_InnerComm_keyval")
+        self._counter_kv = ctypes.c_int.in_dll(petsc, "Petsc_Counter_keyval")
+        self._garbage_kv = ctypes.c_int.in_dll(petsc, "Petsc_Garbage_HMap_keyval")
+        # MPI_Comm is a pointer in Open MPI and an int in MPICH.
+        self._handle_t: Any = ctypes.c_void_p if MPI._sizeof(MPI.Comm) == 8 else ctypes.c_int
+        get_attr = mpi.MPI_Comm_get_attr
+        get_attr.argtypes = [
+            self._handle_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_int),
+        ]
+        get_attr.restype = ctypes.c_int
+        self._get_attr = get_attr
+        class_name = petsc.PetscObjectGetClassName
+        class_name.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p)]
+        class_name.restype = ctypes.c_int
+        self._class_name = class_name
+        self._invalid = MPI.KEYVAL_INVALID
+
+    def _attr(self, handle: int, keyval: ctypes.c_int) -> int | None:
+        kv = keyval.value
+        if kv == self._invalid:
+            return None  # PETSc has not created this keyval yet: nothing attached
+        value = ctypes.c_void_p()
+        flag = ctypes.c_int()
+        if self._get_attr(handle, kv, ctypes.byref(value), ctypes.byref(flag)) or not flag.value:
+            return None
+        return value.value or 0
+
+    def _to_handle(self, raw: int) -> int:
+        # PETSc stores an MPI_Comm in a union with a void*: for int handles
+        # the value is in the low 32 bits.
+        if self._handle_t is ctypes.c_int:
+            return ctypes.c_int(raw & 0xFFFFFFFF).value
+        return raw
+
+    def inner(self, comm: MPI.Comm) -> int | None:
+        """The handle of PETSc's inner communicator of ``comm``, or None if PETSc has none."""
+        handle = MPI._handleof(comm)
+        if self._attr(handle, self._counter_kv) is not None:
+            return handle  # comm is itself a PETSc inner communicator
+        raw = self._attr(handle, self._inner_kv)
+        return None if raw is None else self._to_handle(raw)
+
+    def count(self, inner: int) -> int:
+        """How many garbage entries this rank holds on an inner communicator."""
+        table = self._attr(inner, self._garbage_kv)
+        return _KHash.from_address(table).size if table else 0
+
+    def entries(self, inner: int) -> list[tuple[int, str]]:
+        """(creation index, class name) of this rank's garbage on an inner communicator."""
+        table = self._attr(inner, self._garbage_kv)
+        if not table:
+            return []
+        kh = _KHash.from_address(table)
+        out = []
+        name = ctypes.c_char_p()
+        for i in range(kh.n_buckets):
+            # khash keeps two flag bits per bucket (empty, deleted); 0 means occupied.
+            if (kh.flags[i >> 4] >> ((i & 0xF) << 1)) & 3:
+                continue
+            if self._class_name(kh.vals[i], ctypes.byref(name)) or name.value is None:
+                cls = "PetscObject"
+            else:
+                cls = name.value.decode(errors="replace")
+            out.append((kh.keys[i], cls))
+        out.sort()
+        return out
+
+
+def _load_internals() -> _Internals | None:
+    try:
+        return _Internals()
+    except (OSError, AttributeError, ValueError):
+        # A static or differently built PETSc: we cannot look, so we clean
+        # unconditionally and the view leaves PETSc's entries out.
+        return None
+
+
+_PETSC = _load_internals()
+_SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
+
+
+def garbage(comm: MPI.Comm) -> list[tuple[int, str]]:
+    """This rank's PETSc garbage on ``comm``: ``(creation index, class name)`` pairs. Local.
+
+    These are objects petsc4py handed to PETSc's delayed destroy (Python dropped
+    them) that no ``PETSc.garbage_cleanup(comm)`` has destroyed yet. Raises
+    RuntimeError if this PETSc build does not let us read its garbage maps.
+    """
+    if _PETSC is None:
+        raise RuntimeError(
+            "collective_gc.petsc cannot read PETSc's garbage maps with this PETSc build "
+            "(its Petsc_*_keyval symbols are not exported); use PETSc.garbage_view(comm)"
+        )
+    inner = _PETSC.inner(comm)
+    return [] if inner is None else _PETSC.entries(inner)
+
+
+# -- the sync and view hooks ---------------------------------------------------
+
+
+def _sync_hook(mgr: Manager) -> None:
+    """Collective over ``mgr.comm``: clean PETSc's garbage there and on COMM_SELF.
+
+    Runs inside every sync point of ``mgr``, on every rank, after the agreed
+    destroys. ``PETSc.garbage_cleanup`` is itself collective and costs ~40 us
+    on 4 ranks here even with nothing to clean, so the ranks first agree, in
+    one small allreduce on the manager's private duplicate, whether any of
+    them holds garbage, and whether all of them still have PETSc's inner
+    communicator. Normally they all have it or none has (PETSc creates and
+    frees it in collective calls), but after a destroy that failed on some
+    ranks only, the wreck keeps it alive there; ``garbage_cleanup`` would then
+    duplicate the communicator on the other ranks only, and hang.
+    """
+    comm = mgr.comm
+    if _PETSC is None:
+        # Cannot look: clean unconditionally (every rank alike).
+        PETSc.garbage_cleanup(comm)
+        if mgr.size > 1:
+            PETSc.garbage_cleanup(MPI.COMM_SELF)
+        return
+    inner = _PETSC.inner(comm)
+    if mgr.size > 1:
+        has = int(inner is not None)
+        mine = _PETSC.count(inner) if inner is not None else 0
+        send = array.array("q", (mine, has, -has))
+        got = array.array("q", (0, 0, 0))
+        mgr._comm.Allreduce(send, got, MPI.MAX)
+        most, some_have, all_have = got[0], got[1], -got[2]
+        if most and all_have:
+            PETSc.garbage_cleanup(comm)
+        elif most and some_have:
+            _warn_split_state(mgr)
+    elif inner is not None and _PETSC.count(inner):
+        PETSc.garbage_cleanup(comm)
+    # COMM_SELF's garbage is rank-local, so any sync point may clean it; look
+    # first (an empty cleanup of COMM_SELF costs ~0.1 ms here: PETSc
+    # duplicates and frees an inner communicator to find nothing).
+    self_inner = _PETSC.inner(MPI.COMM_SELF)
+    if self_inner is not None and self_inner != inner and _PETSC.count(self_inner):
+        PETSc.garbage_cleanup(MPI.COMM_SELF)
+
+
+_WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
+
+
+def _warn_split_state(mgr: Manager) -> None:
+    if mgr in _WARNED:
+        return
+    _WARNED.add(mgr)
+    warnings.warn(
+        f"collective_gc: rank {mgr.rank}: PETSc's state of the {mgr._describe()} differs "
+        "between ranks (a PETSc destroy failed on some ranks only?), so its PETSc garbage "
+        "is no longer cleaned: cleaning it now would hang. Creating new PETSc objects on "
+        "this communicator may hang too; use a fresh one.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _view_hook(mgr: Manager) -> Iterator[tuple[str, str]]:
+    """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), for ``cgc.view``. Local."""
+    if _PETSC is None:
+        return
+    inner = _PETSC.inner(mgr.comm)
+    if inner is not None:
+        for cidx, cls in _PETSC.entries(inner):
+            yield cls, f"PETSc garbage #{cidx}"
+    self_inner = _PETSC.inner(MPI.COMM_SELF)
+    if self_inner is not None and self_inner != inner:
+        for cidx, cls in _PETSC.entries(self_inner):
+            yield cls, f"PETSc garbage #{cidx} (COMM_SELF)"
+
+
+def install(comm: MPI.Comm | None = None) -> Manager:
+    """Make every sync point on ``comm`` also clean PETSc's garbage. Collective.
+
+    From then on each sync point of ``comm``'s manager (``cgc.collect``, a
+    scope's sync or exit, a solve made a sync point, a parent's sync point
+    for a ``cgc.dup``/``cgc.split`` communicator) ends with
+    ``PETSc.garbage_cleanup(comm)`` when any rank holds PETSc garbage on
+    ``comm``, and cleans this rank's ``COMM_SELF`` garbage; ``cgc.view(comm)``
+    lists PETSc's entries. ``comm`` defaults to ``COMM_WORLD``. :func:`manage`
+    calls it for you. Idempotent.
+
+    Call it on every rank of ``comm``: the cleanup is collective, so a rank
+    without the hook would skip it while the others wait for it.
+    """
+    mgr = manager(MPI.COMM_WORLD if comm is None else comm)
+    mgr.add_sync_hook(_sync_hook)
+    mgr.add_view_hook(_view_hook)
+    return mgr
+
+
+# -- wrappers that own PETSc objects --------------------------------------------
+
+
+def _capi_handle_slot() -> Callable[[Any], int] | None:
+    # petsc4py's C API gives where a Python object stores its PETSc handle
+    # (PyPetscObject_GetPtr); we use it only to forget a handle whose destroy
+    # failed half-way.
+    try:
+        capsule = PETSc.__pyx_capi__["PyPetscObject_GetPtr"]
+        api = ctypes.pythonapi
+        api.PyCapsule_GetName.restype = ctypes.c_char_p
+        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        address = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+        fn: Callable[[Any], int] = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(address)
+        return fn
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return None
+
+
+_HANDLE_SLOT = _capi_handle_slot()
+
+
+def _forget(obj: Any) -> None:
+    """After a failed destroy: make sure PETSc never destroys ``obj`` again.
+
+    A destroy that raised may have run half-way, and petsc4py keeps the
+    handle. Another destroy of the wreck can crash (it segfaulted here for a
+    Mat whose Python context raised in its destroy, when the wreck, which
+    petsc4py had meanwhile handed to PETSc's garbage, was cleaned). So hold
+    one more PETSc reference, which any later destroy or cleanup only drops,
+    and null the Python object's handle: the object is leaked, safely.
+    """
+    try:
+        if not obj.handle:
+            return
+        obj.incRef()
+        if _HANDLE_SLOT is not None:
+            ctypes.c_void_p.from_address(_HANDLE_SLOT(obj)).value = None
+    except Exception:  # best effort; the destroy's own error is what gets reported
+        pass
+
+
+def _destroy_one(obj: Any) -> None:
+    # The managed destroy of a wrapper owning one object (the common case, so
+    # no loop and no varargs).
+    try:
+        obj.destroy()
+    except BaseException:
+        _forget(obj)
+        raise
+
+
+def destroy_all(*objs: Any) -> None:
+    """Collective: ``obj.destroy()`` for each object, last first.
+
+    Every object is tried even if one raises; the first exception is then
+    raised (PETSc's own, usually ``PETSc.Error``), and an object whose destroy
+    raised is left alone for good (its handle is nulled: destroying a
+    half-destroyed object again can crash). Already destroyed objects (null
+    handle) are skipped by petsc4py itself, so a second call does nothing.
+    Called on every rank of the objects' communicators, as their destroys are.
+    """
+    first: BaseException | None = None
+    for obj in reversed(objs):
+        try:
+            obj.destroy()
+        except Exception as exc:  # every object is still destroyed; raised after
+            _forget(obj)
+            if first is None:
+                first = exc
+            else:
+                first.add_note(f"also raised while destroying a {type(obj).__name__}: {exc!r}")
+    if first is not None:
+        try:
+            raise first
+        finally:
+            first = None  # no frame-traceback cycle keeping the objects alive
+
+
+def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> None:
+    if not isinstance(obj, PETSc.Object):
+        raise RegistrationError(
+            f"collective_gc.petsc.manage() manages petsc4py objects, not a "
+            f"{type(obj).__name__!r} object (use collective_gc.register for other resources)"
+        )
+    if not obj.handle:
+        raise RegistrationError(
+            f"this {type(obj).__name__} is destroyed or was never created; "
+            "create it before handing it to collective_gc.petsc.manage()"
+        )
+    ocomm = obj.getComm()
+    osize = ocomm.getSize()
+    if osize == 1:
+        return  # a serial object: destroying it at a sync point of any communicator is safe
+    if _PETSC is not None:
+        # PETSc keeps the object on the inner communicator of the one it was
+        # created with; no inner communicator means no PETSc object on comm.
+        same = inner is not None and MPI._handleof(ocomm.tompi4py()) == inner
+    else:
+        same = osize == comm.Get_size()
+    if not same:
+        raise RegistrationError(
+            f"this {type(obj).__name__} lives on a communicator of size {osize} that is not "
+            f"the communicator of size {comm.Get_size()} it is being registered on; pass "
+            "the communicator it was created on (PETSc bins its garbage by communicator, "
+            "and a sync point on another one would never see it)"
+        )
+
+
+def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -> Registration:
+    """Destroy petsc4py ``objs`` at a sync point on ``comm`` once ``owner`` has died.
+
+    Collective over ``comm``, like :func:`collective_gc.register` (which it
+    calls): every rank manages the same wrappers in the same order; a rank that
+    does not makes the next sync point raise ``CollectiveMismatchError``.
+
+    ``owner`` is the wrapper that holds the objects (a solver class, a cache
+    entry); it may sit in reference cycles and die in either collector, on any
+    rank, at any time: that only queues the destroy. The objects are destroyed
+    with ``.destroy()``, last first, at the first sync point on ``comm`` at
+    which every rank has queued them, on every rank in the same order. If one
+    raises on any rank, every other destroy still runs and
+    ``collective_gc.DestroyError`` is raised on every rank. Destroying an
+    object yourself before then is fine: petsc4py nulls its handle, and the
+    managed destroy skips it.
+
+    The objects must live on ``comm`` (the communicator they were created
+    with) or be serial (size 1). The registration keeps them alive until
+    then, so they must not refer back to ``owner`` (an application context or
+    a monitor closing over it would keep the owner alive for ever; use a
+    weak reference there). Also installs the PETSc garbage hook on ``comm``
+    (see :func:`install`). Returns the registration (``.destroy()`` destroys
+    now, collectively; ``.detach()`` leaves the objects to you).
+    """
+    if not objs:
+        raise RegistrationError("collective_gc.petsc.manage() needs at least one petsc4py object")
+    install(comm)
+    inner = None if _PETSC is None else _PETSC.inner(comm)
+    for obj in objs:
+        _check(obj, comm, inner)
+    if name is None:
+        name = type(owner).__name__
+    if len(objs) == 1:
+        return register(owner, _destroy_one, objs[0], comm=comm, name=name)
+    return register(owner, destroy_all, *objs, comm=comm, name=name)
+
+
+# -- solves as sync points -----------------------------------------------------
+
+
+def _solve(solver: Any, *args: Any) -> Any:
+    return solver.solve(*args)
+
+
+def solve(solver: Any, *args: Any, comm: MPI.Comm | None = None) -> Any:
+    """Collective: ``solver.solve(*args)`` (a KSP or SNES), then a sync point.
+
+    The sync point is the innermost open ``collective_scope`` of this thread
+    (on ``comm``, if given), or ``cgc.collect(comm)`` with no scope open. So
+    every rank must call it, as it must call the solve. If the solve raises,
+    no sync point runs. For a wrapper class, decorating its own solve method
+    with ``@collective_gc.sync_point`` does the same.
+    """
+    fn: Callable[..., Any] = sync_point(_solve, comm=comm)
+    return fn(solver, *args)
