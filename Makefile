@@ -22,7 +22,7 @@ MPIEXEC ?= mpiexec -n $(NP) --timeout 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi demo demo-resources demo-naive bench stress lint docs clean
+.PHONY: all install test test-serial test-mpi demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
@@ -56,11 +56,22 @@ demo-resources: install
 demo-naive: install
 	-$(MPIEXEC) $(PY) examples/naive_deadlock.py || echo "the naive loop hung, as expected"
 
-bench: install
+bench: install bench-loader
 	$(MPIRUN) bench/bench_core.py
 	$(MPIRUN) bench/bench_petsc.py
 	$(MPIRUN) bench/bench_gcpause.py
 	$(PY) bench/report.py
+
+# Grain 0.2.18, the loader's reference, lives in its own venv: it must not
+# change the main venv's numpy (Debian's petsc4py needs Debian's numpy).
+.venv-grain/.installed:
+	$(PYTHON) -m venv --system-site-packages .venv-grain
+	.venv-grain/bin/pip install -q --disable-pip-version-check grain==0.2.18
+	touch $@
+
+# The loader's benchmark starts its own processes: not under mpiexec.
+bench-loader: install .venv-grain/.installed
+	$(PY) bench/bench_loader.py --grain-python .venv-grain/bin/python
 
 # The randomized stress harness on many seeds (CI runs 20 in `make test`).
 SEEDS ?= 200

@@ -1,0 +1,378 @@
+"""Per-rank loader benchmark: collective_gc ProcessPrefetch vs Grain vs multiprocessing.Queue.
+
+The same pipeline for all three: ``fn(i)`` makes a 256 KiB float32 element
+(``full``: ``np.full``, a fresh array per element, ~20 us of work in the
+worker; ``row``: a row of a table in memory, almost no work, so the loaders'
+own cost is measured; both by default), 2 worker processes, the same prefetch
+depth, and a consumer that reads two values of each element. Each
+measurement runs in a fresh process and times ``--n`` elements (``--n-slow``
+for the two baselines) after ``--warmup`` (worker start-up excluded); the
+three alternate, ``--reps`` times, and the medians are printed.
+
+Then the parent-death exit latency: a process iterating a ProcessPrefetch is
+SIGKILLed, and we time until both its workers are gone (median of ``--kills``).
+Grain gets one such round too, for comparison (its workers are left running;
+we kill them afterwards).
+
+Grain 0.2.18 is a bench-only dependency, best kept in its own environment:
+
+    python -m venv --system-site-packages .venv-grain
+    .venv-grain/bin/pip install grain==0.2.18
+    python bench/bench_loader.py --grain-python .venv-grain/bin/python
+
+Without a Python that can import grain, Grain is skipped with a note and the
+other figures are still measured. Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ELEMENT = 65536  # float32: 256 KiB
+TABLE_ROWS = 64
+_TABLE: np.ndarray[Any, Any] | None = None
+
+
+def full(i: int) -> np.ndarray[Any, Any]:
+    return np.full(ELEMENT, i, np.float32)
+
+
+def row(i: int) -> np.ndarray[Any, Any]:
+    global _TABLE
+    if _TABLE is None:  # built once per worker, outside the timed part in practice
+        _TABLE = np.arange(TABLE_ROWS * ELEMENT, dtype=np.float32).reshape(TABLE_ROWS, ELEMENT)
+    out: np.ndarray[Any, Any] = _TABLE[i % TABLE_ROWS]
+    return out
+
+
+PIPELINES = {"full": full, "row": row}
+PIPELINE_NOTES = {
+    "full": "np.full, a new array per element",
+    "row": "a row of a table in memory: transport only",
+}
+
+
+# -- one measurement, in a fresh process ------------------------------------------------
+
+
+def _consume(it: Any, warmup: int, n: int) -> float:
+    check = 0.0
+    for _ in range(warmup):
+        e = next(it)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        e = next(it)
+        check += float(e[0]) + float(e[-1])  # touch the element, as a consumer would
+    elapsed = time.perf_counter() - t0
+    del e
+    assert check == check  # keep the reads
+    return elapsed
+
+
+def _run_cgc(fn: Any, args: argparse.Namespace) -> float:
+    from collective_gc.data import ProcessPrefetch
+
+    total = args.warmup + args.n
+    with ProcessPrefetch(fn, range(total), num_workers=args.workers, buffer_size=args.buffer) as it:
+        return _consume(it, args.warmup, args.n)
+
+
+def _run_grain(fn: Any, args: argparse.Namespace) -> float:
+    import grain.python as gp  # type: ignore[import-not-found, unused-ignore]
+
+    total = args.warmup + args.n
+    options = gp.MultiprocessingOptions(
+        num_workers=args.workers, per_worker_buffer_size=max(1, args.buffer // args.workers)
+    )
+    ds = gp.MapDataset.range(total).map(fn).to_iter_dataset().mp_prefetch(options)
+    it = iter(ds)
+    elapsed = _consume(it, args.warmup, args.n)
+    del it, ds
+    return elapsed
+
+
+def _queue_worker(fn: Any, keys: range, q: Any) -> None:
+    for i in keys:
+        q.put(fn(i))
+
+
+def _run_queue(fn: Any, args: argparse.Namespace) -> float:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    total, w = args.warmup + args.n, args.workers
+    queues = [ctx.Queue(maxsize=max(1, args.buffer // w)) for _ in range(w)]
+    procs = [
+        ctx.Process(target=_queue_worker, args=(fn, range(k, total, w), queues[k]), daemon=True)
+        for k in range(w)
+    ]
+    for p in procs:
+        p.start()
+
+    def ordered() -> Any:
+        for i in range(total):
+            yield queues[i % w].get()
+
+    elapsed = _consume(ordered(), args.warmup, args.n)
+    for p in procs:
+        p.join(10)
+    return elapsed
+
+
+RUNNERS = {"collective_gc": _run_cgc, "grain": _run_grain, "mp.Queue": _run_queue}
+
+
+# -- parent death -------------------------------------------------------------------
+
+
+def _victim(kind: str) -> None:
+    fn = PIPELINES["full"]
+    if kind == "collective_gc":
+        from collective_gc.data import ProcessPrefetch
+
+        it: Any = ProcessPrefetch(fn, range(10**6), num_workers=2, buffer_size=4)
+    else:
+        import grain.python as gp  # type: ignore[import-not-found, unused-ignore]
+
+        options = gp.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)
+        it = iter(gp.MapDataset.range(10**6).map(fn).to_iter_dataset().mp_prefetch(options))
+    kept = [next(it) for _ in range(4)]
+    time.sleep(0.5)  # workers fill their buffers and wait
+    print("ready", flush=True)
+    del kept
+    time.sleep(600)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except OSError:
+        return False
+
+
+def _kill_round(python: str, kind: str, wait: float) -> tuple[float | None, int, int]:
+    """SIGKILL a victim; (seconds until its children died or None, children, survivors)."""
+    victim = subprocess.Popen(
+        [python, __file__, "--victim", kind],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_child_env(),
+    )
+    try:
+        assert victim.stdout is not None
+        line = victim.stdout.readline()
+        if not line.startswith("ready"):
+            raise RuntimeError(f"{kind} victim did not start")
+        children = _children(victim.pid)
+        victim.kill()
+        t0 = time.perf_counter()
+        while any(_alive(p) for p in children) and time.perf_counter() - t0 < wait:
+            time.sleep(0.0005)
+        latency = time.perf_counter() - t0
+        survivors = [p for p in children if _alive(p)]
+    finally:
+        victim.kill()
+        victim.wait()
+    for p in survivors:  # Grain's: we clean up after it
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return (None if survivors else latency), len(children), len(survivors)
+
+
+# -- driver -------------------------------------------------------------------------
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _measure(python: str, method: str, pipeline: str, args: argparse.Namespace) -> float:
+    n = args.n if method == "collective_gc" else args.n_slow
+    cmd = [
+        python, __file__, "--one", method, "--pipeline", pipeline, "--n", str(n),
+        "--warmup", str(args.warmup), "--workers", str(args.workers), "--buffer", str(args.buffer),
+    ]  # fmt: skip
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=_child_env(), timeout=900, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{method} run failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(result["elements_per_s"])
+
+
+NAMES = {
+    "collective_gc": "collective_gc ProcessPrefetch",
+    "grain": "grain 0.2.18 mp_prefetch",
+    "mp.Queue": "multiprocessing.Queue (pickle)",
+}
+
+
+def _throughput(pipeline: str, methods: list[str], args: argparse.Namespace) -> dict[str, float]:
+    print(
+        f"{pipeline} pipeline ({PIPELINE_NOTES[pipeline]}): {ELEMENT * 4 // 1024} KiB float32 "
+        f"elements, {args.workers} workers, prefetch {args.buffer}; median of {args.reps} runs "
+        f"of {args.n} timed elements ({args.n_slow} for the baselines) after {args.warmup}"
+    )
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(args.reps):  # the methods alternate, so load changes hit all alike
+        for m in methods:
+            python = args.grain_python if m == "grain" else sys.executable
+            rates[m].append(_measure(python, m, pipeline, args))
+    med = {m: statistics.median(r) for m, r in rates.items()}
+    for m in methods:
+        spread = f"{min(rates[m]):,.0f}-{max(rates[m]):,.0f}"
+        gbs = med[m] * ELEMENT * 4 / 1e9
+        print(f"  {NAMES[m]:32s} {med[m]:10,.0f} elements/s  {gbs:5.2f} GB/s  (runs {spread})")
+    ours = med["collective_gc"]
+    for m in methods[1:]:
+        print(f"  ratio collective_gc / {m}: {ours / med[m]:.1f}x")
+    verdict = [f">= 10,000 elements/s: {'yes' if ours >= 10_000 else 'NO'}"]
+    if "grain" in med:
+        verdict.insert(0, f">= 10x Grain: {'yes' if ours >= 10 * med['grain'] else 'NO'}")
+    print("  targets: " + "; ".join(verdict))
+    return med
+
+
+def _save(rows: list[dict[str, Any]]) -> None:
+    results = Path(__file__).parent / "results"
+    results.mkdir(exist_ok=True)
+    meta = {"ranks": 1, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()}
+    (results / "loader.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def _grain_ok(python: str) -> bool:
+    probe = subprocess.run(
+        [python, "-c", "import grain.python, importlib.metadata as m; print(m.version('grain'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pipeline", choices=[*sorted(PIPELINES), "both"], default="both")
+    parser.add_argument("--n", type=int, default=20000, help="timed elements per run")
+    parser.add_argument(
+        "--n-slow", type=int, default=3000, help="timed elements per Grain or mp.Queue run"
+    )
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--buffer", type=int, default=8, help="prefetch depth, all workers")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument(
+        "--grain-python", default=os.environ.get("GRAIN_PYTHON", sys.executable),
+        help="a Python that can import grain 0.2.18 (default: $GRAIN_PYTHON or this one)",
+    )  # fmt: skip
+    parser.add_argument("--one", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--victim", choices=["collective_gc", "grain"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.victim:
+        _victim(args.victim)
+        return
+    if args.one:
+        fn = PIPELINES[args.pipeline]
+        elapsed = RUNNERS[args.one](fn, args)
+        print(json.dumps({"elements_per_s": args.n / elapsed}))
+        return
+
+    methods = ["collective_gc", "mp.Queue"]
+    if _grain_ok(args.grain_python):
+        methods.insert(1, "grain")
+    else:
+        print(
+            f"note: {args.grain_python} cannot import grain, so Grain is skipped; install it "
+            "apart: python -m venv --system-site-packages .venv-grain && "
+            ".venv-grain/bin/pip install grain==0.2.18, then pass --grain-python "
+            ".venv-grain/bin/python"
+        )
+    pipelines = sorted(PIPELINES) if args.pipeline == "both" else [args.pipeline]
+    rows: list[dict[str, Any]] = []
+    for pipeline in pipelines:
+        med = _throughput(pipeline, methods, args)
+        row: dict[str, Any] = {"bench": f"loader_{pipeline}", "ours_per_s": med["collective_gc"]}
+        row["mpq_per_s"] = med["mp.Queue"]
+        if "grain" in med:
+            row["grain_per_s"] = med["grain"]
+            row["ratio"] = med["collective_gc"] / med["grain"]
+            row["target"] = ">= 10 (vs Grain)"
+        else:
+            row["ratio"] = med["collective_gc"] / med["mp.Queue"]
+            row["target"] = "vs mp.Queue (Grain not installed)"
+        rows.append(row)
+
+    latencies = []
+    for _ in range(args.kills):
+        latency, children, survivors = _kill_round(sys.executable, "collective_gc", 5.0)
+        if latency is None:
+            print(f"  parent death: {survivors} of {children} workers survived SIGKILL!")
+        else:
+            latencies.append(latency)
+    if latencies:
+        ms = statistics.median(latencies) * 1e3
+        print(
+            f"parent-death exit latency after SIGKILL (2 workers, median of "
+            f"{len(latencies)}): {ms:.1f} ms (max {max(latencies) * 1e3:.1f} ms); "
+            f"target <= 100 ms: {'yes' if ms <= 100 else 'NO'}"
+        )
+        rows.append({"bench": "parent_death_ms", "median_ms": ms, "max_ms": max(latencies) * 1e3})
+    _save(rows)
+    if "grain" in methods:
+        shm_before = set(os.listdir("/dev/shm"))
+        latency, children, survivors = _kill_round(args.grain_python, "grain", 2.0)
+        time.sleep(0.5)  # let the killed survivors go
+        # What Grain left in /dev/shm after the kill: its segments, and its queues'
+        # semaphores. Remove them (they appeared during this round only).
+        leaked = [
+            n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("psm_", "sem.mp-"))
+        ]
+        for name in leaked:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+        print(
+            f"  grain 0.2.18 after SIGKILL: {survivors} of {children} child processes "
+            f"still alive 2 s later, {len(leaked)} entries left in /dev/shm "
+            "(both cleaned up by this bench)"
+        )
+
+
+if __name__ == "__main__":
+    main()

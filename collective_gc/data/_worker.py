@@ -1,0 +1,384 @@
+"""The worker process of ProcessPrefetch: bootstrap, parent watch, and the serve loop.
+
+A worker is a fresh interpreter (``python -c BOOT``), started with an
+environment that has no ``OMPI_*``/``PMIX_*``/``PMI_*`` variables. ``BOOT``
+sets ``mpi4py.rc.initialize = mpi4py.rc.finalize = False`` before anything
+else is imported, so that neither ``collective_gc`` (which imports
+``mpi4py.MPI``) nor the user's main module (re-imported as ``__mp_main__`` so
+that functions defined there unpickle, as multiprocessing's spawn does) can
+initialize MPI in a worker: a worker that joins, or even just starts, MPI
+inside an ``mpiexec`` job can bring the whole job down. Even a user's explicit
+``MPI.Init()`` at module level would then only make a singleton of size 1.
+
+A worker dies with its parent, three ways, whichever comes first:
+
+* a watch thread blocks on a pipe whose only writer is the parent; EOF means
+  the parent closed it (``close()``) or died, and the thread ends the process
+  at once, whatever the main thread is doing;
+* ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, for a parent started from its main
+  thread only: the signal fires when the *thread* that started the worker
+  exits, which for any other thread is not the parent's death. ``getppid()``
+  is checked after setting it, in case the parent died before;
+* the socket to the parent: EOF on receive, EPIPE on send.
+
+It exits through ``os._exit``: no atexit handler (the user's, mpi4py's or
+collective_gc's) runs in a worker, so nothing is printed or finalized there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import pickle
+import runpy
+import signal
+import socket
+import struct
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import IO, Any, NoReturn
+
+from . import _protocol as P
+from . import _shm
+
+__all__ = ["BOOT", "STRIP_PREFIXES", "Pickler", "bootstrapping", "main", "preparation"]
+
+# Run by ``python -c``; argv: boot fd, socket fd, sentinel fd, pdeathsig (0/1),
+# parent pid. Only the standard library and mpi4py are touched before the rc
+# flags are set.
+BOOT = """\
+import os, pickle, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+boot = open(int(sys.argv[1]), "rb")
+prep = pickle.load(boot)
+sys.path[:] = prep["sys_path"]
+try:
+    import mpi4py
+except ImportError:
+    pass
+else:
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+from collective_gc.data._worker import main
+main(boot, prep, sys.argv[2:])
+"""
+
+# Variables through which an MPI launcher tells a process it is a rank.
+STRIP_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
+
+_BOOTSTRAPPING = [False]
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # a plain int: enum arithmetic is slow
+
+
+def bootstrapping() -> bool:
+    """True while this process is a worker importing the user's main module."""
+    return _BOOTSTRAPPING[0]
+
+
+def preparation() -> dict[str, Any]:
+    """Parent side: what a worker needs to look like this process (plain values)."""
+    import multiprocessing
+
+    cwd = os.getcwd()
+    main_mod = sys.modules.get("__main__")
+    spec = getattr(main_mod, "__spec__", None)
+    main_name = getattr(spec, "name", None)
+    main_path = None
+    if main_name is None:
+        path = getattr(main_mod, "__file__", None)
+        if isinstance(path, str) and not sys.flags.interactive:
+            main_path = os.path.join(cwd, path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # '' on sys.path means "the directory we started in", not the worker's cwd.
+    sys_path = [p if p else cwd for p in sys.path]
+    if root not in sys_path:
+        sys_path.append(root)
+    return {
+        "sys_path": sys_path,
+        "sys_argv": list(sys.argv),
+        "cwd": cwd,
+        "main_name": main_name,
+        "main_path": main_path,
+        "authkey": bytes(multiprocessing.current_process().authkey),
+    }
+
+
+def _import_main(prep: dict[str, Any]) -> None:
+    # Functions defined in the user's __main__ pickle as "__main__.f"; make
+    # that name resolve, without running its `if __name__ == "__main__":` part.
+    name, path = prep["main_name"], prep["main_path"]
+    if name is not None:
+        if name == "__main__" or name.endswith(".__main__"):
+            return  # `python -m pkg`: a package's __main__ is never re-run
+        module = types.ModuleType("__mp_main__")
+        module.__dict__.update(runpy.run_module(name, run_name="__mp_main__", alter_sys=True))
+    elif path is not None:
+        module = types.ModuleType("__mp_main__")
+        module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    else:
+        return
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def _exit(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a broken or closed stream: nothing to flush to
+            continue
+    os._exit(code)
+
+
+def _watch(fd: int) -> None:
+    # Blocks without the GIL; returns only at EOF (or an error, which means the
+    # same: the parent is gone).
+    try:
+        while os.read(fd, 1):
+            pass
+    finally:
+        os._exit(0)  # not _exit(): flushing could block on a dead parent's pipe
+
+
+def _set_pdeathsig(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl here: the watch thread still acts
+        return
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(0)
+
+
+def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn:
+    """Worker entry point, called by ``BOOT`` only."""
+    sock_fd, sentinel_fd, pdeathsig, parent_pid = (int(a) for a in argv)
+    threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
+    if pdeathsig:
+        _set_pdeathsig(parent_pid)
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        os.chdir(prep["cwd"])
+        sys.argv[:] = prep["sys_argv"]
+        import multiprocessing
+
+        multiprocessing.current_process().authkey = prep["authkey"]
+        _BOOTSTRAPPING[0] = True
+        try:
+            _import_main(prep)
+        finally:
+            _BOOTSTRAPPING[0] = False
+        fn, keys, worker_id, window = pickle.load(boot)
+        boot.close()
+    except BaseException as exc:  # noqa: BLE001 (whatever stops start-up is reported)
+        _send_quietly(sock, P.HEAD.pack(P.ERROR, -1, 0, 0, 0) + P.pack_error(exc, "at start-up"))
+        _exit(1)
+    try:
+        _Server(sock, fn, worker_id, window).serve(keys)
+    except _ParentGone:
+        pass  # the parent closed the loader or died: nobody to report to
+    _exit(0)
+
+
+class _ParentGone(Exception):
+    """The parent closed the socket: stop without a word."""
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.send(data)
+    except OSError:  # the parent is gone: nobody to tell
+        pass
+
+
+class _Slot:
+    __slots__ = ("capacity", "mapping", "view")
+
+    def __init__(self, mapping: mmap.mmap, capacity: int) -> None:
+        self.mapping = mapping
+        self.view = memoryview(mapping)
+        self.capacity = capacity
+
+    def unmap(self) -> None:
+        self.view.release()
+        self.mapping.close()
+
+
+class Pickler(pickle.Pickler):
+    """Protocol 5, large buffers out of band, plain numpy arrays reduced cheaply.
+
+    One per worker, reused for every element (``dumps``).
+    """
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self._file = io.BytesIO()
+        self._buffers = buffers
+        super().__init__(self._file, protocol=5, buffer_callback=self._out_of_band)
+
+    def reducer_override(self, obj: Any) -> Any:
+        np = sys.modules.get("numpy")
+        if np is None or type(obj) is not np.ndarray or obj.dtype.kind not in _PLAIN_KINDS:
+            return NotImplemented
+        if obj.flags.c_contiguous:
+            order = "C"
+        elif obj.flags.f_contiguous:
+            order = "F"
+        else:
+            return NotImplemented  # numpy copies it in-band
+        return P.rebuild_array, (pickle.PickleBuffer(obj), obj.dtype.str, obj.shape, order)
+
+    def _out_of_band(self, buf: pickle.PickleBuffer) -> bool:
+        # pickle's buffer_callback: False keeps the buffer out of the pickle.
+        try:
+            raw = buf.raw()
+        except BufferError:  # not contiguous: let pickle copy it in-band
+            return True
+        if raw.nbytes < P.OUT_OF_BAND_MIN:
+            return True
+        self._buffers.append(raw)
+        return False
+
+    def dumps(self, obj: Any) -> bytes:
+        self._file.seek(0)
+        self._file.truncate()
+        self.clear_memo()
+        self.dump(obj)
+        return self._file.getvalue()
+
+
+# Booleans and numbers: dtype.str describes them fully, and they export buffers
+# (dates and times do not).
+_PLAIN_KINDS = frozenset("biufc")
+
+
+class _Server:
+    def __init__(self, sock: socket.socket, fn: Callable[[Any], Any], wid: int, window: int):
+        self.sock = sock
+        self.fn = fn
+        self.wid = wid
+        self.credit = window
+        self.allowance = window  # how many slots we may own (the parent says)
+        self.slots: list[_Slot] = []
+        self.free: list[int] = []
+        self.buffers: list[memoryview] = []  # of the element being sent
+        self.pickler = Pickler(self.buffers)
+
+    # -- control messages -------------------------------------------------------
+
+    def _handle(self, data: bytes) -> None:
+        if not data:
+            raise _ParentGone
+        for kind, value in P.CTRL.iter_unpack(data):
+            if kind == P.CREDIT:
+                self.credit += value
+            elif kind == P.ALLOW:
+                self.allowance = value
+            elif kind == P.FREE:
+                self.free.append(value)
+
+    def _wait(self) -> None:
+        try:
+            data = self.sock.recv(P.MAX_MESSAGE)
+        except OSError:
+            raise _ParentGone from None
+        self._handle(data)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(P.MAX_MESSAGE, _DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise _ParentGone from None
+            self._handle(data)
+
+    # -- slots ------------------------------------------------------------------
+
+    def _new_segment(self, index: int, capacity: int) -> tuple[int, _Slot]:
+        fd, mapping = _shm.create(capacity, f"collective_gc-w{self.wid}-s{index}")
+        return fd, _Slot(mapping, capacity)
+
+    def _acquire(self, total: int) -> tuple[int, int, int]:
+        """A slot for ``total`` bytes: ``(slot, fd to send or -1, its capacity)``."""
+        for i in reversed(self.free):  # the most recently freed first: still in cache
+            if self.slots[i].capacity >= total:
+                self.free.remove(i)
+                return i, -1, 0
+        self._drain()
+        while True:
+            fits = [i for i in self.free if self.slots[i].capacity >= total]
+            if fits:
+                self.free.remove(fits[0])
+                return fits[0], -1, 0
+            if self.free and len(self.slots) >= self.allowance:
+                # Too small, and we may not own more: replace its segment.
+                index = max(self.free, key=lambda i: self.slots[i].capacity)
+                self.free.remove(index)
+                capacity = _shm.round_capacity(max(total, 2 * self.slots[index].capacity))
+                self.slots[index].unmap()
+                fd, self.slots[index] = self._new_segment(index, capacity)
+                return index, fd, capacity
+            if len(self.slots) < self.allowance:
+                index = len(self.slots)
+                capacity = _shm.round_capacity(total)
+                fd, slot = self._new_segment(index, capacity)
+                self.slots.append(slot)
+                return index, fd, capacity
+            # Every slot is leased, and at least one lease is dead: the parent
+            # sends freed slots before it waits, and then every 50 ms (_pool).
+            self._wait()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def serve(self, keys: Sequence[Any]) -> None:
+        for key in keys:
+            while self.credit == 0:
+                self._wait()
+            try:
+                self._send_element(self.fn(key))
+            except _ParentGone:
+                raise
+            except Exception as exc:  # noqa: BLE001 (any error of fn crosses to the parent)
+                where = f"while loading key {key!r}"
+                self._send(P.HEAD.pack(P.ERROR, -1, 0, 0, 0) + P.pack_error(exc, where))
+                return
+            self.credit -= 1
+        self._send(P.HEAD.pack(P.DONE, -1, 0, 0, 0))
+
+    def _send(self, data: bytes, fd: int = -1) -> None:
+        try:
+            if fd >= 0:
+                socket.send_fds(self.sock, [data], [fd])
+            else:
+                self.sock.send(data)
+        except OSError:
+            raise _ParentGone from None
+
+    def _send_element(self, element: Any) -> None:
+        buffers = self.buffers
+        buffers.clear()  # left over if pickling the previous element failed
+        payload = self.pickler.dumps(element)
+        del element
+        if not buffers and len(payload) <= P.INLINE_MAX:
+            self._send(P.HEAD.pack(P.ITEM, -1, 0, len(payload), 0) + payload)
+            return
+        lengths = [b.nbytes for b in buffers]
+        lengths_offset, offsets, total = P.layout(len(payload), lengths)
+        index, fd, capacity = self._acquire(total)
+        view = self.slots[index].view
+        view[: len(payload)] = payload
+        struct.pack_into(f"<{len(lengths)}q", view, lengths_offset, *lengths)
+        for buf, offset in zip(buffers, offsets):
+            view[offset : offset + buf.nbytes] = buf
+        buffers.clear()  # drop our views of the element now, not at the next one
+        head = P.HEAD.pack(P.ITEM, index, capacity, len(payload), len(lengths))
+        try:
+            self._send(head, fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)

@@ -1,0 +1,66 @@
+"""Functions the loader tests run in worker processes (importing only numpy)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+N = 65536  # float32 elements: 256 KiB, well above the out-of-band threshold
+
+
+def make(i: int) -> np.ndarray[Any, Any]:
+    return np.full(N, i, np.float32)
+
+
+def make_nested(i: int) -> dict[str, Any]:
+    return {
+        "x": np.full((64, 256), i, np.float64),
+        "f": np.asfortranarray(np.arange(i, i + 2048, dtype=np.int32).reshape(32, 64)),
+        "strided": (np.arange(10_000, dtype=np.int64) + i)[::3],  # not contiguous: in-band
+        "pair": (np.full(3, i, np.int8), f"tag{i}"),
+        "list": [i, None, 2.5],
+        "big_text": "y" * (100_000 if i % 3 == 0 else 10),  # sometimes larger than a message
+    }
+
+
+def make_sized(i: int) -> np.ndarray[Any, Any]:
+    # Sizes that vary a lot, so slots must grow and be replaced.
+    return np.full(1 + (i * 7919) % 300_000, i % 251, np.uint8)
+
+
+def plain(i: int) -> tuple[int, str]:
+    return i, str(i)
+
+
+def fail_at_3(i: int) -> np.ndarray[Any, Any]:
+    if i == 3:
+        raise ValueError(f"cannot load {i}")
+    return make(i)
+
+
+class OddError(Exception):
+    def __init__(self, a: int, b: int) -> None:  # not buildable from one message
+        super().__init__(a, b)
+
+
+def odd_fail(i: int) -> int:
+    raise OddError(i, i)
+
+
+def crash_at_2(i: int) -> np.ndarray[Any, Any]:
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return make(i)
+
+
+def slow(i: int) -> np.ndarray[Any, Any]:
+    time.sleep(30 if i >= 4 else 0)
+    return make(i)
+
+
+def batch(i: int) -> dict[str, Any]:
+    return {"x": np.full((16, 1024), i, np.float32), "i": i}

@@ -1,0 +1,54 @@
+"""A process that iterates a ProcessPrefetch and then waits to be killed.
+
+Usage: victim.py MODE, MODE one of:
+  main    loader created on the main thread, workers waiting on a full buffer;
+  busy    the same, but the workers are inside a long fn when the parent dies;
+  thread  loader created on a thread that has exited (no PR_SET_PDEATHSIG then:
+          the workers' parent-watch thread alone must notice).
+Prints "ready PID PID" once its workers run, then sleeps.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import mpi4py
+
+mpi4py.rc.initialize = False  # no MPI singleton: this test is about processes only
+
+import numpy as np  # noqa: E402
+
+from collective_gc.data import ProcessPrefetch  # noqa: E402
+
+
+def element(i: int) -> np.ndarray:
+    if MODE == "busy" and i >= 2:
+        time.sleep(600)
+    return np.full(65536, i, np.float32)
+
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "main"
+
+if __name__ == "__main__":
+    loaders: list[ProcessPrefetch[np.ndarray]] = []
+    kept: list[np.ndarray] = []
+
+    def start() -> None:
+        loader = ProcessPrefetch(element, range(10**6), num_workers=2, buffer_size=2)
+        kept.append(next(loader))
+        kept.append(next(loader))
+        loaders.append(loader)
+
+    if MODE == "thread":
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()  # the creating thread is gone; its workers must live on
+        time.sleep(0.5)
+    else:
+        start()
+    time.sleep(0.3)  # let the workers fill their buffers, or enter fn
+    pids = [w.proc.pid for w in loaders[0]._pool.workers]
+    print("ready", *pids, flush=True)
+    time.sleep(600)

@@ -1,0 +1,466 @@
+"""ProcessPrefetch: real worker processes, real shared memory, no mocks.
+
+Launcher tests (each starts worker processes, some start scripts): they run in
+the serial session; ``test_data_mpi.py`` runs loaders on every rank under
+``mpiexec -n 4``. The functions the workers call live in
+``data_scripts/fns.py``, which workers import by name, as they would a user's
+module, without pulling in pytest.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from data_scripts.fns import (
+    N,
+    crash_at_2,
+    fail_at_3,
+    make,
+    make_nested,
+    make_sized,
+    odd_fail,
+    plain,
+    slow,
+)
+
+from collective_gc import _reaper
+from collective_gc.data import ProcessPrefetch, WorkerError, _pool, _shm
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _root(a: Any) -> Any:
+    """The object at the end of an array's chain of bases."""
+    while True:
+        nxt = a.base if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+        if nxt is None:
+            return a
+        a = nxt
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:collective_gc" in line for line in f)
+
+
+def _settle() -> None:
+    """Let every pending lease and segment release happen."""
+    gc.collect()
+    assert _reaper.flush(10)
+
+
+@pytest.fixture
+def clean() -> Iterator[None]:
+    """Each test leaves no lease, no mapping, no descriptor and no worker behind."""
+    _settle()
+    fds = set(os.listdir("/proc/self/fd"))
+    maps = _mapped_segments()
+    yield
+    _settle()
+    assert not _pool._LEASES
+    assert _mapped_segments() == maps
+    assert set(os.listdir("/proc/self/fd")) <= fds | {"0", "1", "2"}
+
+
+pytestmark = [pytest.mark.usefixtures("clean"), pytest.mark.launcher]
+
+
+# -- the contract -------------------------------------------------------------------
+
+
+def test_order_and_content() -> None:
+    with ProcessPrefetch(make, range(40), num_workers=2, buffer_size=4) as it:
+        for k, e in enumerate(it):
+            assert e.shape == (N,) and e.dtype == np.float32
+            assert e[0] == k and e[-1] == k
+        assert k == 39
+        assert it.closed
+
+
+def test_indices_in_any_order_and_nested_structures() -> None:
+    keys = [7, 3, 3, 0, 11, 5, 9]
+    with ProcessPrefetch(make_nested, keys, num_workers=3) as it:
+        got = list(it)
+    assert len(got) == len(keys)
+    for i, e in zip(keys, got):
+        want = make_nested(i)
+        assert e.keys() == want.keys()
+        for k in ("x", "f", "strided"):
+            np.testing.assert_array_equal(e[k], want[k])
+        assert e["f"].flags.f_contiguous
+        np.testing.assert_array_equal(e["pair"][0], want["pair"][0])
+        assert e["pair"][1] == want["pair"][1] and e["list"] == want["list"]
+        assert e["big_text"] == want["big_text"]
+
+
+def test_plain_values_and_empty() -> None:
+    assert list(ProcessPrefetch(plain, range(25), num_workers=2)) == [
+        (i, str(i)) for i in range(25)
+    ]
+    assert list(ProcessPrefetch(plain, [], num_workers=2)) == []
+    assert list(ProcessPrefetch(plain, [5], num_workers=4)) == [(5, "5")]
+
+
+def test_slots_grow_and_are_replaced() -> None:
+    with ProcessPrefetch(make_sized, range(60), num_workers=2, buffer_size=2) as it:
+        for i, e in enumerate(it):
+            assert e.size == 1 + (i * 7919) % 300_000 and (e == i % 251).all()
+
+
+def test_kept_elements_stay_valid_and_the_ring_grows() -> None:
+    # list() keeps every element alive: the ring must grow instead of deadlocking,
+    # and no slot may be reused under a live array.
+    before = _mapped_segments()
+    loader = ProcessPrefetch(make, range(50), num_workers=2, buffer_size=2)
+    kept = list(loader)
+    assert loader.closed
+    del loader
+    _settle()  # the loader and its workers are gone; the kept arrays still map memory
+    assert _mapped_segments() >= before + 50
+    for i, e in enumerate(kept):
+        assert e[0] == i and e[-1] == i
+    del kept, e
+    _settle()
+    assert _mapped_segments() == before
+
+
+def test_arrays_are_views_of_shared_memory() -> None:
+    with ProcessPrefetch(make_nested, [1, 2], num_workers=1) as it:
+        e = next(it)
+        assert e["x"].flags.writeable
+        assert isinstance(_root(e["x"]), mmap.mmap)  # a view of the slot
+        assert not isinstance(_root(e["strided"]), mmap.mmap)  # crossed in-band: a copy
+        e["x"][:] = -1  # ours to write while we hold it
+        assert next(it)["x"][0, 0] == 2
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_error_in_fn_is_reraised_with_worker_traceback() -> None:
+    it = ProcessPrefetch(fail_at_3, range(8), num_workers=2)
+    got = [next(it)[0] for _ in range(3)]
+    assert got == [0, 1, 2]
+    with pytest.raises(ValueError) as info:
+        next(it)
+    text = str(info.value)
+    assert "cannot load 3" in text and "in fail_at_3" in text and "worker 1" in text
+    assert "Traceback (most recent call last)" in text
+    assert it.closed
+    with pytest.raises(StopIteration):  # the error ended the iteration
+        next(it)
+
+
+def test_unbuildable_error_type_becomes_worker_error() -> None:
+    with pytest.raises(WorkerError, match="OddError"):
+        list(ProcessPrefetch(odd_fail, range(3), num_workers=1))
+
+
+def test_worker_crash_reports_exit_code() -> None:
+    it = ProcessPrefetch(crash_at_2, range(6), num_workers=3)
+    assert next(it)[0] == 0 and next(it)[0] == 1
+    with pytest.raises(WorkerError) as info:
+        next(it)
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "SIGKILL" in str(info.value) and "worker 2" in str(info.value)
+    assert it.closed
+
+
+def test_unpicklable_fn_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(TypeError, match="picklable"):
+        ProcessPrefetch(lambda i: i, range(3), num_workers=1)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_workers"):
+        ProcessPrefetch(plain, range(3), num_workers=0)
+    with pytest.raises(ValueError, match="buffer_size"):
+        ProcessPrefetch(plain, range(3), num_workers=1, buffer_size=0)
+
+
+# -- stopping -----------------------------------------------------------------------
+
+
+def _pids(it: ProcessPrefetch[Any]) -> list[int]:
+    return [w.proc.pid for w in it._pool.workers]
+
+
+def test_close_while_workers_block_on_a_full_buffer() -> None:
+    it = ProcessPrefetch(make, range(1000), num_workers=2, buffer_size=2)
+    first = next(it)
+    time.sleep(0.3)  # both workers fill their credit and wait
+    pids = _pids(it)
+    t0 = time.monotonic()
+    it.close()
+    assert time.monotonic() - t0 < 1.0
+    assert not any(_alive(p) for p in pids)
+    assert first[5] == 0  # handed-out elements outlive the loader
+    it.close()  # idempotent
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_close_while_a_worker_is_inside_fn() -> None:
+    it = ProcessPrefetch(slow, range(10), num_workers=2, close_timeout=5.0)
+    for _ in range(4):
+        next(it)
+    time.sleep(0.2)  # both workers are now sleeping inside fn
+    t0 = time.monotonic()
+    it.close()
+    assert time.monotonic() - t0 < 1.0  # the watch thread ends them; no SIGKILL wait
+    assert [w.proc.returncode for w in it._pool.workers] == [0, 0]
+
+
+def test_dropping_the_loader_stops_its_workers() -> None:
+    it = ProcessPrefetch(make, range(1000), num_workers=2, buffer_size=2)
+    kept = next(it)
+    pids = _pids(it)
+    ref = weakref.ref(it)
+    del it
+    assert ref() is None  # no cycle: freed by refcount at once
+    assert _reaper.flush(10)  # its finalizer ran on the reaper thread
+    assert not any(_alive(p) for p in pids)
+    assert kept[0] == 0
+
+
+# -- the three failures that must not exist -------------------------------------------
+
+
+def test_each_descriptor_closed_once_with_cyclic_collection() -> None:
+    # Grain 0.2.18 closes a segment's fd twice when the collector finalizes an array
+    # and its segment in one pass; the second close can hit an unrelated file that
+    # reused the number. Record every os.close, put canary files on the numbers just
+    # freed, and tear everything down inside one cyclic collection.
+    closed: list[int] = []
+    real_close = os.close
+
+    def recording_close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+
+    was = gc.isenabled()
+    gc.disable()
+    os.close = recording_close
+    try:
+        it = ProcessPrefetch(make, range(30), num_workers=2, buffer_size=4)
+        elements = [next(it) for _ in range(10)]
+        canaries = [os.open(os.devnull, os.O_RDONLY) for _ in range(8)]
+        during_run = len(closed)
+        # One garbage cycle holding the loader and live arrays of every slot.
+        cycle: list[Any] = [it, elements]
+        cycle.append(cycle)
+        del it, elements
+        del cycle
+        assert gc.collect() > 0
+        assert _reaper.flush(10)
+        for fd in canaries:
+            os.fstat(fd)  # still open: nobody closed a reused number
+        teardown = closed[during_run:]
+        assert not set(canaries) & set(teardown)
+        assert len(teardown) == len(set(teardown)), teardown
+        for fd in canaries:
+            real_close(fd)
+    finally:
+        os.close = real_close
+        if was:
+            gc.enable()
+
+
+def test_no_segment_unmapped_under_a_live_array() -> None:
+    it = ProcessPrefetch(make, range(20), num_workers=2)
+    keep = [e for i, e in enumerate(it) if i % 7 == 0]
+    del it
+    _settle()
+    for e, i in zip(keep, (0, 7, 14)):
+        assert e[0] == i and e[-1] == i  # would segfault if unmapped
+    before = _mapped_segments()
+    del keep, e
+    _settle()
+    assert _mapped_segments() < before
+
+
+class GcOff:
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            gc.enable()
+
+
+def _loop(refs: list[weakref.ref[Any]], fn: Any = make) -> ProcessPrefetch[Any]:
+    loader = ProcessPrefetch(fn, range(6), num_workers=2)
+    for e in loader:
+        refs.append(weakref.ref(e))
+    return loader
+
+
+def test_no_cycles_keep_the_last_element() -> None:
+    with GcOff():
+        # After a function that loops over a loader returns, its last element is freed
+        # (Grain 0.2.18: alive until gc.collect()).
+        refs: list[weakref.ref[Any]] = []
+        loader_ref = weakref.ref(_loop(refs))
+        assert len(refs) == 6 and all(r() is None for r in refs)
+        assert loader_ref() is None
+
+        # An error in fn: the caller keeps the error, not the last element.
+        it = ProcessPrefetch(fail_at_3, range(6), num_workers=2)
+        last = [next(it) for _ in range(3)][-1]
+        last_ref, it_ref = weakref.ref(last), weakref.ref(it)
+        try:
+            next(it)
+        except ValueError as exc:
+            kept_error = exc
+        del last, it
+        assert last_ref() is None and it_ref() is None
+        assert "cannot load 3" in str(kept_error)
+        del kept_error
+
+        # A worker that dies: the same.
+        it = ProcessPrefetch(crash_at_2, range(6), num_workers=3)
+        last = [next(it), next(it)][-1]
+        last_ref, it_ref = weakref.ref(last), weakref.ref(it)
+        with pytest.raises(WorkerError):
+            next(it)
+        del last, it
+        assert last_ref() is None and it_ref() is None
+        assert not _pool._LEASES
+
+
+def test_debug_saveall_finds_no_loader_garbage() -> None:
+    def run() -> None:
+        refs: list[weakref.ref[Any]] = []
+        _loop(refs).close()
+        try:
+            _loop(refs, fail_at_3)
+        except ValueError:
+            pass
+        with ProcessPrefetch(make_nested, range(5), num_workers=2) as it:
+            next(it)
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with GcOff():
+            run()
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    ours = (
+        ProcessPrefetch,
+        _pool.WorkerHandle,
+        _pool.Pool,
+        _shm.Segment,
+        np.ndarray,
+        BaseException,
+        types.TracebackType,
+    )
+    data_dir = os.path.dirname(_pool.__file__)
+    bad: list[object] = [o for o in garbage if isinstance(o, ours)]
+    bad += [
+        o
+        for o in garbage
+        if isinstance(o, types.FrameType) and o.f_code.co_filename.startswith(data_dir)
+    ]
+    assert not bad, bad[:5]
+    del garbage
+
+
+# -- workers and MPI ----------------------------------------------------------------
+
+
+def test_workers_never_initialize_mpi() -> None:
+    # The parent has imported and initialized mpi4py (conftest); under mpiexec it
+    # is a rank with OMPI_*/PMIX_* in its environment.
+    from mpi4py import MPI
+
+    assert MPI.Is_initialized()
+    from data_scripts.probe import report
+
+    with ProcessPrefetch(report, range(4), num_workers=2) as it:
+        reports = list(it)
+    for r in reports:
+        assert r["mpi_initialized"] is False
+        assert r["env"] == []
+        assert r["ppid"] == os.getpid()
+        # Only the worker side of the loader: no pool, prefetcher or thread code.
+        assert r["data_modules"] == [
+            "collective_gc.data._protocol",
+            "collective_gc.data._shm",
+            "collective_gc.data._worker",
+        ]
+    assert len({r["pid"] for r in reports}) == 2
+
+
+_EXIT_SCRIPT = """
+import sys, mpi4py
+mpi4py.rc.initialize = False  # no MPI singleton (and its daemon): this is about the loader
+sys.path.insert(0, {tests!r})
+from collective_gc.data import ProcessPrefetch
+from data_scripts.fns import make
+
+if __name__ == "__main__":
+    done = list(ProcessPrefetch(make, range(6), num_workers=2))      # finished
+    it = ProcessPrefetch(make, range(100), num_workers=2)            # left open
+    kept = next(it)
+    other = ProcessPrefetch(make, range(100), num_workers=2, buffer_size=2)
+    held = [next(other) for _ in range(3)]                           # open, elements held
+    print("pids", *[w.proc.pid for x in (it, other) for w in x._pool.workers])
+"""
+
+
+def test_nothing_printed_at_exit(tmp_path: Any) -> None:
+    # No resource_tracker warning, no exception from a finalizer, no leaked
+    # segment or worker: with every warning shown.
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT.format(tests=os.path.dirname(__file__)))
+    shm_before = os.listdir("/dev/shm")
+    env = _pool.child_environment()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-X", "dev", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pids")
+    pids = [int(p) for p in lines[0].split()[1:]]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    assert _not_mpi(os.listdir("/dev/shm")) <= _not_mpi(shm_before)
+
+
+def _not_mpi(names: Any) -> set[str]:
+    # Open MPI's own segments (its singleton init in the script, or other tests
+    # running meanwhile) are not ours; ours never have a name at all.
+    return {n for n in names if not n.startswith(("vader_segment", "osc_rdma", "sm_segment"))}

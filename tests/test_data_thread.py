@@ -1,0 +1,123 @@
+"""ThreadPrefetch: real threads, no mocks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collective_gc import _reaper
+from collective_gc.data import ThreadPrefetch
+
+
+class GcOff:
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            gc.enable()
+
+
+def arrays(n: int, fail_at: int | None = None) -> Iterator[np.ndarray[Any, Any]]:
+    for i in range(n):
+        if i == fail_at:
+            raise KeyError(f"no element {i}")
+        yield np.full(1000, i)
+
+
+def test_order_and_end() -> None:
+    with ThreadPrefetch(arrays(20), buffer_size=3) as it:
+        assert [int(e[0]) for e in it] == list(range(20))
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_error_is_reraised_once_and_ends_the_iteration() -> None:
+    it = ThreadPrefetch(arrays(10, fail_at=4))
+    assert [int(next(it)[0]) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="no element 4") as info:
+        next(it)
+    assert any(f.name == "arrays" for f in info.traceback)  # the original traceback
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_no_cycles_keep_the_last_element() -> None:
+    with GcOff():
+        it = ThreadPrefetch(arrays(10, fail_at=4))
+        last = [next(it) for _ in range(4)][-1]
+        last_ref, it_ref = weakref.ref(last), weakref.ref(it)
+        try:
+            next(it)
+        except KeyError as exc:
+            kept = exc
+        del last, it
+        assert last_ref() is None and it_ref() is None
+        del kept
+
+        def loop(refs: list[weakref.ref[Any]]) -> None:
+            for e in ThreadPrefetch(arrays(5)):
+                refs.append(weakref.ref(e))
+
+        refs: list[weakref.ref[Any]] = []
+        loop(refs)
+        assert len(refs) == 5 and all(r() is None for r in refs)
+
+
+def test_close_while_the_producer_waits_for_room() -> None:
+    produced: list[int] = []
+
+    def gen() -> Iterator[int]:
+        try:
+            for i in range(1000):
+                produced.append(i)
+                yield i
+        finally:
+            produced.append(-1)  # the generator was closed, on its own thread
+
+    it = ThreadPrefetch(gen(), buffer_size=2)
+    assert next(it) == 0
+    time.sleep(0.1)
+    assert len(produced) <= 4  # bounded by the buffer
+    t0 = time.monotonic()
+    it.close()
+    assert time.monotonic() - t0 < 1.0
+    assert produced[-1] == -1 and not it._thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_dropping_the_loader_stops_its_thread() -> None:
+    it = ThreadPrefetch(arrays(10**9), buffer_size=2)
+    next(it)
+    thread = it._thread
+    del it
+    assert _reaper.flush(10)
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_buffer_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="buffer_size"):
+        ThreadPrefetch([1], buffer_size=0)
+
+
+def test_thread_prefetch_of_a_thread_unsafe_consumer_is_not_our_business() -> None:
+    # The iterable runs on exactly one other thread, never on two at once.
+    seen: set[int] = set()
+
+    def gen() -> Iterator[int]:
+        for i in range(50):
+            seen.add(threading.get_ident())
+            yield i
+
+    assert list(ThreadPrefetch(gen())) == list(range(50))
+    assert len(seen) == 1 and threading.get_ident() not in seen
