@@ -123,10 +123,13 @@ def breakdown(comm: MPI.Comm, make: Any, box: list[Any]) -> dict[str, float]:
         box.clear()
         t1 = time.perf_counter()
         mgr._drain()
-        agreed, _ = mgr._agree(None, (), None, 0, 0)
+        agreed, _ = mgr._agree(None, (), None, 0, 0, (0, 0))
         t2 = time.perf_counter()
         mgr._seq += 1  # what sync() does after the agreement
         mgr._destroy_agreed(agreed)
+        # What sync() does next: agree on the hook's vote after the destroys.
+        v0, v1 = cp._vote(mgr)
+        mgr.votes = (comm.allreduce(v0, op=MPI.MAX), comm.allreduce(v1, op=MPI.MAX))
         t3 = time.perf_counter()
         for hook in mgr._sync_hooks:
             hook(mgr)

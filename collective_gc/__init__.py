@@ -36,6 +36,7 @@ def __getattr__(name: str) -> object:
         return parallel_assert
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "CollectStats",
     "CollectiveGCError",

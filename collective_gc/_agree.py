@@ -38,6 +38,7 @@ __all__ = [
     "H_CHILD_ERRORS",
     "H_CYCLIC",
     "H_POLICY",
+    "H_VOTE",
     "NO_KEY",
     "allreduce",
     "intersect",
@@ -54,8 +55,9 @@ H_LO = 5  # smallest pending key (NO_KEY if none) -> max = window start
 H_NEG_HI = 6  # -largest pending key (+1 if none) -> -max = window end
 H_CYCLIC = 7  # cyclic finalizations drained at this sync point
 H_CHILD_ERRORS = 8  # destroys that raised on derived communicators (see _comms)
-H_POLICY = 9  # from here on: policy slots filled by _scope (the gc generation)
-HEADER_LEN = 10
+H_POLICY = 9  # the policy slot filled by _scope (the gc generation)
+H_VOTE = 10  # two slots: the vote of the manager's sync hook (see add_sync_hook)
+HEADER_LEN = 12
 
 NO_KEY = int(np.iinfo(np.int64).max)
 

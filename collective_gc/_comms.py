@@ -70,7 +70,10 @@ class _Derived:
         failures: list[tuple[int, str, BaseException]] = []
         if self.handle is not None and not self.handle_freed:
             mgr = _existing_manager(self.handle)
-            if mgr is not None and mgr._broken is None:
+            # Only while something is registered on it: that count is the same
+            # on every rank of the derived communicator (registration is
+            # collective, destroys are agreed), so they all skip it alike.
+            if mgr is not None and mgr._broken is None and mgr._regs:
                 try:
                     mgr.sync(deadline=deadline)
                 except DestroyError as exc:
@@ -88,7 +91,7 @@ class _Derived:
         if handle is not None and not self.handle_freed:
             mgr = _existing_manager(handle)
             if mgr is not None:
-                if mgr._live or mgr._pending or mgr._inbox:
+                if mgr._regs:
                     # Still in use. The count left is the same on every rank of
                     # the derived communicator after its sync point (registration
                     # is collective and destroys are agreed), so they all wait.

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import array
 import atexit
-import collections
 import gc
+import operator
 import os
 import sys
 import threading
@@ -44,6 +44,7 @@ from ._agree import (
     H_NEXT,
     H_POLICY,
     H_SEQ,
+    H_VOTE,
     NO_KEY,
 )
 from ._errors import (
@@ -59,7 +60,6 @@ from ._queue import (
     ALIVE,
     DESTROYED,
     DETACHED,
-    QUEUED,
     Registration,
     check_destroy,
     make_registration,
@@ -102,6 +102,7 @@ class _Child(Protocol):
 _ZEROS = array.array("q", bytes(8 * 64))
 _NO_KWARGS: dict[str, Any] = {}
 _NO_KEYS = np.empty(0, dtype=np.int64)
+_KEY_OF = operator.attrgetter("key")
 
 
 class Manager:
@@ -118,9 +119,19 @@ class Manager:
         # one (cgc.dup) whose death we are waiting for; hold a wrapper of the handle.
         self._comm = MPI.Intracomm(comm.Dup() if self._size > 1 else comm)
         self._next_key = 0
-        self._live: dict[int, Registration] = {}
-        self._pending: dict[int, Registration] = {}
-        self._inbox: collections.deque[Registration] = collections.deque()
+        # Every registration whose destroy has not run (object alive or dead).
+        self._regs: dict[int, Registration] = {}
+        # Finalizers append dead registrations here (list.append is atomic);
+        # a sync point takes them in two C calls, however many there are.
+        self._inbox: list[Registration] = []
+        self._cyclic_inbox: list[Registration] = []
+        # Keys drained and waiting for agreement, with the sync point at which
+        # each was drained (its age, for view).
+        self._pend = _NO_KEYS
+        self._pend_seq = _NO_KEYS
+        # Set when an explicit destroy or detach may have left a dead key in the
+        # inbox or the pending keys: the next drain filters them.
+        self._stale = False
         self._seq = 0
         self._lock = threading.RLock()
         self._destroying = False
@@ -135,6 +146,12 @@ class Manager:
         self._user_comm = MPI.Intracomm(comm)
         # Adapter hooks (PETSc's own garbage cleanup, say); see add_sync_hook.
         self._sync_hooks: list[Callable[[Manager], None]] = []
+        self._vote: Callable[[Manager], tuple[int, int]] | None = None
+        # The hook vote's MAX over every rank at the last sync point (taken
+        # after its destroys, if it ran any), and how many destroys it agreed
+        # on (the same on every rank).
+        self.votes: tuple[int, int] = (0, 0)
+        self.last_agreed = 0
         # Communicators derived from this one with cgc.dup/cgc.split (see _comms),
         # in creation order, which is the same on every rank.
         self._children: list[_Child] = []
@@ -155,7 +172,11 @@ class Manager:
         """True once the user's communicator was freed (the manager still works)."""
         return self._comm_freed
 
-    def add_sync_hook(self, hook: Callable[[Manager], None]) -> None:
+    def add_sync_hook(
+        self,
+        hook: Callable[[Manager], None],
+        vote: Callable[[Manager], tuple[int, int]] | None = None,
+    ) -> None:
         """Run ``hook(manager)`` at every sync point on this communicator.
 
         Collective: add it on every rank, since it runs on every rank at each
@@ -164,7 +185,17 @@ class Manager:
         :attr:`comm` (PETSc's garbage cleanup does). Adding the same hook again
         does nothing. A hook that raises does so on its rank only: keep hooks
         to calls that succeed or fail on every rank alike.
+
+        ``vote(manager)`` (local, no MPI) returns two ints that ride in the
+        sync point's own header allreduce; their MAX over every rank is in
+        :attr:`votes` when the hook runs, so a hook can decide, the same way on
+        every rank, whether it has work, without a collective of its own. One
+        voting hook per manager.
         """
+        if vote is not None:
+            if self._vote is not None and self._vote is not vote:
+                raise CollectiveGCError(f"the {self._describe()} already has a voting sync hook")
+            self._vote = vote
         if hook not in self._sync_hooks:
             self._sync_hooks.append(hook)
 
@@ -204,7 +235,7 @@ class Manager:
         state = " broken" if self._broken else ""
         return (
             f"<collective_gc.Manager{state} of a {self._describe()}: "
-            f"{len(self._live)} alive, {len(self._pending) + len(self._inbox)} pending, "
+            f"{len(self._regs)} registered, {self._pend.size + len(self._inbox)} pending, "
             f"{self.destroyed} destroyed, {self._seq} sync points>"
         )
 
@@ -251,18 +282,24 @@ class Manager:
             obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name
         )
         self._next_key += 1
-        self._live[reg.key] = reg
+        self._regs[reg.key] = reg
         self.created += 1
         return reg
+
+    def _retire(self, reg: Registration, state: int) -> None:
+        # State first: a finalizer that runs after it pushes nothing; one that
+        # ran before it left the object dead, which marks the queue stale.
+        reg._state = state
+        self._regs.pop(reg.key, None)
+        if reg() is None:
+            self._stale = True
 
     def _destroy_now(self, reg: Registration) -> None:
         with self._lock:
             if reg._state >= DESTROYED:
                 return
             self._check_usable(f"destroy key {reg.key} ({reg.name!r})")
-            self._live.pop(reg.key, None)
-            self._pending.pop(reg.key, None)
-            reg._state = DESTROYED
+            self._retire(reg, DESTROYED)
             self.destroyed += 1
             reg._call()
 
@@ -270,46 +307,66 @@ class Manager:
         with self._lock:
             if reg._state >= DESTROYED:
                 return False
-            self._live.pop(reg.key, None)
-            self._pending.pop(reg.key, None)
-            reg._state = DETACHED
+            self._retire(reg, DETACHED)
             reg._destroy, reg._args, reg._kwargs = None, (), {}
             return True
+
+    def _note_cyclic(self, reg: Registration) -> None:
+        # Called by the finalizer inside the cyclic collector: append only.
+        self._cyclic_inbox.append(reg)
 
     # -- the queue -------------------------------------------------------------
 
     def _drain(self) -> int:
-        """Move dead registrations from the inbox to the pending set; count cyclic ones."""
+        """Take the inbox into the pending keys; count and note cyclic finalizations."""
+        cyc = self._cyclic_inbox
         cyclic = 0
-        inbox, live, pend, seq = self._inbox, self._live, self._pending, self._seq
-        popleft = inbox.popleft
-        while inbox:
-            reg = popleft()
-            if reg._state != ALIVE:
-                live.pop(reg.key, None)
-                continue  # destroyed or detached before its finalization was seen
-            reg._state = QUEUED
-            reg.queued_at = seq
-            key = reg.key
-            live.pop(key, None)
-            pend[key] = reg
-            if reg.cyclic:
-                cyclic += 1
-                self.last_cyclic.append((reg._typename, reg.name, key, reg.origin))
-        self.cyclic += cyclic
+        if cyc:
+            nc = len(cyc)
+            batch_c = cyc[:nc]
+            del cyc[:nc]  # one C call: appends racing with it land after the slice
+            for reg in batch_c:
+                if reg._state == ALIVE:
+                    cyclic += 1
+                    self.last_cyclic.append((reg._typename, reg.name, reg.key, reg.origin))
+            self.cyclic += cyclic
+        inbox = self._inbox
+        n = len(inbox)
+        if n or self._stale:
+            batch = inbox[:n]
+            del inbox[:n]
+            if self._stale:
+                # Rare: explicit destroys or detaches of dead objects since the
+                # last drain. Drop their keys, wherever they are.
+                self._stale = False
+                batch = [r for r in batch if r._state == ALIVE]
+                regs = self._regs
+                keep = np.fromiter((k in regs for k in self._pend.tolist()), bool, self._pend.size)
+                self._pend, self._pend_seq = self._pend[keep], self._pend_seq[keep]
+            if batch:
+                new = np.fromiter(map(_KEY_OF, batch), np.int64, len(batch))
+                self._pend = np.concatenate((self._pend, new))
+                self._pend_seq = np.concatenate((self._pend_seq, np.full(new.size, self._seq)))
         return cyclic
 
     def pending(self) -> list[Registration]:
         """What this rank has queued, oldest key first. Local."""
         with self._lock:
             self._drain()
-            return sorted(self._pending.values(), key=lambda r: r.key)
+            regs = self._regs
+            out = []
+            for key, seq in sorted(zip(self._pend.tolist(), self._pend_seq.tolist())):
+                reg = regs.get(key)
+                if reg is not None:
+                    reg.queued_at = seq
+                    out.append(reg)
+            return out
 
     def alive(self) -> list[Registration]:
         """Registrations whose objects are still alive on this rank. Local."""
         with self._lock:
             self._drain()
-            return sorted(self._live.values(), key=lambda r: r.key)
+            return sorted((r for r in self._regs.values() if r() is not None), key=_KEY_OF)
 
     # -- sync points -----------------------------------------------------------
 
@@ -354,10 +411,14 @@ class Manager:
             child_failures = self._sync_children(deadline) if self._children else []
             if self.last_cyclic:
                 self.last_cyclic = []
-            cyclic = self._drain() if self._inbox else 0
+            if self._inbox or self._cyclic_inbox or self._stale:
+                cyclic = self._drain()
+            else:
+                cyclic = 0
+            votes = self._vote(self) if self._vote is not None else (0, 0)
             try:
                 agreed, any_errors = self._agree(
-                    deadline, policy, on_header, cyclic, len(child_failures)
+                    deadline, policy, on_header, cyclic, len(child_failures), votes
                 )
             except CollectiveTimeoutError as exc:
                 self._broken = f"sync point {self._seq} timed out ({exc})"
@@ -368,21 +429,38 @@ class Manager:
                 raise
             seq = self._seq
             self._seq += 1
-            failures = self._destroy_agreed(agreed) if agreed else []
+            failures = self._destroy_agreed(agreed) if agreed.size else []
+            self.last_agreed = int(agreed.size)
+            failures.extend(child_failures)
+            any_failed = bool(failures)
+            # Whether anything ran depends only on agreed values, so every rank
+            # takes the same branch: then one more small allreduce says whether
+            # a destroy failed anywhere and refreshes the hook's vote (the
+            # destroys may have changed it: PETSc garbage, say).
+            if agreed.size or any_errors:
+                votes = self._vote(self) if self._vote is not None else (0, 0)
+                if self._size > 1:
+                    post = _agree.allreduce(
+                        self._comm,
+                        array.array("q", (len(failures), *votes)),
+                        MPI.MAX,
+                        deadline,
+                        self._what("its error check"),
+                    )
+                    any_failed = post[0] > 0
+                    votes = (post[1], post[2])
+                self.votes = votes
             if self._sync_hooks and not self._comm_freed:
                 for hook in self._sync_hooks:
                     hook(self)
             if self._children:
                 self._children = [c for c in self._children if not c.released]
-            failures.extend(child_failures)
-            # Whether to check errors depends only on agreed values, so every
-            # rank takes the same branch.
-            if (agreed or any_errors) and (self._size > 1 or failures):
+            if any_failed:
                 self._raise_failures(failures, seq, deadline)
             seconds = time.perf_counter() - t0
             self.sync_seconds += seconds
             return CollectStats(
-                len(agreed), len(self._pending) + len(self._inbox), cyclic, seconds, seq, collected
+                agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
             )
 
     def _agree(
@@ -392,48 +470,49 @@ class Manager:
         on_header: Callable[[Sequence[int]], None] | None,
         cyclic: int,
         child_errors: int,
-    ) -> tuple[list[int], bool]:
+        votes: tuple[int, int],
+    ) -> tuple[np.ndarray[Any, Any], bool]:
         """Collective. The keys to destroy now, ascending, and whether any rank
         saw a destroy fail on a derived communicator."""
-        pend = self._pending
-        n = len(pend)
+        pend = self._pend
         if self._size == 1:
+            self.votes = votes
             if on_header is not None:
                 local = [0] * _agree.HEADER_LEN
                 local[H_CYCLIC] = cyclic
                 local[H_CHILD_ERRORS] = child_errors
                 local[H_POLICY : H_POLICY + len(policy)] = policy
                 on_header(local)
-            return sorted(pend), child_errors > 0
+            return np.sort(pend), child_errors > 0
+        n = pend.size
         if n:
-            keys = np.fromiter(pend, dtype=np.int64, count=n)
-            lo, neg_hi = int(keys.min()), -int(keys.max())
+            lo, neg_hi = int(pend.min()), -int(pend.max())
         else:
-            keys = _NO_KEYS
             lo, neg_hi = NO_KEY, 1
         seq, nk = self._seq, self._next_key
-        head = array.array("q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors))
-        head.extend(policy)
-        head.extend(_ZEROS[: _agree.HEADER_LEN - len(head)])
+        gen = policy[0] if policy else 0
+        head = array.array(
+            "q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors, gen, *votes)
+        )
         red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
         if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
             raise self._mismatch(red)
+        self.votes = (red[H_VOTE], red[H_VOTE + 1])
         if on_header is not None:
             on_header(red)
         any_errors = red[H_CHILD_ERRORS] > 0
         if red[H_COUNT] == 0:
-            return [], any_errors
-        keys.sort()
+            return _NO_KEYS, any_errors
         common = _agree.intersect(
             self._comm,
-            keys,
+            np.sort(pend),
             red[H_LO],
             -red[H_NEG_HI],
             red[H_COUNT],
             deadline,
             self._what("the key agreement"),
         )
-        return common.tolist(), any_errors
+        return common, any_errors
 
     def _sync_children(self, deadline: float | None) -> list[tuple[int, str, BaseException]]:
         failures: list[tuple[int, str, BaseException]] = []
@@ -461,16 +540,20 @@ class Manager:
             f"point {self._seq}: " + "; ".join(parts) + ". Nothing was destroyed."
         )
 
-    def _destroy_agreed(self, agreed: list[int]) -> list[tuple[int, str, BaseException]]:
+    def _destroy_agreed(self, agreed: np.ndarray[Any, Any]) -> list[tuple[int, str, BaseException]]:
         # Newest first: a resource made from another one (a KSP from a Mat, a
         # sub-communicator from a communicator) is released before its source.
         failures: list[tuple[int, str, BaseException]] = []
-        pop = self._pending.pop
+        pop = self._regs.pop
+        done = 0
         self._destroying = True
         try:
-            for key in reversed(agreed):
-                reg = pop(key)
+            for key in agreed[::-1].tolist():
+                reg = pop(key, None)
+                if reg is None:
+                    continue  # destroyed explicitly on every rank meanwhile
                 reg._state = DESTROYED
+                done += 1
                 # Registration._call, inlined: this loop is the cost per key.
                 fn, args, kwargs = reg._destroy, reg._args, reg._kwargs
                 reg._destroy = None
@@ -486,11 +569,17 @@ class Manager:
                 del reg, fn, args, kwargs
         finally:
             self._destroying = False
-            self.destroyed += len(agreed)
-            if not self._pending:
+            self.destroyed += done
+            pend = self._pend
+            if agreed.size == pend.size:
+                self._pend = self._pend_seq = _NO_KEYS
+            else:
+                keep = ~np.isin(pend, agreed, assume_unique=True)
+                self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
+            if not self._regs:
                 # A dict never shrinks: after a large backlog, iterating even an
                 # empty one costs its old size, so start a new one.
-                self._pending = {}
+                self._regs = {}
         return failures
 
     def _raise_failures(
@@ -499,17 +588,9 @@ class Manager:
         seq: int,
         deadline: float | None,
     ) -> None:
+        """Collective when some rank had a failure (agreed by the caller): raise on all."""
         mine = [(self._rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]
         if self._size > 1:
-            count = _agree.allreduce(
-                self._comm,
-                np.array([len(mine)], dtype=np.int64),
-                MPI.SUM,
-                deadline,
-                self._what("its error check"),
-            )
-            if count[0] == 0:
-                return
             everyone = _agree.allgather(self._comm, mine, deadline, self._what("its error report"))
             mine = [f for per_rank in everyone for f in per_rank]
         lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine)
@@ -527,9 +608,9 @@ class Manager:
             return
         if self._broken is not None:
             self._drain()
-            if self._pending:
+            if self._pend.size:
                 warnings.warn(
-                    f"collective_gc: rank {self._rank}: {len(self._pending)} pending "
+                    f"collective_gc: rank {self._rank}: {self._pend.size} pending "
                     f"destroy(s) on the {self._describe()} were leaked at exit: the "
                     f"manager is unusable since {self._broken}",
                     ExitLeakWarning,
@@ -541,7 +622,7 @@ class Manager:
         except CollectiveTimeoutError:
             warnings.warn(
                 f"collective_gc: rank {self._rank}: the final agreement on the "
-                f"{self._describe()} timed out at exit; {len(self._pending)} pending "
+                f"{self._describe()} timed out at exit; {self._pend.size} pending "
                 "destroy(s) were leaked (did another rank exit early or hang?)",
                 ExitLeakWarning,
                 stacklevel=1,
@@ -551,11 +632,12 @@ class Manager:
 
     def _after_fork(self) -> None:
         self._forked = True
-        for reg in list(self._live.values()) + list(self._pending.values()):
+        for reg in list(self._regs.values()):
             reg._state = DETACHED
-        self._live.clear()
-        self._pending.clear()
+        self._regs.clear()
         self._inbox.clear()
+        self._cyclic_inbox.clear()
+        self._pend = self._pend_seq = _NO_KEYS
 
     def _on_comm_freed(self) -> None:
         # Called from an MPI attribute delete callback: record only, no MPI.
@@ -716,7 +798,7 @@ def _at_exit() -> None:
             # rank only: the others may never reach an exit agreement, and
             # under `python -m mpi4py` the job is about to be aborted. Waiting
             # for them would only delay that; leak instead, and say so.
-            left = sum(len(m._pending) + len(m._inbox) for m in _MANAGERS)
+            left = sum(m._pend.size + len(m._inbox) for m in _MANAGERS)
             if left:
                 warnings.warn(
                     f"collective_gc: exiting on an uncaught exception: {left} pending "

@@ -9,9 +9,9 @@ thread and pushes the registration onto its owner's inbox. It takes no lock,
 makes no MPI call and runs no destroy, so it is safe at any point at which
 Python can run a finalizer (including inside our own sync points).
 
-The inbox is a ``collections.deque`` (collective managers) or a
-``queue.SimpleQueue`` (the rank-local reaper); both have an append/put that is
-atomic under the GIL and safe to call re-entrantly from a finalizer.
+The inbox is a ``list`` (collective managers) or a ``queue.SimpleQueue`` (the
+rank-local reaper); both have an append/put that is atomic under the GIL and
+safe to call re-entrantly from a finalizer.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ __all__ = [
     "DETACHED",
 ]
 
-ALIVE = 0  # the object lives, or died but the owner has not drained it yet
-QUEUED = 1  # drained into the owner's pending set, waiting for a sync point
+ALIVE = 0  # the destroy has not run: the object lives, or died and is queued
+QUEUED = 1  # never stored: "queued" is ALIVE with a dead referent (Registration.state)
 DESTROYED = 2  # the destroy has run (or is running)
 DETACHED = 3  # detach() was called, or the owner was shut down or forked away
 
@@ -68,6 +68,7 @@ gc.callbacks.append(_gc_phase)
 
 
 class _Owner(Protocol):
+    def _note_cyclic(self, reg: Registration) -> None: ...
     def _destroy_now(self, reg: Registration) -> None: ...
     def _detach(self, reg: Registration) -> bool: ...
     def _describe(self) -> str: ...
@@ -79,9 +80,11 @@ def _on_finalize(
     _ident: Callable[[], int] = threading.get_ident,
 ) -> None:
     # Only record and queue: see the module docstring.
-    if _flags[1]:
-        return
-    reg.cyclic = _flags[0] == _ident()
+    if _flags[1] or reg._state:
+        return  # shut down, or destroyed or detached already: nothing to queue
+    if _flags[0] and _flags[0] == _ident():
+        reg.cyclic = True
+        reg._owner._note_cyclic(reg)
     reg._push(reg)
 
 

@@ -44,6 +44,9 @@ class _Reaper:
     def _describe(self) -> str:
         return "the rank-local reaper"
 
+    def _note_cyclic(self, reg: Registration) -> None:
+        pass  # rank-local destroys need no cyclic diagnosis
+
     def _claim(self, reg: Registration, new_state: int) -> bool:
         # The one place a rank-local registration leaves the ALIVE state, so a
         # destroy runs at most once however the reaper thread and explicit

@@ -346,10 +346,10 @@ def sync_point(
 
     Every rank must call the decorated function the same number of times (each
     call ends in a collective sync point; a rank that skips one hangs the others
-    or makes the next sync point raise :class:`CollectiveMismatchError`). After it returns, the innermost open
-    :class:`collective_scope` of this thread (on ``comm``, if given) syncs; with
-    no such scope, ``comm`` is required and :func:`collective_gc.collect`
-    runs on it. ``comm`` may be a communicator or a callable that gets the
+    or makes the next sync point raise :class:`CollectiveMismatchError`).
+    After it returns, the innermost open :class:`collective_scope` of this
+    thread (on ``comm``, if given) syncs; with no such scope, ``comm`` is
+    required and :func:`collective_gc.collect` runs on it. ``comm`` may be a communicator or a callable that gets the
     function's arguments and returns one (``comm=lambda self, *a: self.comm``).
     If the function raises, no sync point runs.
     """

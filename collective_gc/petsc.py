@@ -29,7 +29,6 @@ This is the only module of collective_gc that imports petsc4py.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import warnings
 import weakref
@@ -187,11 +186,13 @@ def _sync_hook(mgr: Manager) -> None:
 
     Runs inside every sync point of ``mgr``, on every rank, after the agreed
     destroys. ``PETSc.garbage_cleanup`` is itself collective and costs ~40 us
-    on 4 ranks here even with nothing to clean, so the ranks first agree, in
-    one small allreduce on the manager's private duplicate, whether any of
-    them holds garbage, and whether all of them still have PETSc's inner
-    communicator. Normally they all have it or none has (PETSc creates and
-    frees it in collective calls), but after a destroy that failed on some
+    on 4 ranks here even with nothing to clean, so the ranks first agree
+    whether any of them holds garbage, and whether all of them still have
+    PETSc's inner communicator, through the vote (:func:`_vote`) carried in
+    the sync point's own allreduces (taken again after its destroys, which may
+    have made garbage), so this costs no message of its own. Normally they
+    all have it or none has (PETSc creates and frees it in collective calls),
+    but after a destroy that failed on some
     ranks only, the wreck keeps it alive there; ``garbage_cleanup`` would then
     duplicate the communicator on the other ranks only, and hang.
     """
@@ -204,15 +205,11 @@ def _sync_hook(mgr: Manager) -> None:
         return
     inner = _PETSC.inner(comm)
     if mgr.size > 1:
-        has = int(inner is not None)
-        mine = _PETSC.count(inner) if inner is not None else 0
-        send = array.array("q", (mine, has, -has))
-        got = array.array("q", (0, 0, 0))
-        mgr._comm.Allreduce(send, got, MPI.MAX)
-        most, some_have, all_have = got[0], got[1], -got[2]
-        if most and all_have:
+        votes = mgr.votes  # agreed in the sync point's own allreduces: no extra message
+        most, some_have, all_have = votes[0] - 1, votes[0] >= 1, votes[1] == 0
+        if most > 0 and all_have:
             PETSc.garbage_cleanup(comm)
-        elif most and some_have:
+        elif most > 0 and some_have:
             _warn_split_state(mgr)
     elif inner is not None and _PETSC.count(inner):
         PETSc.garbage_cleanup(comm)
@@ -222,6 +219,21 @@ def _sync_hook(mgr: Manager) -> None:
     self_inner = _PETSC.inner(MPI.COMM_SELF)
     if self_inner is not None and self_inner != inner and _PETSC.count(self_inner):
         PETSc.garbage_cleanup(MPI.COMM_SELF)
+
+
+def _vote(mgr: Manager) -> tuple[int, int]:
+    """This rank's vote for :func:`_sync_hook`, carried in the sync header. Local.
+
+    Slot 0: 0 without PETSc's inner communicator, else 1 + this rank's garbage
+    count (MAX: whether any rank has garbage, and whether any has the inner
+    communicator). Slot 1: 1 if this rank lacks it (MAX: whether all have it).
+    """
+    if _PETSC is None:
+        return (0, 0)
+    inner = _PETSC.inner(mgr.comm)
+    if inner is None:
+        return (0, 1)
+    return (1 + _PETSC.count(inner), 0)
 
 
 _WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
@@ -270,7 +282,7 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     without the hook would skip it while the others wait for it.
     """
     mgr = manager(MPI.COMM_WORLD if comm is None else comm)
-    mgr.add_sync_hook(_sync_hook)
+    mgr.add_sync_hook(_sync_hook, vote=_vote)
     mgr.add_view_hook(_view_hook)
     return mgr
 

@@ -240,7 +240,7 @@ class ManagerTests:
         text = repr(reg)
         assert "key=0" in text and "'ksp'" in text and "alive" in text
         assert f"size {comm.Get_size()}" in text
-        assert "1 alive" in repr(cgc.manager(comm))
+        assert "1 registered" in repr(cgc.manager(comm))
         reg.detach()
 
     def test_many_pending_both_agreement_methods(self, comm: MPI.Intracomm) -> None:
