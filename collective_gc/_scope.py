@@ -349,8 +349,9 @@ def sync_point(
     or makes the next sync point raise :class:`CollectiveMismatchError`).
     After it returns, the innermost open :class:`collective_scope` of this
     thread (on ``comm``, if given) syncs; with no such scope, ``comm`` is
-    required and :func:`collective_gc.collect` runs on it. ``comm`` may be a communicator or a callable that gets the
-    function's arguments and returns one (``comm=lambda self, *a: self.comm``).
+    required and :func:`collective_gc.collect` runs on it. ``comm`` may be a
+    communicator or a callable that gets the function's arguments and returns
+    one (``comm=lambda self, *a: self.comm``).
     If the function raises, no sync point runs.
     """
 
