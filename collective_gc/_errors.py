@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
 __all__ = [
     "CollectiveGCError",
     "RegistrationError",
@@ -11,7 +14,10 @@ __all__ = [
     "CyclicFinalizationError",
     "CyclicFinalizationWarning",
     "ExitLeakWarning",
+    "call_each",
 ]
+
+_T = TypeVar("_T")
 
 
 class CollectiveGCError(Exception):
@@ -64,3 +70,32 @@ class CyclicFinalizationWarning(UserWarning):
 
 class ExitLeakWarning(RuntimeWarning):
     """Pending collective destroys could not be agreed at exit and were leaked."""
+
+
+def call_each(
+    items: Iterable[_T],
+    call: Callable[[_T], Any],
+    on_error: Callable[[_T], Any] | None = None,
+) -> None:
+    """``call(item)`` for every item, even if some raise; then raise the first.
+
+    The later exceptions become notes of the first. ``on_error(item)`` runs for
+    each item whose call raised. For destroys of several resources that must
+    all be attempted, on every rank, whatever fails.
+    """
+    first: BaseException | None = None
+    for item in items:
+        try:
+            call(item)
+        except Exception as exc:  # every item is still tried; raised after
+            if on_error is not None:
+                on_error(item)
+            if first is None:
+                first = exc
+            else:
+                first.add_note(f"also raised for a {type(item).__name__}: {exc!r}")
+    if first is not None:
+        try:
+            raise first
+        finally:
+            first = None  # no frame-traceback cycle keeping the items alive

@@ -26,7 +26,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ._comms import dup, split
-from ._errors import RegistrationError
+from ._errors import RegistrationError, call_each
 from ._manager import register
 from ._queue import Registration
 
@@ -79,23 +79,14 @@ def release(*handles: Handle) -> None:
     Every handle is released even if one raises; the first exception is then
     raised. Called on every rank of the handles' groups, like each release.
     """
-    first: BaseException | None = None
-    for h in reversed(handles):
-        try:
-            if isinstance(h, MPI.Win):
-                free_win(h)
-            else:
-                close_file(h)
-        except Exception as exc:  # release the rest; raised after
-            if first is None:
-                first = exc
-            else:
-                first.add_note(f"also raised while releasing a {type(h).__name__}: {exc!r}")
-    if first is not None:
-        try:
-            raise first
-        finally:
-            first = None  # no frame-traceback cycle keeping the handles alive
+    call_each(reversed(handles), _release_one)
+
+
+def _release_one(h: Handle) -> None:
+    if isinstance(h, MPI.Win):
+        free_win(h)
+    else:
+        close_file(h)
 
 
 def _check(h: object, comm: MPI.Comm) -> None:

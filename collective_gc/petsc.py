@@ -38,7 +38,7 @@ from typing import Any
 from mpi4py import MPI
 from petsc4py import PETSc
 
-from ._errors import RegistrationError
+from ._errors import RegistrationError, call_each
 from ._manager import Manager, manager, register
 from ._queue import Registration
 from ._scope import sync_point
@@ -351,21 +351,11 @@ def destroy_all(*objs: Any) -> None:
     handle) are skipped by petsc4py itself, so a second call does nothing.
     Called on every rank of the objects' communicators, as their destroys are.
     """
-    first: BaseException | None = None
-    for obj in reversed(objs):
-        try:
-            obj.destroy()
-        except Exception as exc:  # every object is still destroyed; raised after
-            _forget(obj)
-            if first is None:
-                first = exc
-            else:
-                first.add_note(f"also raised while destroying a {type(obj).__name__}: {exc!r}")
-    if first is not None:
-        try:
-            raise first
-        finally:
-            first = None  # no frame-traceback cycle keeping the objects alive
+    call_each(reversed(objs), _destroy, on_error=_forget)
+
+
+def _destroy(obj: Any) -> None:
+    obj.destroy()
 
 
 def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> None:

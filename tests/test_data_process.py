@@ -38,6 +38,8 @@ from data_scripts.fns import (
 from collective_gc import _reaper
 from collective_gc.data import ProcessPrefetch, WorkerError, _pool, _shm
 
+from _util import GcDisabled as GcOff
+
 # -- helpers ------------------------------------------------------------------------
 
 
@@ -297,16 +299,6 @@ def test_no_segment_unmapped_under_a_live_array() -> None:
     del keep, e
     _settle()
     assert _mapped_segments() < before
-
-
-class GcOff:
-    def __enter__(self) -> None:
-        self.was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.was:
-            gc.enable()
 
 
 def _loop(refs: list[weakref.ref[Any]], fn: Any = make) -> ProcessPrefetch[Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import weakref
@@ -15,15 +14,7 @@ import pytest
 from collective_gc import _reaper
 from collective_gc.data import ThreadPrefetch
 
-
-class GcOff:
-    def __enter__(self) -> None:
-        self.was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.was:
-            gc.enable()
+from _util import GcDisabled as GcOff
 
 
 def arrays(n: int, fail_at: int | None = None) -> Iterator[np.ndarray[Any, Any]]:
