@@ -64,25 +64,23 @@ def plot_sync(data: dict[str, dict[str, Any]]) -> str | None:
         [r["pending"] for r in rows],
         [r["sync_us"] / 1e3 for r in rows],
         "o-",
-        label="collective_gc sync point",
+        label="collective_gc sync point (no-op destroys)",
     )
     petsc = data.get("petsc")
     if petsc is not None:
-        pr = [r for r in petsc["rows"] if "n" in r and "cleanup_ms" in r]
+        pr = [r for r in petsc["rows"] if "n" in r and "delayed_ms" in r]
         if pr:
             ax.loglog(
                 [r["n"] for r in pr],
-                [r["cleanup_ms"] for r in pr],
+                [r["delayed_ms"] for r in pr],
                 "s--",
-                label="PETSc garbage_cleanup",
+                label="PETSc Vecs: delayed destroy + garbage_cleanup",
             )
-        ours = [r for r in petsc["rows"] if "n" in r and "ours_ms" in r]
-        if ours:
             ax.loglog(
-                [r["n"] for r in ours],
-                [r["ours_ms"] for r in ours],
+                [r["n"] for r in pr],
+                [r["managed_ms"] for r in pr],
                 "^-",
-                label="collective_gc sync, PETSc Vecs",
+                label="PETSc Vecs: collective_gc sync point",
             )
     ax.set_xlabel("pending destroy requests")
     ax.set_ylabel("sync time (ms, slowest of 4 ranks)")

@@ -110,3 +110,25 @@ def test_destroy_error_on_a_split_raises_on_every_parent_rank(comm: MPI.Intracom
         cgc.collect(comm)
     del sub
     cgc.collect(comm)
+
+
+@pytest.mark.parametrize("base", ["self", "world"])
+def test_five_thousand_duplicates_do_not_exhaust_communicators(base: str) -> None:
+    # Firedrake ran out of communicators near 2,036 meshes because nothing
+    # freed them; here each dropped duplicate is freed at the next sync point.
+    comm = (MPI.COMM_SELF if base == "self" else MPI.COMM_WORLD).Dup()
+    try:
+        freed = [0]
+        kv = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: freed.__setitem__(0, freed[0] + 1))
+        most_alive = 0
+        for i in range(5000):
+            sub = cgc.dup(comm)
+            sub.Set_attr(kv, i)
+            del sub
+            cgc.collect(comm, generation=None)
+            most_alive = max(most_alive, len(cgc.manager(comm)._children))
+        assert freed[0] == 5000  # MPI_Comm_free ran for every one
+        assert most_alive <= 1
+        MPI.Comm.Free_keyval(kv)
+    finally:
+        comm.Free()
