@@ -415,53 +415,69 @@ class Manager:
                 cyclic = self._drain()
             else:
                 cyclic = 0
-            votes = self._vote(self) if self._vote is not None else (0, 0)
             try:
-                agreed, any_errors = self._agree(
-                    deadline, policy, on_header, cyclic, len(child_failures), votes
+                return self._sync_locked(
+                    deadline, policy, on_header, collected, t0, cyclic, child_failures
                 )
             except CollectiveTimeoutError as exc:
+                # An abandoned collective could match a later one: never again.
                 self._broken = f"sync point {self._seq} timed out ({exc})"
                 raise
             except CollectiveMismatchError:
                 # Every rank saw the same reduced header, so every rank gets here.
                 self._broken = f"the ranks disagreed at sync point {self._seq}"
                 raise
-            seq = self._seq
-            self._seq += 1
-            failures = self._destroy_agreed(agreed) if agreed.size else []
-            self.last_agreed = int(agreed.size)
-            failures.extend(child_failures)
-            any_failed = bool(failures)
-            # Whether anything ran depends only on agreed values, so every rank
-            # takes the same branch: then one more small allreduce says whether
-            # a destroy failed anywhere and refreshes the hook's vote (the
-            # destroys may have changed it: PETSc garbage, say).
-            if agreed.size or any_errors:
-                votes = self._vote(self) if self._vote is not None else (0, 0)
-                if self._size > 1:
-                    post = _agree.allreduce(
-                        self._comm,
-                        array.array("q", (len(failures), *votes)),
-                        MPI.MAX,
-                        deadline,
-                        self._what("its error check"),
-                    )
-                    any_failed = post[0] > 0
-                    votes = (post[1], post[2])
-                self.votes = votes
-            if self._sync_hooks and not self._comm_freed:
-                for hook in self._sync_hooks:
-                    hook(self)
-            if self._children:
-                self._children = [c for c in self._children if not c.released]
-            if any_failed:
-                self._raise_failures(failures, seq, deadline)
-            seconds = time.perf_counter() - t0
-            self.sync_seconds += seconds
-            return CollectStats(
-                agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
-            )
+
+    def _sync_locked(
+        self,
+        deadline: float | None,
+        policy: Sequence[int],
+        on_header: Callable[[Sequence[int]], None] | None,
+        collected: int | None,
+        t0: float,
+        cyclic: int,
+        child_failures: list[tuple[int, str, BaseException]],
+    ) -> CollectStats:
+        """The body of :meth:`sync` after the drain, under the manager's lock."""
+        votes = self._vote(self) if self._vote is not None else (0, 0)
+        agreed, any_errors = self._agree(
+            deadline, policy, on_header, cyclic, len(child_failures), votes
+        )
+        seq = self._seq
+        self._seq += 1
+        failures = self._destroy_agreed(agreed) if agreed.size else []
+        self.last_agreed = int(agreed.size)
+        failures.extend(child_failures)
+        any_failed = bool(failures)
+        # Whether anything ran depends only on agreed values, so every rank
+        # takes the same branch: then one more small allreduce says whether
+        # a destroy failed anywhere and refreshes the hook's vote (the
+        # destroys may have changed it: PETSc garbage, say).
+        if agreed.size or any_errors:
+            votes = self._vote(self) if self._vote is not None else (0, 0)
+            if self._size > 1:
+                post = _agree.allreduce(
+                    self._comm,
+                    array.array("q", (len(failures), *votes)),
+                    MPI.MAX,
+                    deadline,
+                    self._what("its error check"),
+                )
+                any_failed = post[0] > 0
+                votes = (post[1], post[2])
+            self.votes = votes
+        if self._sync_hooks and not self._comm_freed:
+            for hook in self._sync_hooks:
+                hook(self)
+        if self._children:
+            self._children = [c for c in self._children if not c.released]
+        if any_failed:
+            self._raise_failures(failures, seq, deadline)
+        seconds = time.perf_counter() - t0
+        self.sync_seconds += seconds
+        return CollectStats(
+            agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
+        )
 
     def _agree(
         self,
@@ -577,8 +593,7 @@ class Manager:
                 keep = ~np.isin(pend, agreed, assume_unique=True)
                 self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
             if not self._regs:
-                # A dict never shrinks: after a large backlog, iterating even an
-                # empty one costs its old size, so start a new one.
+                # A dict never shrinks: give back a large backlog's memory.
                 self._regs = {}
         return failures
 
