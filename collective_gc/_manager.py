@@ -311,6 +311,13 @@ class Manager:
             reg._destroy, reg._args, reg._kwargs = None, (), {}
             return True
 
+    def _votes_now(self) -> tuple[int, int]:
+        # No vote once the user's communicator is freed (collectively, so on
+        # every rank alike): a hook looking at it then would read a dead handle.
+        if self._vote is None or self._comm_freed:
+            return (0, 0)
+        return self._vote(self)
+
     def _note_cyclic(self, reg: Registration) -> None:
         # Called by the finalizer inside the cyclic collector: append only.
         self._cyclic_inbox.append(reg)
@@ -439,7 +446,7 @@ class Manager:
         child_failures: list[tuple[int, str, BaseException]],
     ) -> CollectStats:
         """The body of :meth:`sync` after the drain, under the manager's lock."""
-        votes = self._vote(self) if self._vote is not None else (0, 0)
+        votes = self._votes_now()
         agreed, any_errors = self._agree(
             deadline, policy, on_header, cyclic, len(child_failures), votes
         )
@@ -454,7 +461,7 @@ class Manager:
         # a destroy failed anywhere and refreshes the hook's vote (the
         # destroys may have changed it: PETSc garbage, say).
         if agreed.size or any_errors:
-            votes = self._vote(self) if self._vote is not None else (0, 0)
+            votes = self._votes_now()
             if self._size > 1:
                 post = _agree.allreduce(
                     self._comm,
