@@ -46,6 +46,15 @@ def same_on_all(comm: MPI.Comm, value: Any) -> bool:
     return all(v == value for v in comm.allgather(value))
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process; a zombie (dead, not yet reaped) is not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class GcDisabled:
     """Context manager: automatic cyclic collection off, restored after."""
 

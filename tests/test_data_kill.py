@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from _util import process_alive
 from conftest import mpiexec_env
 
 pytestmark = pytest.mark.launcher
@@ -22,13 +23,8 @@ pytestmark = pytest.mark.launcher
 SCRIPTS = os.path.join(os.path.dirname(__file__), "data_scripts")
 
 
-def _alive(pid: int) -> bool:
-    # A zombie is dead: only its parent (init here, after reparenting) can reap it.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+# A zombie is dead: only its parent (init, after reparenting) can reap it.
+_alive = process_alive
 
 
 def _shm() -> set[str]:

@@ -38,17 +38,13 @@ from data_scripts.fns import (
 from collective_gc import _reaper
 from collective_gc.data import ProcessPrefetch, WorkerError, _pool, _shm
 
-from _util import GcDisabled as GcOff
+from _util import GcDisabled as GcOff, process_alive
 
 # -- helpers ------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+# A zombie is dead: only its parent (init, after reparenting) can reap it.
+_alive = process_alive
 
 
 def _root(a: Any) -> Any:

@@ -59,7 +59,7 @@ sys.path[:] = prep["sys_path"]
 try:
     import mpi4py
 except ImportError:
-    pass
+    pass  # no mpi4py here: nothing that could initialize MPI
 else:
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False
