@@ -38,7 +38,8 @@ from data_scripts.fns import (
 from collective_gc import _reaper
 from collective_gc.data import ProcessPrefetch, WorkerError, _pool, _shm
 
-from _util import GcDisabled as GcOff, process_alive
+from _util import GcDisabled as GcOff
+from _util import process_alive
 
 # -- helpers ------------------------------------------------------------------------
 
