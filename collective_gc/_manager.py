@@ -105,6 +105,10 @@ _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
 
 
+def _no_deadline() -> str:  # what a wait without a deadline would never need to say
+    return "no deadline"
+
+
 class Manager:
     """The collective deferred-destroy manager of one communicator.
 
@@ -517,7 +521,8 @@ class Manager:
         head = array.array(
             "q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors, gen, *votes)
         )
-        red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
+        what = _no_deadline if deadline is None else self._what("its header")
+        red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, what)
         if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
             raise self._mismatch(red)
         self.votes = (red[H_VOTE], red[H_VOTE + 1])
