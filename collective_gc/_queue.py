@@ -111,9 +111,7 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         "_state",
         "_owner",
         "_push",
-        "_destroy",
-        "_args",
-        "_kwargs",
+        "_call",
         "_typename",
     )
 
@@ -125,9 +123,10 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     _state: int
     _owner: _Owner
     _push: Callable[[Registration], object]
-    _destroy: Callable[..., object] | None
-    _args: tuple[Any, ...]
-    _kwargs: dict[str, Any]
+    # (destroy, *args), or () once the destroy has run or was dropped: one
+    # tuple, so that a sync point can call a whole batch from C (see
+    # Manager._destroy_agreed).
+    _call: tuple[Any, ...]
     _typename: str
 
     @property
@@ -168,14 +167,14 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         """
         return self._owner._detach(self)
 
-    def _call(self) -> None:
+    def _run(self) -> None:
         # Drop our references before calling, so that the arguments die as soon
         # as the destroy returns (and a destroy that drops the last reference to
         # other managed objects queues them right away).
-        fn, args, kwargs = self._destroy, self._args, self._kwargs
-        self._destroy, self._args, self._kwargs = None, (), {}
-        assert fn is not None
-        fn(*args, **kwargs)
+        call = self._call
+        self._call = ()
+        assert call, "the destroy ran already"
+        call[0](*call[1:])
 
     def __repr__(self) -> str:
         return (
@@ -225,9 +224,9 @@ def make_registration(
     reg._state = ALIVE
     reg._owner = owner
     reg._push = push
-    reg._destroy = destroy
-    reg._args = args
-    reg._kwargs = kwargs
+    if kwargs:
+        destroy = functools.partial(destroy, **kwargs)
+    reg._call = (destroy, *args)
     return reg
 
 

@@ -60,12 +60,12 @@ class _Reaper:
 
     def _destroy_now(self, reg: Registration) -> None:
         if self._claim(reg, DESTROYED):
-            reg._call()
+            reg._run()
             self.destroyed += 1
 
     def _detach(self, reg: Registration) -> bool:
         if self._claim(reg, DETACHED):
-            reg._destroy, reg._args, reg._kwargs = None, (), {}
+            reg._call = ()
             return True
         return False
 
@@ -112,7 +112,7 @@ class _Reaper:
         if not self._claim(reg, DESTROYED):
             return
         try:
-            reg._call()
+            reg._run()
         except BaseException as exc:  # reported, never propagated into the thread's death
             self.errors += 1
             _report(reg, exc)
