@@ -29,7 +29,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -105,7 +105,8 @@ _ZEROS = array.array("q", bytes(8 * 64))
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
 _CALL_OF = operator.attrgetter("_call")
-_consume = collections.deque(maxlen=0).extend  # run an iterator to its end, in C
+# Runs an iterator to its end, in C.
+_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 _repeat = itertools.repeat
 _starmap = itertools.starmap
 
@@ -594,9 +595,10 @@ class Manager:
         failures: list[tuple[int, str, BaseException]] = []
         live = self._regs
         before = len(live)
-        regs = list(map(live.pop, agreed[::-1].tolist(), _repeat(None)))
-        if before - len(live) != len(regs):  # some destroyed explicitly on every rank meanwhile
-            regs = [r for r in regs if r is not None]
+        popped = list(map(live.pop, agreed[::-1].tolist(), _repeat(None)))
+        if before - len(live) != len(popped):  # some destroyed explicitly on every rank meanwhile
+            popped = [r for r in popped if r is not None]
+        regs = cast("list[Registration]", popped)
         n = len(regs)
         self._destroying = True
         try:
