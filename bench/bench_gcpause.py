@@ -135,7 +135,7 @@ def main() -> None:
         times: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(REPEATS):  # interleaved, so that load changes hit every mode
             for m in modes:
-                times[m].append(timed(comm, lambda m=m: run(m, work), 1))
+                times[m].append(timed(comm, lambda m=m, w=work: run(m, w), 1))
         med = {m: statistics.median(v) for m, v in times.items()}
         ratio = statistics.median(a / b for a, b in zip(times["managed"], times["automatic"]))
         hand = statistics.median(a / b for a, b in zip(times["by hand"], times["automatic"]))
