@@ -11,6 +11,10 @@ ratios (b)/(a). Target: <= 1.0. Also printed, to say where (b)'s time goes:
 an explicit destroy loop of the same Vecs, and (b) split into the drop, the
 agreement, the destroys and the PETSc hook.
 
+(b) destroys the Vecs from C (collective_gc._cpetsc) when the extension is
+built; ``--python-destroys`` measures the pure-Python fallback instead (each
+Vec's ``.destroy()`` called from Python).
+
 Run: mpiexec -n 4 python bench/bench_petsc.py   (make bench)
 """
 
@@ -27,6 +31,7 @@ from petsc4py import PETSc
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
+from collective_gc._manager import set_batch  # noqa: E402
 
 from _common import save, say, timed  # noqa: E402
 
@@ -140,9 +145,19 @@ def breakdown(comm: MPI.Comm, make: Any, box: list[Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    say(world, f"bench_petsc: {world.Get_size()} ranks, PETSc {PETSc.Sys.getVersion()}")
+    python_path = "--python-destroys" in sys.argv[1:]
+    if python_path or cp._BATCH is None:
+        set_batch(cp._destroy_one, None)
+    how = "from Python" if python_path or cp._BATCH is None else "from C"
+    say(
+        world,
+        f"bench_petsc: {world.Get_size()} ranks, PETSc {PETSc.Sys.getVersion()}, "
+        f"(b)'s destroys {how}",
+    )
     rows = [run(n) for n in (1000, 10000)]
-    save("petsc", rows, world)
+    for row in rows:
+        row["destroys"] = how
+    save("petsc" if how == "from C" else "petsc_python_destroys", rows, world)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,56 @@ def _apply_py(fn: Callable[..., object], *args: Any) -> object:
 _apply: Callable[..., object] = getattr(operator, "call", _apply_py)
 
 
+# Destroy functions that can run a whole run of their calls at once: see set_batch.
+_Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
+_BATCHES: dict[Callable[..., object], _Batch] = {}
+_FIRST = operator.itemgetter(0)
+
+
+def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
+    """Let sync points run consecutive destroys by ``destroy`` as one batch. Local.
+
+    ``batch(calls)`` gets a list of ``(destroy, *args)`` tuples, consecutive in
+    the agreed destroy order, and must do what calling each would do, in that
+    order, trying every one even if some raise; it returns ``(index,
+    exception)`` for those that raised. ``collective_gc.petsc`` uses it to
+    destroy petsc4py objects from C. ``None`` removes it.
+    """
+    if batch is None:
+        _BATCHES.pop(destroy, None)
+    else:
+        _BATCHES[destroy] = batch
+
+
+def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+    """Call each ``(destroy, *args)`` in order, from C; (index, exception) of those that raised.
+
+    A destroy that raises stops starmap; it resumes after the failed call,
+    whose index the list iterator's remaining length gives.
+    """
+    errors: list[tuple[int, BaseException]] = []
+    todo = iter(calls)
+    while True:
+        try:
+            _consume(_starmap(_apply, todo))
+            return errors
+        except Exception as exc:  # every destroy still runs; the caller reports
+            errors.append((len(calls) - operator.length_hint(todo) - 1, exc))
+
+
+def _run_grouped(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+    """:func:`_run_each`, with each run of consecutive calls to a batched destroy as one batch."""
+    errors: list[tuple[int, BaseException]] = []
+    start = 0
+    for fn, group in itertools.groupby(calls, _FIRST):
+        chunk = list(group)
+        batch = _BATCHES.get(fn)
+        for i, exc in _run_each(chunk) if batch is None else batch(chunk):
+            errors.append((start + i, exc))
+        start += len(chunk)
+    return errors
+
+
 def _no_deadline() -> str:  # what a wait without a deadline would never need to say
     return "no deadline"
 
@@ -588,10 +638,9 @@ class Manager:
         #
         # The cost per key is the point of this function (a sync point after
         # dropping 1e4 PETSc Vecs is mostly this loop), so every pass over the
-        # batch runs in C: map() over dict.pop, attrgetter, setattr and
-        # starmap() over the registrations' (destroy, *args) tuples. A destroy
-        # that raises stops starmap; the batch resumes after it, so every
-        # agreed destroy still runs, and the errors are raised afterwards.
+        # batch runs in C: map() over dict.pop, attrgetter, setattr, then the
+        # destroys themselves (see _run_each and set_batch). Every agreed
+        # destroy runs even if some raise; the errors are raised afterwards.
         failures: list[tuple[int, str, BaseException]] = []
         live = self._regs
         before = len(live)
@@ -608,15 +657,13 @@ class Manager:
             _consume(map(setattr, regs, _repeat("_state"), _repeat(DESTROYED)))
             calls = list(map(_CALL_OF, regs))
             _consume(map(setattr, regs, _repeat("_call"), _repeat(())))
-            todo = iter(calls)
-            while True:
-                try:
-                    _consume(_starmap(_apply, todo))
-                    break
-                except Exception as exc:  # every agreed destroy still runs; raised after
-                    failed = regs[n - operator.length_hint(todo) - 1]
-                    failures.append((failed.key, failed.name, exc))
-            del calls, todo
+            if _BATCHES and not _BATCHES.keys().isdisjoint(map(_FIRST, calls)):
+                errors = _run_grouped(calls)
+            else:
+                errors = _run_each(calls)
+            del calls
+            for i, exc in errors:
+                failures.append((regs[i].key, regs[i].name, exc))
         finally:
             self._destroying = False
             self.destroyed += n

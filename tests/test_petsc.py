@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from petsc4py import PETSc
 
 import collective_gc as cgc
 from collective_gc import petsc as cp
+from collective_gc._manager import set_batch
 
 from _util import GcDisabled, same_on_all
 
@@ -399,3 +401,110 @@ def test_wrong_communicator_refused(comm: MPI.Intracomm) -> None:
         assert cgc.manager(comm).next_key == 0
     finally:
         other.Free()
+
+
+# -- sync points destroy runs of single-object wrappers in C (collective_gc._cpetsc)
+
+
+def test_the_c_batch_destroy_is_built_here() -> None:
+    # The extension is optional for users (no compiler, no extension: the
+    # Python path does the same), but this machine builds it, and the tests
+    # below must exercise it: a missing build fails here rather than going
+    # unnoticed.
+    assert cp._BATCH is not None
+    assert PETSc.Vec in cp._fast_types() and PETSc.DMDA in cp._fast_types()
+
+
+class MyVec(PETSc.Vec):  # type: ignore[misc]
+    """A user's subclass that overrides destroy(): never taken for the fast path."""
+
+    log: list[Any] = []
+
+    def destroy(self) -> MyVec:
+        MyVec.log.append("myvec")
+        super().destroy()
+        return self
+
+
+@pytest.fixture(params=["c", "python"])
+def batch_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the C batch destroy, then with the Python fallback."""
+    if request.param == "python":
+        set_batch(cp._destroy_one, None)
+    try:
+        yield request.param
+    finally:
+        set_batch(cp._destroy_one, cp._BATCH)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path: str) -> None:
+    # Single-object wrappers (batched), multi-object ones (destroy_all) and a
+    # plain registration, interleaved: one newest-first order on every rank,
+    # each PETSc object destroyed once, whichever path runs the batch.
+    log: list[Any] = []
+    tracker = Tracker()
+    MyVec.log = []
+    expected: list[Any] = []
+    with GcDisabled():
+        owners: list[Any] = []
+        for i in range(12):
+            owner = Holder()
+            if i % 4 == 0:
+                owner.mat = probe_mat(comm, i, log)
+                tracker.watch(owner.mat)
+                cp.manage(owner, owner.mat, comm=comm)
+            elif i % 4 == 1:
+                owner.mat = probe_mat(comm, i, log)
+                owner.vec = owner.mat.createVecLeft()
+                tracker.watch(owner.mat, owner.vec)
+                cp.manage(owner, owner.mat, owner.vec, comm=comm)
+            elif i % 4 == 2:
+                cgc.register(owner, log.append, f"plain{i}", comm=comm)
+            else:
+                owner.vec = MyVec().createMPI(2, comm=comm)
+                tracker.watch(owner.vec)
+                cp.manage(owner, owner.vec, comm=comm)  # the subclass: its own destroy()
+            owners.append(owner)
+        for i in reversed(range(12)):
+            expected += {2: [f"plain{i}"], 3: []}.get(i % 4, [i])
+        vecs = [o.vec for o in owners if hasattr(o, "vec")]
+        rng = random.Random(comm.Get_rank())
+        rng.shuffle(owners)
+        del owners, owner
+        stats = cgc.collect(comm)
+    assert stats.destroyed == 12
+    assert log == expected  # newest first, on every rank
+    assert same_on_all(comm, log)
+    assert MyVec.log == ["myvec"] * 3
+    assert all(v.handle == 0 for v in vecs)
+    assert tracker.alive() == 0 and no_garbage(comm)
+    tracker.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batched_destroy_failing_on_one_rank(comm: MPI.Intracomm, batch_path: str) -> None:
+    # A single-object wrapper whose PETSc destroy raises on one rank: the
+    # error (the Python context's own) on every rank, the rest of the batch
+    # still destroyed in order, the wreck forgotten.
+    rank, bad = comm.Get_rank(), comm.Get_size() - 1
+    log: list[Any] = []
+    with GcDisabled():
+        owners = []
+        for i in range(5):
+            owner = Holder()
+            owner.mat = probe_mat(comm, i, log, fail=(i == 2 and rank == bad))
+            owners.append(owner)
+            cp.manage(owner, owner.mat, comm=comm, name=f"m{i}")
+        mats = [o.mat for o in owners]
+        keys = [r.key for r in cgc.manager(comm).alive()]
+        del owners, owner
+        with pytest.raises(cgc.DestroyError) as info:
+            cgc.collect(comm)
+    assert info.value.failures == [
+        (bad, keys[2], "m2", "RuntimeError: probe 2 refuses to be destroyed")
+    ]
+    assert log == [4, 3, 2, 1, 0]
+    assert all(m.handle == 0 for m in mats)
+    del info, mats
+    assert cgc.collect(comm).destroyed == 0

@@ -3,7 +3,8 @@
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail
-PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-matplotlib"
+# python3-dev and gcc build the optional C extension (collective_gc._cpetsc).
+PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

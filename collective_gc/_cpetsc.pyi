@@ -1,0 +1,11 @@
+from typing import Any
+
+def destroy_each(
+    calls: list[tuple[Any, ...]],
+    pos: int,
+    fast_types: tuple[type, ...],
+    getptr: int,
+    destroy: int,
+    seterr: int,
+    /,
+) -> list[tuple[int, BaseException]]: ...
