@@ -26,7 +26,7 @@ PYTEST_FLAGS ?= -q -x --color=no
 
 all: test
 
-$(VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_cpetsc.c tools/install-system-deps.sh
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c tools/install-system-deps.sh
 	bash tools/install-system-deps.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'

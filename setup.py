@@ -1,6 +1,6 @@
 """Build step for the one optional C extension; all metadata is in setup.cfg.
 
-``collective_gc._cpetsc`` runs a sync point's PETSc destroys in one C loop. It
+``collective_gc._speedups`` runs a sync point's PETSc destroys in one C loop. It
 needs only Python's headers (PETSc's functions are found at run time), and it
 is optional: without a C compiler the package installs without it and
 destroys PETSc objects from Python, about 1.4x slower per object.
@@ -11,8 +11,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "collective_gc._cpetsc",
-            ["collective_gc/_cpetsc.c"],
+            "collective_gc._speedups",
+            ["collective_gc/_speedups.c"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

@@ -11,7 +11,7 @@ ratios (b)/(a). Target: <= 1.0. Also printed, to say where (b)'s time goes:
 an explicit destroy loop of the same Vecs, and (b) split into the drop, the
 agreement, the destroys and the PETSc hook.
 
-(b) destroys the Vecs from C (collective_gc._cpetsc) when the extension is
+(b) destroys the Vecs from C (collective_gc._speedups) when the extension is
 built; ``--python-destroys`` measures the pure-Python fallback instead (each
 Vec's ``.destroy()`` called from Python).
 

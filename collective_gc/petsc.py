@@ -373,7 +373,7 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
     on each object from Python, with the same outcome.
     """
     try:
-        from . import _cpetsc
+        from . import _speedups
 
         lib = ctypes.CDLL(PETSc.__file__)
         addresses = (
@@ -386,7 +386,7 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
         return None
     if not all(addresses):
         return None
-    destroy_each = _cpetsc.destroy_each
+    destroy_each = _speedups.destroy_each
 
     def destroy_batch(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
         # calls: [(_destroy_one, obj), ...]; the same outcome as calling each.
@@ -416,7 +416,7 @@ def _destroy(obj: Any) -> None:
 
 
 # Sync points destroy runs of managed single-object wrappers in C (see
-# collective_gc._cpetsc); explicit destroys still call _destroy_one.
+# collective_gc._speedups); explicit destroys still call _destroy_one.
 _BATCH = _fast_destroyer()
 set_batch(_destroy_one, _BATCH)
 

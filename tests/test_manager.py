@@ -10,11 +10,13 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
 
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+from collective_gc import _queue
 
 from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
@@ -322,3 +324,68 @@ def test_bad_communicators() -> None:
         cgc.collect("world")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="COMM_NULL"):
         cgc.collect(MPI.COMM_NULL)
+
+
+# -- the finalizer, in C (collective_gc._speedups) and in Python -----------------
+
+
+def test_the_c_finalizer_is_built_here() -> None:
+    # Optional for users (the Python one does the same), but this machine
+    # builds it, so the rest of the suite runs with it.
+    assert _queue._C_ON_FINALIZE is not None
+    assert _queue._CALLBACK[0] is _queue._C_ON_FINALIZE
+
+
+@pytest.fixture(params=["c", "python"])
+def finalizer(request: pytest.FixtureRequest) -> Iterator[str]:
+    """New registrations get the C finalizer, then the Python one."""
+    saved = _queue._CALLBACK[0]
+    if request.param == "python":
+        _queue._CALLBACK[0] = _queue._py_on_finalize
+    try:
+        yield request.param
+    finally:
+        _queue._CALLBACK[0] = saved
+
+
+def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        log = CheckedLog(comm)
+        with GcDisabled():
+            # A refcount death queues; a cyclic-GC death queues and is noted.
+            o = Obj()
+            plain = cgc.register(o, log.destroy, "plain", comm=comm)
+            cyc = make_cycle(comm, log, "cyc")
+            del o
+            gc.collect()
+            assert plain.state == cyc.state == "queued"
+            assert not plain.cyclic and cyc.cyclic
+            # A cyclic-GC death on another thread is noted too.
+            other = make_cycle(comm, log, "other")
+            t = threading.Thread(target=gc.collect)
+            t.start()
+            t.join()
+            assert other.cyclic
+            # Destroyed or detached before the object dies: nothing queued.
+            a, b = Obj(), Obj()
+            ra = cgc.register(a, log.destroy, "a", comm=comm)
+            rb = cgc.register(b, log.destroy, "b", comm=comm)
+            ra.destroy()
+            assert rb.detach()
+            del a, b
+            stats = cgc.collect(comm, generation=None)
+        assert stats.destroyed == 3 and stats.cyclic == 2
+        assert log.keys == ["a", "other", "cyc", "plain"]
+        # Once shut down (or in a forked child) a finalizer does nothing at all.
+        o = Obj()
+        late = cgc.register(o, log.destroy, "late", comm=comm)
+        _queue._FLAGS[1] = 1
+        try:
+            del o
+        finally:
+            _queue._FLAGS[1] = 0
+        assert cgc.manager(comm)._inbox == []
+        assert late.detach()
+    finally:
+        comm.Free()

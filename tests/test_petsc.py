@@ -403,7 +403,7 @@ def test_wrong_communicator_refused(comm: MPI.Intracomm) -> None:
         other.Free()
 
 
-# -- sync points destroy runs of single-object wrappers in C (collective_gc._cpetsc)
+# -- sync points destroy runs of single-object wrappers in C (collective_gc._speedups)
 
 
 def test_the_c_batch_destroy_is_built_here() -> None:

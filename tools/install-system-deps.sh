@@ -3,7 +3,7 @@
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail
-# python3-dev and gcc build the optional C extension (collective_gc._cpetsc).
+# python3-dev and gcc build the optional C extension (collective_gc._speedups).
 PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
 missing=""
 for p in $PKGS; do

@@ -1,5 +1,7 @@
 from typing import Any
 
+def set_flags(flags: list[int], /) -> None: ...
+def on_finalize(reg: Any, /) -> None: ...
 def destroy_each(
     calls: list[tuple[Any, ...]],
     pos: int,

@@ -1,17 +1,22 @@
-/* collective_gc._cpetsc: destroy a batch of petsc4py objects from C.
+/* collective_gc._speedups: the two per-object hot spots of collective_gc, in C.
  *
- * A sync point that destroys many PETSc objects spends more time calling
- * obj.destroy() from Python than in PETSc's own destroy. This module runs the
- * batch in one C loop: for each object, PETSc's PetscObjectDestroy() on the
- * handle slot petsc4py gives through its C API (PyPetscObject_GetPtr), which
- * is what petsc4py's destroy() methods do (XDestroy(&handle): the handle is
- * nulled, a second destroy is a no-op). Objects of other types, and petsc4py
- * subclasses that override destroy(), get their own destroy() method called.
+ * Optional: without it (no C compiler at install) the package does the same
+ * from Python, more slowly. Python's GIL is held throughout.
  *
- * It needs neither PETSc's nor petsc4py's headers at build time: the three C
- * functions come in as addresses, found at run time by collective_gc.petsc
- * (see _fast_destroyer there). Python's GIL is held throughout: a destroy may
- * run Python code (a Python-context Mat, say) and finalizers.
+ * on_finalize: the weak-reference callback of every Registration (see
+ * collective_gc._queue._on_finalize, the Python version it mirrors line by
+ * line). It runs once per dropped managed object; from C it costs about a
+ * third of the Python function's call.
+ *
+ * destroy_each: a sync point that destroys many PETSc objects spends more time
+ * calling obj.destroy() from Python than it must. This runs a batch in one C
+ * loop: for each object, PETSc's PetscObjectDestroy() on the handle slot
+ * petsc4py gives through its C API (PyPetscObject_GetPtr), which is what
+ * petsc4py's destroy() methods do (XDestroy(&handle): the handle is nulled, a
+ * second destroy is a no-op). Objects of other types, and petsc4py subclasses
+ * that override destroy(), get their own destroy() method called. It needs
+ * neither PETSc's nor petsc4py's headers at build time: the three C functions
+ * come in as addresses, found at run time by collective_gc.petsc.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -144,15 +149,101 @@ destroy_each(PyObject *module, PyObject *args)
     return failures;
 }
 
+/* -- on_finalize ---------------------------------------------------------- */
+
+/* collective_gc._queue._FLAGS: [ident of the thread running the cyclic
+ * collector or 0, nonzero once shut down or forked]. Set once by set_flags. */
+static PyObject *flags = NULL;
+static PyObject *s_state, *s_cyclic, *s_owner, *s_note_cyclic, *s_push;
+
+PyDoc_STRVAR(set_flags_doc,
+"set_flags(flags) -> None\n\n"
+"Give on_finalize collective_gc._queue's process-wide flags list.");
+
+static PyObject *
+set_flags(PyObject *module, PyObject *list)
+{
+    (void)module;
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) < 2) {
+        PyErr_SetString(PyExc_TypeError, "set_flags: expected a list of two ints");
+        return NULL;
+    }
+    Py_INCREF(list);
+    Py_XSETREF(flags, list);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(on_finalize_doc,
+"on_finalize(reg) -> None\n\n"
+"The weak-reference callback of a Registration: record and queue, nothing else.");
+
+static PyObject *
+on_finalize(PyObject *module, PyObject *reg)
+{
+    (void)module;
+    if (flags == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "on_finalize: set_flags was not called");
+        return NULL;
+    }
+    /* Shut down or forked: do nothing at all. */
+    int off = PyObject_IsTrue(PyList_GET_ITEM(flags, 1));
+    if (off != 0) {
+        return off < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    /* Destroyed or detached already: nothing to queue. */
+    PyObject *state = PyObject_GetAttr(reg, s_state);
+    if (state == NULL) {
+        return NULL;
+    }
+    int done = PyObject_IsTrue(state);
+    Py_DECREF(state);
+    if (done != 0) {
+        return done < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    /* Inside the cyclic collector on this very thread: a cyclic-GC death. */
+    unsigned long collecting = PyLong_AsUnsignedLong(PyList_GET_ITEM(flags, 0));
+    if (collecting == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (collecting && collecting == PyThread_get_thread_ident()) {
+        if (PyObject_SetAttr(reg, s_cyclic, Py_True) < 0) {
+            return NULL;
+        }
+        PyObject *owner = PyObject_GetAttr(reg, s_owner);
+        if (owner == NULL) {
+            return NULL;
+        }
+        PyObject *res = PyObject_CallMethodOneArg(owner, s_note_cyclic, reg);
+        Py_DECREF(owner);
+        if (res == NULL) {
+            return NULL;
+        }
+        Py_DECREF(res);
+    }
+    PyObject *push = PyObject_GetAttr(reg, s_push);
+    if (push == NULL) {
+        return NULL;
+    }
+    PyObject *res = PyObject_CallOneArg(push, reg);
+    Py_DECREF(push);
+    if (res == NULL) {
+        return NULL;
+    }
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_flags", set_flags, METH_O, set_flags_doc},
+    {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "collective_gc._cpetsc",
-    "Batch destroys of petsc4py objects in C (see collective_gc.petsc).",
+    "collective_gc._speedups",
+    "The per-object hot spots of collective_gc in C (see the source's header).",
     -1,
     methods,
     NULL,
@@ -162,7 +253,14 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC
-PyInit__cpetsc(void)
+PyInit__speedups(void)
 {
+    if (!(s_state = PyUnicode_InternFromString("_state"))
+        || !(s_cyclic = PyUnicode_InternFromString("cyclic"))
+        || !(s_owner = PyUnicode_InternFromString("_owner"))
+        || !(s_note_cyclic = PyUnicode_InternFromString("_note_cyclic"))
+        || !(s_push = PyUnicode_InternFromString("_push"))) {
+        return NULL;
+    }
     return PyModule_Create(&module_def);
 }
