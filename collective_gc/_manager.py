@@ -119,10 +119,13 @@ def _apply_py(fn: Callable[..., object], *args: Any) -> object:
 _apply: Callable[..., object] = getattr(operator, "call", _apply_py)
 
 
-# Destroy functions that can run a whole run of their calls at once: see set_batch.
+# Destroy functions that can run a whole run of their calls at once (see
+# set_batch), by the identity of the function: a destroy callable need not be
+# hashable, nor compare sanely.
 _Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
-_BATCHES: dict[Callable[..., object], _Batch] = {}
+_BATCHES: dict[int, tuple[Callable[..., object], _Batch]] = {}
 _FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
@@ -135,16 +138,18 @@ def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     destroy petsc4py objects from C. ``None`` removes it.
     """
     if batch is None:
-        _BATCHES.pop(destroy, None)
+        _BATCHES.pop(id(destroy), None)
     else:
-        _BATCHES[destroy] = batch
+        _BATCHES[id(destroy)] = (destroy, batch)
 
 
 def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
     """Call each ``(destroy, *args)`` in order, from C; (index, exception) of those that raised.
 
-    A destroy that raises stops starmap; it resumes after the failed call,
-    whose index the list iterator's remaining length gives.
+    Every call is made even if some raise (KeyboardInterrupt included: the
+    caller re-raises it once the batch is done). A destroy that raises stops
+    starmap; it resumes after the failed call, whose index the list
+    iterator's remaining length gives.
     """
     errors: list[tuple[int, BaseException]] = []
     todo = iter(calls)
@@ -152,7 +157,7 @@ def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
         try:
             _consume(_starmap(_apply, todo))
             return errors
-        except Exception as exc:  # every destroy still runs; the caller reports
+        except BaseException as exc:
             errors.append((len(calls) - operator.length_hint(todo) - 1, exc))
 
 
@@ -160,10 +165,10 @@ def _run_grouped(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]
     """:func:`_run_each`, with each run of consecutive calls to a batched destroy as one batch."""
     errors: list[tuple[int, BaseException]] = []
     start = 0
-    for fn, group in itertools.groupby(calls, _FIRST):
-        chunk = list(group)
-        batch = _BATCHES.get(fn)
-        for i, exc in _run_each(chunk) if batch is None else batch(chunk):
+    for fid, group in itertools.groupby(zip(map(id, map(_FIRST, calls)), calls), _FIRST):
+        chunk = list(map(_SECOND, group))
+        entry = _BATCHES.get(fid)
+        for i, exc in _run_each(chunk) if entry is None else entry[1](chunk):
             errors.append((start + i, exc))
         start += len(chunk)
     return errors
@@ -657,17 +662,17 @@ class Manager:
             _consume(map(setattr, regs, _repeat("_state"), _repeat(DESTROYED)))
             calls = list(map(_CALL_OF, regs))
             _consume(map(setattr, regs, _repeat("_call"), _repeat(())))
-            if _BATCHES and not _BATCHES.keys().isdisjoint(map(_FIRST, calls)):
+            if _BATCHES and not _BATCHES.keys().isdisjoint(map(id, map(_FIRST, calls))):
                 errors = _run_grouped(calls)
             else:
                 errors = _run_each(calls)
-            del calls
+            del calls  # the destroyed objects go here, unless someone else holds them
             for i, exc in errors:
                 failures.append((regs[i].key, regs[i].name, exc))
         finally:
             self._destroying = False
             self.destroyed += n
-            del regs  # the batch's objects die here, after every destroy
+            del regs
             pend = self._pend
             if agreed.size == pend.size:
                 self._pend = self._pend_seq = _NO_KEYS
@@ -677,6 +682,9 @@ class Manager:
             if not self._regs:
                 # A dict never shrinks: give back a large backlog's memory.
                 self._regs = {}
+        for _, _, exc in failures:
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt, SystemExit: after every destroy ran
         return failures
 
     def _raise_failures(

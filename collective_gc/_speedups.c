@@ -4,7 +4,7 @@
  * from Python, more slowly. Python's GIL is held throughout.
  *
  * on_finalize: the weak-reference callback of every Registration (see
- * collective_gc._queue._on_finalize, the Python version it mirrors line by
+ * collective_gc._queue._py_on_finalize, the Python version it mirrors line by
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
@@ -32,11 +32,16 @@ static int
 record_failure(PyObject *failures, Py_ssize_t index)
 {
     PyObject *type, *value, *tb;
+    if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_SystemError, "destroy_each: a destroy failed without an exception");
+    }
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (value == NULL) {
-        value = Py_None;
-        Py_INCREF(value);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        PyErr_SetString(PyExc_SystemError, "destroy_each: an exception could not be normalized");
+        return -1;
     }
     if (tb != NULL) {
         PyException_SetTraceback(value, tb);
@@ -70,8 +75,8 @@ PyDoc_STRVAR(destroy_each_doc,
 "For each tuple in the list ``calls``, destroy the petsc4py object at index\n"
 "``pos`` of the tuple, in list order: with PETSc's PetscObjectDestroy when\n"
 "its exact type is in the tuple ``fast_types``, else with its destroy()\n"
-"method. Every object is tried; returns a list of (index, exception) for\n"
-"those that raised. ``getptr``, ``destroy`` and ``seterr`` are the addresses\n"
+"method. Every object is tried, whatever raises (KeyboardInterrupt too);\n"
+"returns a list of (index, exception) for those that raised. ``getptr``, ``destroy`` and ``seterr`` are the addresses\n"
 "of petsc4py's PyPetscObject_GetPtr, PETSc's PetscObjectDestroy and\n"
 "petsc4py's PyPetscError_Set.");
 
@@ -118,7 +123,10 @@ destroy_each(PyObject *module, PyObject *args)
                 }
                 else if (*slot != NULL) {
                     int ierr = destroy(slot);
-                    if (ierr) {
+                    if (!ierr && PyErr_Occurred()) {
+                        failed = 1; /* Python code in the destroy raised, PETSc did not say */
+                    }
+                    else if (ierr) {
                         /* A Python-context object's destroy leaves its Python
                          * exception set; for a PETSc error, let petsc4py make
                          * its PETSc.Error, as CHKERR does. */

@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
@@ -349,9 +350,12 @@ def _destroy_one(obj: Any) -> None:
 
 def _fast_types() -> tuple[type, ...]:
     # petsc4py's own classes whose destroy() is XDestroy(&handle) and nothing
-    # else (read in petsc4py's sources), so PetscObjectDestroy on the handle
-    # slot does the same. Exact types only: a user's subclass may override
-    # destroy(), and gets it called.
+    # else (read in petsc4py 3.18's sources), so PetscObjectDestroy on the
+    # handle slot does the same. Exact types only: a user's subclass may
+    # override destroy(), and gets it called. Other petsc4py versions are not
+    # checked yet: there the C loop calls every object's destroy() method.
+    if petsc4py.__version__.split(".")[:2] != ["3", "18"]:
+        return ()
     names = ("Vec", "Mat", "IS", "KSP", "PC", "SNES")
     out = [getattr(PETSc, n) for n in names if hasattr(PETSc, n)]
     dm_destroy = PETSc.DM.destroy

@@ -389,3 +389,27 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         assert late.detach()
     finally:
         comm.Free()
+
+
+def test_keyboard_interrupt_in_a_destroy_lets_the_others_run() -> None:
+    # Serial: an interrupt on one rank of a parallel job ends the job anyway.
+    comm = MPI.COMM_SELF.Dup()
+    log: list[str] = []
+
+    def destroy(tag: str) -> None:
+        log.append(tag)
+        if tag == "b":
+            raise KeyboardInterrupt
+
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(3)]
+            regs = [cgc.register(o, destroy, t, comm=comm) for o, t in zip(objs, "abc")]
+            del objs
+            with pytest.raises(KeyboardInterrupt):
+                cgc.collect(comm, generation=None)
+        assert log == ["c", "b", "a"]  # every agreed destroy ran, newest first
+        assert all(r.state == "destroyed" for r in regs)
+        assert cgc.collect(comm).destroyed == 0 and log == ["c", "b", "a"]
+    finally:
+        comm.Free()

@@ -421,30 +421,45 @@ class MyVec(PETSc.Vec):  # type: ignore[misc]
     log: list[Any] = []
 
     def destroy(self) -> MyVec:
-        MyVec.log.append("myvec")
+        MyVec.log.append(self.getName())
         super().destroy()
         return self
 
 
+class BatchPath:
+    """Which way sync points destroy single-object wrappers in a test, and the
+    sizes of the batches the C way was handed (so a test sees it ran)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.chunks: list[int] = []
+
+    def batch(self, calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        self.chunks.append(len(calls))
+        assert cp._BATCH is not None
+        return cp._BATCH(calls)
+
+
 @pytest.fixture(params=["c", "python"])
-def batch_path(request: pytest.FixtureRequest) -> Iterator[str]:
+def batch_path(request: pytest.FixtureRequest) -> Iterator[BatchPath]:
     """Run the test with the C batch destroy, then with the Python fallback."""
-    if request.param == "python":
-        set_batch(cp._destroy_one, None)
+    path = BatchPath(request.param)
+    set_batch(cp._destroy_one, path.batch if path.name == "c" else None)
     try:
-        yield request.param
+        yield path
     finally:
         set_batch(cp._destroy_one, cp._BATCH)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path: str) -> None:
-    # Single-object wrappers (batched), multi-object ones (destroy_all) and a
-    # plain registration, interleaved: one newest-first order on every rank,
-    # each PETSc object destroyed once, whichever path runs the batch.
+def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path: BatchPath) -> None:
+    # Single-object wrappers (batched: PETSc's destroy from C for petsc4py's
+    # own classes, destroy() for a subclass), multi-object ones (destroy_all)
+    # and a plain registration, interleaved: one newest-first order on every
+    # rank, each PETSc object destroyed once, whichever path runs the batch.
     log: list[Any] = []
     tracker = Tracker()
-    MyVec.log = []
+    MyVec.log = log
     expected: list[Any] = []
     with GcDisabled():
         owners: list[Any] = []
@@ -463,48 +478,65 @@ def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path:
                 cgc.register(owner, log.append, f"plain{i}", comm=comm)
             else:
                 owner.vec = MyVec().createMPI(2, comm=comm)
+                owner.vec.setName(f"myvec{i}")
                 tracker.watch(owner.vec)
-                cp.manage(owner, owner.vec, comm=comm)  # the subclass: its own destroy()
+                cp.manage(owner, owner.vec, comm=comm)
             owners.append(owner)
-        for i in reversed(range(12)):
-            expected += {2: [f"plain{i}"], 3: []}.get(i % 4, [i])
-        vecs = [o.vec for o in owners if hasattr(o, "vec")]
+            expected.insert(0, {2: f"plain{i}", 3: f"myvec{i}"}.get(i % 4, i))
+        # Two more, last: an exact Vec and a DMDA, on the fast path.
+        for obj in (PETSc.Vec().createMPI(2, comm=comm), PETSc.DMDA().create([8], comm=comm)):
+            owner = Holder()
+            owner.vec = obj
+            tracker.watch(obj)
+            cp.manage(owner, obj, comm=comm)
+            owners.append(owner)
+        petsc_objs = [o.vec for o in owners if hasattr(o, "vec")]
+        petsc_objs += [o.mat for o in owners if hasattr(o, "mat")]
         rng = random.Random(comm.Get_rank())
         rng.shuffle(owners)
-        del owners, owner
+        del owners, owner, obj
         stats = cgc.collect(comm)
-    assert stats.destroyed == 12
+    assert stats.destroyed == 14
     assert log == expected  # newest first, on every rank
     assert same_on_all(comm, log)
-    assert MyVec.log == ["myvec"] * 3
-    assert all(v.handle == 0 for v in vecs)
+    assert all(o.handle == 0 for o in petsc_objs)
     assert tracker.alive() == 0 and no_garbage(comm)
+    if batch_path.name == "c":
+        # Newest first: DMDA+Vec+myvec11 | plain10 | multi9 | 8+myvec7 | ... | 0.
+        assert batch_path.chunks == [3, 2, 2, 1]
     tracker.close()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_batched_destroy_failing_on_one_rank(comm: MPI.Intracomm, batch_path: str) -> None:
-    # A single-object wrapper whose PETSc destroy raises on one rank: the
-    # error (the Python context's own) on every rank, the rest of the batch
-    # still destroyed in order, the wreck forgotten.
+def test_batched_destroy_failing_on_one_rank(comm: MPI.Intracomm, batch_path: BatchPath) -> None:
+    # Single-object wrappers whose PETSc destroy raises on one rank, in two
+    # batches split by a plain registration: the error (the Python context's
+    # own) on every rank, attributed to the right key, the rest still
+    # destroyed in order, the wrecks forgotten.
     rank, bad = comm.Get_rank(), comm.Get_size() - 1
     log: list[Any] = []
     with GcDisabled():
         owners = []
-        for i in range(5):
+        for i in range(7):
             owner = Holder()
-            owner.mat = probe_mat(comm, i, log, fail=(i == 2 and rank == bad))
+            if i == 3:
+                cgc.register(owner, log.append, "plain", comm=comm, name="plain")
+            else:
+                owner.mat = probe_mat(comm, i, log, fail=i in (1, 5) and rank == bad)
+                cp.manage(owner, owner.mat, comm=comm, name=f"m{i}")
             owners.append(owner)
-            cp.manage(owner, owner.mat, comm=comm, name=f"m{i}")
-        mats = [o.mat for o in owners]
+        mats = [o.mat for o in owners if hasattr(o, "mat")]
         keys = [r.key for r in cgc.manager(comm).alive()]
         del owners, owner
         with pytest.raises(cgc.DestroyError) as info:
             cgc.collect(comm)
     assert info.value.failures == [
-        (bad, keys[2], "m2", "RuntimeError: probe 2 refuses to be destroyed")
+        (bad, keys[5], "m5", "RuntimeError: probe 5 refuses to be destroyed"),
+        (bad, keys[1], "m1", "RuntimeError: probe 1 refuses to be destroyed"),
     ]
-    assert log == [4, 3, 2, 1, 0]
+    assert log == [6, 5, 4, "plain", 2, 1, 0]
     assert all(m.handle == 0 for m in mats)
+    if batch_path.name == "c":
+        assert batch_path.chunks == [3, 3]
     del info, mats
     assert cgc.collect(comm).destroyed == 0
