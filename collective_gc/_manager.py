@@ -105,6 +105,7 @@ _ZEROS = array.array("q", bytes(8 * 64))
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
 _CALL_OF = operator.attrgetter("_call")
+_FIRST = operator.itemgetter(0)
 # Runs an iterator to its end, in C.
 _consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 _repeat = itertools.repeat
@@ -120,12 +121,11 @@ _apply: Callable[..., object] = getattr(operator, "call", _apply_py)
 
 
 # Destroy functions that can run a whole run of their calls at once (see
-# set_batch), by the identity of the function: a destroy callable need not be
-# hashable, nor compare sanely.
+# set_batch), matched by identity: a destroy callable need not be hashable,
+# nor compare sanely. Two parallel tuples, as _speedups.take_batch takes them.
 _Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
-_BATCHES: dict[int, tuple[Callable[..., object], _Batch]] = {}
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
+_BATCH_FNS: tuple[Callable[..., object], ...] = ()
+_BATCH_RUNS: tuple[_Batch, ...] = ()
 
 
 def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
@@ -137,10 +137,57 @@ def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     exception)`` for those that raised. ``collective_gc.petsc`` uses it to
     destroy petsc4py objects from C. ``None`` removes it.
     """
-    if batch is None:
-        _BATCHES.pop(id(destroy), None)
-    else:
-        _BATCHES[id(destroy)] = (destroy, batch)
+    global _BATCH_FNS, _BATCH_RUNS
+    pairs = [(f, b) for f, b in zip(_BATCH_FNS, _BATCH_RUNS) if f is not destroy]
+    if batch is not None:
+        pairs.append((destroy, batch))
+    _BATCH_FNS = tuple(f for f, _ in pairs)
+    _BATCH_RUNS = tuple(b for _, b in pairs)
+
+
+def _load_take_batch() -> Callable[..., tuple[list[Registration], list[Any], list[Any]]] | None:
+    try:
+        from . import _speedups
+    except ImportError:  # built without a C compiler: _take_batch_py does it
+        return None
+    _speedups.set_registration_type(Registration)
+    return _speedups.take_batch
+
+
+def _take_batch_py(
+    regs: dict[int, Registration], keys: list[int], state: int, batched: tuple[object, ...]
+) -> tuple[list[Registration], list[tuple[Any, ...]], list[tuple[int, int, int]]]:
+    """What ``_speedups.take_batch`` does, in C-level passes from Python."""
+    before = len(regs)
+    popped = list(map(regs.pop, keys, _repeat(None)))
+    if before - len(regs) != len(popped):  # some destroyed explicitly on every rank meanwhile
+        popped = [r for r in popped if r is not None]
+    taken = cast("list[Registration]", popped)
+    _consume(map(setattr, taken, _repeat("_state"), _repeat(state)))
+    calls = list(map(_CALL_OF, taken))
+    _consume(map(setattr, taken, _repeat("_call"), _repeat(())))
+    if not calls:
+        return taken, calls, []
+    ids = [id(f) for f in batched]
+    if not batched or set(ids).isdisjoint(map(id, map(_FIRST, calls))):
+        return taken, calls, [(0, len(calls), -1)]
+    segments = []
+    start = 0
+    for fid, group in itertools.groupby(map(id, map(_FIRST, calls))):
+        end = start + sum(1 for _ in group)
+        segments.append((start, end, ids.index(fid) if fid in ids else -1))
+        start = end
+    # Merge neighbouring runs of unbatched calls (different functions).
+    merged: list[tuple[int, int, int]] = []
+    for seg in segments:
+        if merged and seg[2] == -1 and merged[-1][2] == -1:
+            merged[-1] = (merged[-1][0], seg[1], -1)
+        else:
+            merged.append(seg)
+    return taken, calls, merged
+
+
+_take_batch = _load_take_batch() or _take_batch_py
 
 
 def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
@@ -159,19 +206,6 @@ def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
             return errors
         except BaseException as exc:
             errors.append((len(calls) - operator.length_hint(todo) - 1, exc))
-
-
-def _run_grouped(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-    """:func:`_run_each`, with each run of consecutive calls to a batched destroy as one batch."""
-    errors: list[tuple[int, BaseException]] = []
-    start = 0
-    for fid, group in itertools.groupby(zip(map(id, map(_FIRST, calls)), calls), _FIRST):
-        chunk = list(map(_SECOND, group))
-        entry = _BATCHES.get(fid)
-        for i, exc in _run_each(chunk) if entry is None else entry[1](chunk):
-            errors.append((start + i, exc))
-        start += len(chunk)
-    return errors
 
 
 def _no_deadline() -> str:  # what a wait without a deadline would never need to say
@@ -647,28 +681,25 @@ class Manager:
         # destroys themselves (see _run_each and set_batch). Every agreed
         # destroy runs even if some raise; the errors are raised afterwards.
         failures: list[tuple[int, str, BaseException]] = []
-        live = self._regs
-        before = len(live)
-        popped = list(map(live.pop, agreed[::-1].tolist(), _repeat(None)))
-        if before - len(live) != len(popped):  # some destroyed explicitly on every rank meanwhile
-            popped = [r for r in popped if r is not None]
-        regs = cast("list[Registration]", popped)
+        # Every registration out of the dict and marked destroyed before any
+        # destroy runs (a destroy that reaches for another registration of the
+        # batch finds it destroyed), its call taken out (a registration someone
+        # still holds lets go of the destroyed objects), registrations
+        # destroyed explicitly meanwhile skipped; and the runs of calls to a
+        # batched destroy found.
+        regs, calls, segments = _take_batch(
+            self._regs, agreed[::-1].tolist(), DESTROYED, _BATCH_FNS
+        )
         n = len(regs)
         self._destroying = True
         try:
-            # State first (a destroy that reaches for another registration of
-            # the batch finds it destroyed), then take the calls out, so that a
-            # registration someone still holds lets go of the destroyed objects.
-            _consume(map(setattr, regs, _repeat("_state"), _repeat(DESTROYED)))
-            calls = list(map(_CALL_OF, regs))
-            _consume(map(setattr, regs, _repeat("_call"), _repeat(())))
-            if _BATCHES and not _BATCHES.keys().isdisjoint(map(id, map(_FIRST, calls))):
-                errors = _run_grouped(calls)
-            else:
-                errors = _run_each(calls)
+            for start, end, index in segments:
+                chunk = calls if len(segments) == 1 else calls[start:end]
+                run = _run_each if index < 0 else _BATCH_RUNS[index]
+                for i, exc in run(chunk):
+                    failures.append((regs[start + i].key, regs[start + i].name, exc))
+                del chunk
             del calls  # the destroyed objects go here, unless someone else holds them
-            for i, exc in errors:
-                failures.append((regs[i].key, regs[i].name, exc))
         finally:
             self._destroying = False
             self.destroyed += n

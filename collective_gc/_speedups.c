@@ -8,6 +8,9 @@
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
+ * take_batch: a sync point's bookkeeping for the keys every rank agreed on,
+ * in one pass (see collective_gc._manager.Manager._destroy_agreed).
+ *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
  * loop: for each object, PETSc's PetscObjectDestroy() on the handle slot
@@ -20,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX */
 #include <stdint.h>
 
 typedef void *PetscObject;
@@ -241,7 +245,193 @@ on_finalize(PyObject *module, PyObject *reg)
     Py_RETURN_NONE;
 }
 
+/* -- take_batch ------------------------------------------------------------ */
+
+/* Registration's slots _state and _call, by offset (set_registration_type). */
+static PyTypeObject *reg_type = NULL;
+static Py_ssize_t off_state = -1, off_call = -1;
+
+static Py_ssize_t
+slot_offset(PyTypeObject *type, const char *name)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name); /* borrowed */
+    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "set_registration_type: %s.%s is not a slot",
+                     type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+    if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
+        PyErr_Format(PyExc_TypeError, "set_registration_type: %s.%s is not a writable "
+                     "object slot", type->tp_name, name);
+        return -1;
+    }
+    return m->offset;
+}
+
+PyDoc_STRVAR(set_registration_type_doc,
+"set_registration_type(cls) -> None\n\n"
+"Tell take_batch where collective_gc's Registration keeps _state and _call.");
+
+static PyObject *
+set_registration_type(PyObject *module, PyObject *cls)
+{
+    (void)module;
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "set_registration_type: expected a class");
+        return NULL;
+    }
+    Py_ssize_t s = slot_offset((PyTypeObject *)cls, "_state");
+    if (s < 0) {
+        return NULL;
+    }
+    Py_ssize_t c = slot_offset((PyTypeObject *)cls, "_call");
+    if (c < 0) {
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(reg_type, (PyTypeObject *)cls);
+    off_state = s;
+    off_call = c;
+    Py_RETURN_NONE;
+}
+
+/* Set reg._state = state and return reg._call (a new reference), leaving () in its place. */
+static PyObject *
+retire(PyObject *reg, PyObject *state, PyObject *empty)
+{
+    if (Py_TYPE(reg) == reg_type) {
+        PyObject **ps = (PyObject **)((char *)reg + off_state);
+        PyObject **pc = (PyObject **)((char *)reg + off_call);
+        if (*pc == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "take_batch: a registration without _call");
+            return NULL;
+        }
+        /* Nothing here runs Python code: the old _state is an int, and the
+         * old _call moves to the caller. */
+        PyObject *old_state = *ps;
+        *ps = Py_NewRef(state);
+        Py_XDECREF(old_state);
+        PyObject *call = *pc;
+        *pc = Py_NewRef(empty);
+        return call;
+    }
+    PyObject *call = PyObject_GetAttrString(reg, "_call");
+    if (call == NULL || PyObject_SetAttrString(reg, "_state", state) < 0
+        || PyObject_SetAttrString(reg, "_call", empty) < 0) {
+        Py_XDECREF(call);
+        return NULL;
+    }
+    return call;
+}
+
+static Py_ssize_t
+batch_index(PyObject *call, PyObject *batched)
+{
+    if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) == 0) {
+        return -1;
+    }
+    PyObject *fn = PyTuple_GET_ITEM(call, 0);
+    Py_ssize_t n = PyTuple_GET_SIZE(batched);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyTuple_GET_ITEM(batched, i) == fn) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+static int
+add_segment(PyObject *segments, Py_ssize_t start, Py_ssize_t end, Py_ssize_t index)
+{
+    PyObject *seg = Py_BuildValue("(nnn)", start, end, index);
+    if (seg == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(segments, seg);
+    Py_DECREF(seg);
+    return rc;
+}
+
+PyDoc_STRVAR(take_batch_doc,
+"take_batch(regs, keys, state, batched) -> (taken, calls, segments)\n\n"
+"For each key of the list ``keys`` still in the dict ``regs``, in order: pop\n"
+"its registration, set its _state to ``state``, take its _call (leaving ()).\n"
+"Returns the registrations, their calls, and the runs of the calls as\n"
+"(start, end, index) triples: index is the position in the tuple ``batched``\n"
+"of the destroy function (identity) that every call of the run has, or -1\n"
+"for a run of calls to others. Runs no Python code.");
+
+static PyObject *
+take_batch(PyObject *module, PyObject *args)
+{
+    PyObject *regs, *keys, *state, *batched;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!O!OO!:take_batch", &PyDict_Type, &regs, &PyList_Type, &keys,
+                          &state, &PyTuple_Type, &batched)) {
+        return NULL;
+    }
+    if (reg_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "take_batch: set_registration_type was not called");
+        return NULL;
+    }
+    PyObject *empty = PyTuple_New(0);
+    PyObject *taken = PyList_New(0);
+    PyObject *calls = PyList_New(0);
+    PyObject *segments = PyList_New(0);
+    if (empty == NULL || taken == NULL || calls == NULL || segments == NULL) {
+        goto error;
+    }
+    Py_ssize_t start = 0, current = -2;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *reg = PyDict_GetItemWithError(regs, key); /* borrowed */
+        if (reg == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            continue; /* destroyed explicitly meanwhile */
+        }
+        if (PyList_Append(taken, reg) < 0 || PyDict_DelItem(regs, key) < 0) {
+            goto error; /* taken holds reg from here on */
+        }
+        reg = PyList_GET_ITEM(taken, PyList_GET_SIZE(taken) - 1);
+        PyObject *call = retire(reg, state, empty);
+        if (call == NULL) {
+            goto error;
+        }
+        Py_ssize_t index = batch_index(call, batched);
+        int rc = PyList_Append(calls, call);
+        Py_DECREF(call);
+        if (rc < 0) {
+            goto error;
+        }
+        Py_ssize_t at = PyList_GET_SIZE(calls) - 1;
+        if (index != current) {
+            if (current != -2 && add_segment(segments, start, at, current) < 0) {
+                goto error;
+            }
+            start = at;
+            current = index;
+        }
+    }
+    if (current != -2 && add_segment(segments, start, PyList_GET_SIZE(calls), current) < 0) {
+        goto error;
+    }
+    Py_DECREF(empty);
+    return Py_BuildValue("(NNN)", taken, calls, segments);
+
+error:
+    Py_XDECREF(empty);
+    Py_XDECREF(taken);
+    Py_XDECREF(calls);
+    Py_XDECREF(segments);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
+    {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
     {"set_flags", set_flags, METH_O, set_flags_doc},
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},

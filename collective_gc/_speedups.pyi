@@ -11,3 +11,11 @@ def destroy_each(
     seterr: int,
     /,
 ) -> list[tuple[int, BaseException]]: ...
+def set_registration_type(cls: type, /) -> None: ...
+def take_batch(
+    regs: dict[int, Any],
+    keys: list[int],
+    state: int,
+    batched: tuple[Any, ...],
+    /,
+) -> tuple[list[Any], list[tuple[Any, ...]], list[tuple[int, int, int]]]: ...
