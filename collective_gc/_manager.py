@@ -122,10 +122,10 @@ _apply: Callable[..., object] = getattr(operator, "call", _apply_py)
 
 # Destroy functions that can run a whole run of their calls at once (see
 # set_batch), matched by identity: a destroy callable need not be hashable,
-# nor compare sanely. Two parallel tuples, as _speedups.take_batch takes them.
+# nor compare sanely. Two parallel tuples, as _speedups.take_batch takes the
+# first, replaced together in one store (a sync point reads them once).
 _Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
-_BATCH_FNS: tuple[Callable[..., object], ...] = ()
-_BATCH_RUNS: tuple[_Batch, ...] = ()
+_BATCHES: tuple[tuple[Callable[..., object], ...], tuple[_Batch, ...]] = ((), ())
 
 
 def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
@@ -137,15 +137,16 @@ def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     exception)`` for those that raised. ``collective_gc.petsc`` uses it to
     destroy petsc4py objects from C. ``None`` removes it.
     """
-    global _BATCH_FNS, _BATCH_RUNS
-    pairs = [(f, b) for f, b in zip(_BATCH_FNS, _BATCH_RUNS) if f is not destroy]
+    global _BATCHES
+    pairs = [(f, b) for f, b in zip(*_BATCHES) if f is not destroy]
     if batch is not None:
         pairs.append((destroy, batch))
-    _BATCH_FNS = tuple(f for f, _ in pairs)
-    _BATCH_RUNS = tuple(b for _, b in pairs)
+    _BATCHES = (tuple(f for f, _ in pairs), tuple(b for _, b in pairs))
 
 
-def _load_take_batch() -> Callable[..., tuple[list[Registration], list[Any], list[Any]]] | None:
+def _load_take_batch() -> (
+    Callable[..., tuple[list[Registration], list[Any], list[Any] | None]] | None
+):
     try:
         from . import _speedups
     except ImportError:  # built without a C compiler: _take_batch_py does it
@@ -687,15 +688,16 @@ class Manager:
         # still holds lets go of the destroyed objects), registrations
         # destroyed explicitly meanwhile skipped; and the runs of calls to a
         # batched destroy found.
-        regs, calls, segments = _take_batch(
-            self._regs, agreed[::-1].tolist(), DESTROYED, _BATCH_FNS
-        )
+        fns, runs = _BATCHES
+        regs, calls, segments = _take_batch(self._regs, agreed[::-1].tolist(), DESTROYED, fns)
+        if segments is None:  # out of memory finding the batches: one by one then
+            segments = [(0, len(calls), -1)]
         n = len(regs)
         self._destroying = True
         try:
             for start, end, index in segments:
                 chunk = calls if len(segments) == 1 else calls[start:end]
-                run = _run_each if index < 0 else _BATCH_RUNS[index]
+                run = _run_each if index < 0 else runs[index]
                 for i, exc in run(chunk):
                     failures.append((regs[start + i].key, regs[start + i].name, exc))
                 del chunk

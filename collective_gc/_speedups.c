@@ -255,7 +255,8 @@ static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
 {
     PyObject *descr = PyDict_GetItemString(type->tp_dict, name); /* borrowed */
-    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)
+        || PyDescr_TYPE(descr) != type) {
         PyErr_Format(PyExc_TypeError, "set_registration_type: %s.%s is not a slot",
                      type->tp_name, name);
         return -1;
@@ -296,33 +297,18 @@ set_registration_type(PyObject *module, PyObject *cls)
     Py_RETURN_NONE;
 }
 
-/* Set reg._state = state and return reg._call (a new reference), leaving () in its place. */
-static PyObject *
+/* For an exact Registration whose _call is set: reg._state = state, and
+ * reg._call = () (the old call moves to the caller, who took its reference). */
+static void
 retire(PyObject *reg, PyObject *state, PyObject *empty)
 {
-    if (Py_TYPE(reg) == reg_type) {
-        PyObject **ps = (PyObject **)((char *)reg + off_state);
-        PyObject **pc = (PyObject **)((char *)reg + off_call);
-        if (*pc == NULL) {
-            PyErr_SetString(PyExc_AttributeError, "take_batch: a registration without _call");
-            return NULL;
-        }
-        /* Nothing here runs Python code: the old _state is an int, and the
-         * old _call moves to the caller. */
-        PyObject *old_state = *ps;
-        *ps = Py_NewRef(state);
-        Py_XDECREF(old_state);
-        PyObject *call = *pc;
-        *pc = Py_NewRef(empty);
-        return call;
-    }
-    PyObject *call = PyObject_GetAttrString(reg, "_call");
-    if (call == NULL || PyObject_SetAttrString(reg, "_state", state) < 0
-        || PyObject_SetAttrString(reg, "_call", empty) < 0) {
-        Py_XDECREF(call);
-        return NULL;
-    }
-    return call;
+    PyObject **ps = (PyObject **)((char *)reg + off_state);
+    PyObject **pc = (PyObject **)((char *)reg + off_call);
+    /* Nothing here runs Python code: the old _state is a small int. */
+    PyObject *old_state = *ps;
+    *ps = Py_NewRef(state);
+    Py_XDECREF(old_state);
+    *pc = Py_NewRef(empty);
 }
 
 static Py_ssize_t
@@ -360,7 +346,35 @@ PyDoc_STRVAR(take_batch_doc,
 "Returns the registrations, their calls, and the runs of the calls as\n"
 "(start, end, index) triples: index is the position in the tuple ``batched``\n"
 "of the destroy function (identity) that every call of the run has, or -1\n"
-"for a run of calls to others. Runs no Python code.");
+"for a run of calls to others. ``segments`` is None if it could not be made\n"
+"(out of memory): then run every call one by one. Once the first key is\n"
+"popped nothing can fail, so no registration is ever lost.");
+
+static PyObject *
+segments_of(PyObject *calls, PyObject *batched)
+{
+    PyObject *segments = PyList_New(0);
+    if (segments == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(calls), start = 0, current = -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t index = batch_index(PyList_GET_ITEM(calls, i), batched);
+        if (index != current) {
+            if (current != -2 && add_segment(segments, start, i, current) < 0) {
+                Py_DECREF(segments);
+                return NULL;
+            }
+            start = i;
+            current = index;
+        }
+    }
+    if (current != -2 && add_segment(segments, start, n, current) < 0) {
+        Py_DECREF(segments);
+        return NULL;
+    }
+    return segments;
+}
 
 static PyObject *
 take_batch(PyObject *module, PyObject *args)
@@ -375,58 +389,57 @@ take_batch(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "take_batch: set_registration_type was not called");
         return NULL;
     }
+    /* Everything that can fail is allocated before the first key is popped. */
+    Py_ssize_t nkeys = PyList_GET_SIZE(keys);
     PyObject *empty = PyTuple_New(0);
-    PyObject *taken = PyList_New(0);
-    PyObject *calls = PyList_New(0);
-    PyObject *segments = PyList_New(0);
-    if (empty == NULL || taken == NULL || calls == NULL || segments == NULL) {
-        goto error;
+    PyObject *taken = PyList_New(nkeys);
+    PyObject *calls = PyList_New(nkeys);
+    PyObject *result = PyTuple_New(3);
+    if (empty == NULL || taken == NULL || calls == NULL || result == NULL) {
+        Py_XDECREF(empty);
+        Py_XDECREF(taken);
+        Py_XDECREF(calls);
+        Py_XDECREF(result);
+        return NULL;
     }
-    Py_ssize_t start = 0, current = -2;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < nkeys; i++) {
+        /* Keys are ints: looking them up and deleting them runs no Python code. */
         PyObject *key = PyList_GET_ITEM(keys, i);
         PyObject *reg = PyDict_GetItemWithError(regs, key); /* borrowed */
-        if (reg == NULL) {
-            if (PyErr_Occurred()) {
-                goto error;
-            }
-            continue; /* destroyed explicitly meanwhile */
+        if (reg == NULL || Py_TYPE(reg) != reg_type) {
+            /* Destroyed explicitly meanwhile (or not ours: left alone). */
+            PyErr_Clear();
+            continue;
         }
-        if (PyList_Append(taken, reg) < 0 || PyDict_DelItem(regs, key) < 0) {
-            goto error; /* taken holds reg from here on */
-        }
-        reg = PyList_GET_ITEM(taken, PyList_GET_SIZE(taken) - 1);
-        PyObject *call = retire(reg, state, empty);
+        PyObject *call = *(PyObject **)((char *)reg + off_call);
         if (call == NULL) {
-            goto error;
+            continue; /* never happens: make_registration always sets _call */
         }
-        Py_ssize_t index = batch_index(call, batched);
-        int rc = PyList_Append(calls, call);
-        Py_DECREF(call);
-        if (rc < 0) {
-            goto error;
+        Py_INCREF(reg);
+        if (PyDict_DelItem(regs, key) < 0) {
+            PyErr_Clear(); /* present a moment ago: cannot fail */
         }
-        Py_ssize_t at = PyList_GET_SIZE(calls) - 1;
-        if (index != current) {
-            if (current != -2 && add_segment(segments, start, at, current) < 0) {
-                goto error;
-            }
-            start = at;
-            current = index;
-        }
-    }
-    if (current != -2 && add_segment(segments, start, PyList_GET_SIZE(calls), current) < 0) {
-        goto error;
+        retire(reg, state, empty); /* an exact Registration: cannot fail */
+        PyList_SET_ITEM(taken, count, reg);
+        PyList_SET_ITEM(calls, count, call);
+        count++;
     }
     Py_DECREF(empty);
-    return Py_BuildValue("(NNN)", taken, calls, segments);
-
-error:
-    Py_XDECREF(empty);
-    Py_XDECREF(taken);
-    Py_XDECREF(calls);
-    Py_XDECREF(segments);
-    return NULL;
+    if (count < nkeys) {
+        /* Shrinking a list only drops the (NULL) tail. */
+        PyList_SetSlice(taken, count, nkeys, NULL);
+        PyList_SetSlice(calls, count, nkeys, NULL);
+    }
+    PyObject *segments = segments_of(calls, batched);
+    if (segments == NULL) {
+        PyErr_Clear(); /* the caller runs every call one by one */
+        segments = Py_NewRef(Py_None);
+    }
+    PyTuple_SET_ITEM(result, 0, taken);
+    PyTuple_SET_ITEM(result, 1, calls);
+    PyTuple_SET_ITEM(result, 2, segments);
+    return result;
 }
 
 static PyMethodDef methods[] = {
