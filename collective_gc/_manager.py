@@ -104,38 +104,30 @@ class _Child(Protocol):
 _ZEROS = array.array("q", bytes(8 * 64))
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
-_CALL_OF = operator.attrgetter("_call")
-_FIRST = operator.itemgetter(0)
+_DESTROY_OF = operator.attrgetter("_destroy")
+_ARGS_OF = operator.attrgetter("_args")
 # Runs an iterator to its end, in C.
 _consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 _repeat = itertools.repeat
-_starmap = itertools.starmap
-
-
-def _apply_py(fn: Callable[..., object], *args: Any) -> object:
-    return fn(*args)
-
-
-# operator.call (3.11) calls from C; before 3.11 a Python frame does it.
-_apply: Callable[..., object] = getattr(operator, "call", _apply_py)
 
 
 # Destroy functions that can run a whole run of their calls at once (see
 # set_batch), matched by identity: a destroy callable need not be hashable,
 # nor compare sanely. Two parallel tuples, as _speedups.take_batch takes the
 # first, replaced together in one store (a sync point reads them once).
-_Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
+_Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]  # see set_batch
 _BATCHES: tuple[tuple[Callable[..., object], ...], tuple[_Batch, ...]] = ((), ())
 
 
 def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     """Let sync points run consecutive destroys by ``destroy`` as one batch. Local.
 
-    ``batch(calls)`` gets a list of ``(destroy, *args)`` tuples, consecutive in
-    the agreed destroy order, and must do what calling each would do, in that
-    order, trying every one even if some raise; it returns ``(index,
-    exception)`` for those that raised. ``collective_gc.petsc`` uses it to
-    destroy petsc4py objects from C. ``None`` removes it.
+    ``batch(argss)`` gets the argument tuples of consecutive calls to
+    ``destroy``, in the agreed destroy order, and must do what calling
+    ``destroy(*args)`` for each would do, in that order, trying every one even
+    if some raise; it returns ``(index, exception)`` for those that raised.
+    ``collective_gc.petsc`` uses it to destroy petsc4py objects from C.
+    ``None`` removes it.
     """
     global _BATCHES
     pairs = [(f, b) for f, b in zip(*_BATCHES) if f is not destroy]
@@ -144,69 +136,88 @@ def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     _BATCHES = (tuple(f for f, _ in pairs), tuple(b for _, b in pairs))
 
 
-def _load_take_batch() -> (
-    Callable[..., tuple[list[Registration], list[Any], list[Any] | None]] | None
-):
-    try:
-        from . import _speedups
-    except ImportError:  # built without a C compiler: _take_batch_py does it
-        return None
-    _speedups.set_registration_type(Registration)
-    return _speedups.take_batch
+_Taken = tuple[
+    list[Registration],
+    list[Callable[..., object]],
+    list[tuple[Any, ...]],
+    "list[tuple[int, int, int]] | None",
+]
 
 
 def _take_batch_py(
     regs: dict[int, Registration], keys: list[int], state: int, batched: tuple[object, ...]
-) -> tuple[list[Registration], list[tuple[Any, ...]], list[tuple[int, int, int]]]:
-    """What ``_speedups.take_batch`` does, in C-level passes from Python."""
+) -> _Taken:
+    """What ``_speedups.take_batch`` does, in C-level passes from Python.
+
+    Pops first: a finalizer that runs meanwhile (any allocation may start the
+    collector) and destroys a registration of the batch explicitly finds it
+    either still in the dict (then it is gone when its turn comes) or
+    already marked destroyed.
+    """
     before = len(regs)
     popped = list(map(regs.pop, keys, _repeat(None)))
     if before - len(regs) != len(popped):  # some destroyed explicitly on every rank meanwhile
         popped = [r for r in popped if r is not None]
     taken = cast("list[Registration]", popped)
     _consume(map(setattr, taken, _repeat("_state"), _repeat(state)))
-    calls = list(map(_CALL_OF, taken))
-    _consume(map(setattr, taken, _repeat("_call"), _repeat(())))
-    if not calls:
-        return taken, calls, []
+    fns = list(map(_DESTROY_OF, taken))
+    argss = list(map(_ARGS_OF, taken))
+    _consume(map(setattr, taken, _repeat("_destroy"), _repeat(None)))
+    _consume(map(setattr, taken, _repeat("_args"), _repeat(())))
+    if not fns:
+        return taken, fns, argss, []
     ids = [id(f) for f in batched]
-    if not batched or set(ids).isdisjoint(map(id, map(_FIRST, calls))):
-        return taken, calls, [(0, len(calls), -1)]
-    segments = []
+    if not ids or set(ids).isdisjoint(map(id, fns)):
+        return taken, fns, argss, [(0, len(fns), -1)]
+    segments: list[tuple[int, int, int]] = []
     start = 0
-    for fid, group in itertools.groupby(map(id, map(_FIRST, calls))):
+    for fid, group in itertools.groupby(map(id, fns)):
         end = start + sum(1 for _ in group)
-        segments.append((start, end, ids.index(fid) if fid in ids else -1))
-        start = end
-    # Merge neighbouring runs of unbatched calls (different functions).
-    merged: list[tuple[int, int, int]] = []
-    for seg in segments:
-        if merged and seg[2] == -1 and merged[-1][2] == -1:
-            merged[-1] = (merged[-1][0], seg[1], -1)
+        index = ids.index(fid) if fid in ids else -1
+        if segments and index == -1 and segments[-1][2] == -1:
+            segments[-1] = (segments[-1][0], end, -1)  # one run of unbatched calls
         else:
-            merged.append(seg)
-    return taken, calls, merged
+            segments.append((start, end, index))
+        start = end
+    return taken, fns, argss, segments
 
 
-_take_batch = _load_take_batch() or _take_batch_py
+def _call_with(fn: Callable[..., object], args: tuple[Any, ...]) -> object:
+    return fn(*args)
 
 
-def _run_each(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-    """Call each ``(destroy, *args)`` in order, from C; (index, exception) of those that raised.
+def _run_each_py(
+    fns: list[Callable[..., object]], argss: list[tuple[Any, ...]]
+) -> list[tuple[int, BaseException]]:
+    """What ``_speedups.run_each`` does: ``fns[i](*argss[i])`` for each i, in order,
+    every call made even if some raise; (index, exception) of those that raised.
 
-    Every call is made even if some raise (KeyboardInterrupt included: the
-    caller re-raises it once the batch is done). A destroy that raises stops
-    starmap; it resumes after the failed call, whose index the list
-    iterator's remaining length gives.
+    A call that raises stops map(); it resumes after the failed call, whose
+    index the list iterator's remaining length gives.
     """
     errors: list[tuple[int, BaseException]] = []
-    todo = iter(calls)
+    todo = iter(fns)
+    rest = iter(argss)
     while True:
         try:
-            _consume(_starmap(_apply, todo))
+            _consume(map(_call_with, todo, rest))
             return errors
         except BaseException as exc:
-            errors.append((len(calls) - operator.length_hint(todo) - 1, exc))
+            errors.append((len(fns) - operator.length_hint(todo) - 1, exc))
+
+
+def _load_speedups() -> tuple[Any, Any]:
+    try:
+        from . import _speedups
+    except ImportError:  # built without a C compiler: the Python versions do it
+        return _take_batch_py, _run_each_py
+    _speedups.set_registration_type(Registration)
+    return _speedups.take_batch, _speedups.run_each
+
+
+_take_batch: Callable[..., _Taken]
+_run_each: Callable[..., list[tuple[int, BaseException]]]
+_take_batch, _run_each = _load_speedups()
 
 
 def _no_deadline() -> str:  # what a wait without a deadline would never need to say
@@ -416,7 +427,7 @@ class Manager:
             if reg._state >= DESTROYED:
                 return False
             self._retire(reg, DETACHED)
-            reg._call = ()
+            reg._destroy, reg._args = None, ()
             return True
 
     def _votes_now(self) -> tuple[int, int]:
@@ -688,20 +699,25 @@ class Manager:
         # still holds lets go of the destroyed objects), registrations
         # destroyed explicitly meanwhile skipped; and the runs of calls to a
         # batched destroy found.
-        fns, runs = _BATCHES
-        regs, calls, segments = _take_batch(self._regs, agreed[::-1].tolist(), DESTROYED, fns)
+        batched, runs = _BATCHES
+        regs, fns, argss, segments = _take_batch(
+            self._regs, agreed[::-1].tolist(), DESTROYED, batched
+        )
         if segments is None:  # out of memory finding the batches: one by one then
-            segments = [(0, len(calls), -1)]
+            segments = [(0, len(fns), -1)]
         n = len(regs)
         self._destroying = True
         try:
             for start, end, index in segments:
-                chunk = calls if len(segments) == 1 else calls[start:end]
-                run = _run_each if index < 0 else runs[index]
-                for i, exc in run(chunk):
+                if len(segments) == 1:
+                    fchunk, achunk = fns, argss
+                else:
+                    fchunk, achunk = fns[start:end], argss[start:end]
+                errors = _run_each(fchunk, achunk) if index < 0 else runs[index](achunk)
+                for i, exc in errors:
                     failures.append((regs[start + i].key, regs[start + i].name, exc))
-                del chunk
-            del calls  # the destroyed objects go here, unless someone else holds them
+                del fchunk, achunk
+            del fns, argss  # the destroyed objects go here, unless someone else holds them
         finally:
             self._destroying = False
             self.destroyed += n

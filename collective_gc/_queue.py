@@ -128,7 +128,8 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         "_state",
         "_owner",
         "_push",
-        "_call",
+        "_destroy",
+        "_args",
         "_typename",
     )
 
@@ -140,10 +141,12 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     _state: int
     _owner: _Owner
     _push: Callable[[Registration], object]
-    # (destroy, *args), or () once the destroy has run or was dropped: one
-    # tuple, so that a sync point can call a whole batch from C (see
-    # Manager._destroy_agreed).
-    _call: tuple[Any, ...]
+    # The destroy and its arguments (kwargs folded in with functools.partial),
+    # None and () once it has run or was dropped. No tuple is made per
+    # registration: args is the caller's own (usually the empty singleton), as
+    # each allocation of a tracked object brings Python's collector nearer.
+    _destroy: Callable[..., object] | None
+    _args: tuple[Any, ...]
     _typename: str
 
     @property
@@ -188,10 +191,10 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         # Drop our references before calling, so that the arguments die as soon
         # as the destroy returns (and a destroy that drops the last reference to
         # other managed objects queues them right away).
-        call = self._call
-        self._call = ()
-        assert call, "the destroy ran already"
-        call[0](*call[1:])
+        fn, args = self._destroy, self._args
+        self._destroy, self._args = None, ()
+        assert fn is not None, "the destroy ran already"
+        fn(*args)
 
     def __repr__(self) -> str:
         return (
@@ -243,7 +246,8 @@ def make_registration(
     reg._push = push
     if kwargs:
         destroy = functools.partial(destroy, **kwargs)
-    reg._call = (destroy, *args)
+    reg._destroy = destroy
+    reg._args = args
     return reg
 
 

@@ -65,7 +65,7 @@ class _Reaper:
 
     def _detach(self, reg: Registration) -> bool:
         if self._claim(reg, DETACHED):
-            reg._call = ()
+            reg._destroy, reg._args = None, ()
             return True
         return False
 

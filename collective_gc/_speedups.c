@@ -245,11 +245,11 @@ on_finalize(PyObject *module, PyObject *reg)
     Py_RETURN_NONE;
 }
 
-/* -- take_batch ------------------------------------------------------------ */
+/* -- take_batch, run_each -------------------------------------------------- */
 
-/* Registration's slots _state and _call, by offset (set_registration_type). */
+/* Registration's slots _state, _destroy and _args, by offset (set_registration_type). */
 static PyTypeObject *reg_type = NULL;
-static Py_ssize_t off_state = -1, off_call = -1;
+static Py_ssize_t off_state = -1, off_destroy = -1, off_args = -1;
 
 static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
@@ -272,7 +272,8 @@ slot_offset(PyTypeObject *type, const char *name)
 
 PyDoc_STRVAR(set_registration_type_doc,
 "set_registration_type(cls) -> None\n\n"
-"Tell take_batch where collective_gc's Registration keeps _state and _call.");
+"Tell take_batch where collective_gc's Registration keeps _state, _destroy\n"
+"and _args.");
 
 static PyObject *
 set_registration_type(PyObject *module, PyObject *cls)
@@ -282,42 +283,36 @@ set_registration_type(PyObject *module, PyObject *cls)
         PyErr_SetString(PyExc_TypeError, "set_registration_type: expected a class");
         return NULL;
     }
-    Py_ssize_t s = slot_offset((PyTypeObject *)cls, "_state");
-    if (s < 0) {
-        return NULL;
-    }
-    Py_ssize_t c = slot_offset((PyTypeObject *)cls, "_call");
-    if (c < 0) {
+    PyTypeObject *type = (PyTypeObject *)cls;
+    Py_ssize_t s = slot_offset(type, "_state");
+    Py_ssize_t d = s < 0 ? -1 : slot_offset(type, "_destroy");
+    Py_ssize_t a = d < 0 ? -1 : slot_offset(type, "_args");
+    if (a < 0) {
         return NULL;
     }
     Py_INCREF(cls);
-    Py_XSETREF(reg_type, (PyTypeObject *)cls);
+    Py_XSETREF(reg_type, type);
     off_state = s;
-    off_call = c;
+    off_destroy = d;
+    off_args = a;
     Py_RETURN_NONE;
 }
 
-/* For an exact Registration whose _call is set: reg._state = state, and
- * reg._call = () (the old call moves to the caller, who took its reference). */
-static void
-retire(PyObject *reg, PyObject *state, PyObject *empty)
+#define SLOT(reg, off) (*(PyObject **)((char *)(reg) + (off)))
+
+/* Move an object slot's value out (the caller takes the reference) and put
+ * ``value`` in its place. Runs no Python code. */
+static PyObject *
+swap_slot(PyObject *reg, Py_ssize_t off, PyObject *value)
 {
-    PyObject **ps = (PyObject **)((char *)reg + off_state);
-    PyObject **pc = (PyObject **)((char *)reg + off_call);
-    /* Nothing here runs Python code: the old _state is a small int. */
-    PyObject *old_state = *ps;
-    *ps = Py_NewRef(state);
-    Py_XDECREF(old_state);
-    *pc = Py_NewRef(empty);
+    PyObject *old = SLOT(reg, off);
+    SLOT(reg, off) = Py_NewRef(value);
+    return old;
 }
 
 static Py_ssize_t
-batch_index(PyObject *call, PyObject *batched)
+batch_index(PyObject *fn, PyObject *batched)
 {
-    if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) == 0) {
-        return -1;
-    }
-    PyObject *fn = PyTuple_GET_ITEM(call, 0);
     Py_ssize_t n = PyTuple_GET_SIZE(batched);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyTuple_GET_ITEM(batched, i) == fn) {
@@ -339,27 +334,16 @@ add_segment(PyObject *segments, Py_ssize_t start, Py_ssize_t end, Py_ssize_t ind
     return rc;
 }
 
-PyDoc_STRVAR(take_batch_doc,
-"take_batch(regs, keys, state, batched) -> (taken, calls, segments)\n\n"
-"For each key of the list ``keys`` still in the dict ``regs``, in order: pop\n"
-"its registration, set its _state to ``state``, take its _call (leaving ()).\n"
-"Returns the registrations, their calls, and the runs of the calls as\n"
-"(start, end, index) triples: index is the position in the tuple ``batched``\n"
-"of the destroy function (identity) that every call of the run has, or -1\n"
-"for a run of calls to others. ``segments`` is None if it could not be made\n"
-"(out of memory): then run every call one by one. Once the first key is\n"
-"popped nothing can fail, so no registration is ever lost.");
-
 static PyObject *
-segments_of(PyObject *calls, PyObject *batched)
+segments_of(PyObject *fns, PyObject *batched)
 {
     PyObject *segments = PyList_New(0);
     if (segments == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(calls), start = 0, current = -2;
+    Py_ssize_t n = PyList_GET_SIZE(fns), start = 0, current = -2;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t index = batch_index(PyList_GET_ITEM(calls, i), batched);
+        Py_ssize_t index = batch_index(PyList_GET_ITEM(fns, i), batched);
         if (index != current) {
             if (current != -2 && add_segment(segments, start, i, current) < 0) {
                 Py_DECREF(segments);
@@ -376,6 +360,18 @@ segments_of(PyObject *calls, PyObject *batched)
     return segments;
 }
 
+PyDoc_STRVAR(take_batch_doc,
+"take_batch(regs, keys, state, batched) -> (taken, fns, argss, segments)\n\n"
+"For each key of the list ``keys`` still in the dict ``regs``, in order: pop\n"
+"its registration, set its _state to ``state``, take its _destroy and _args\n"
+"(leaving None and ()). Returns the registrations, their destroys, their\n"
+"argument tuples, and the runs of destroys as (start, end, index) triples:\n"
+"index is the position in the tuple ``batched`` of the destroy function\n"
+"(identity) of every call of the run, or -1 for a run of others.\n"
+"``segments`` is None if it could not be made (out of memory): then run\n"
+"every call one by one. Nothing can fail, and no Python code runs, between\n"
+"the first key popped and the last, so no registration is ever lost.");
+
 static PyObject *
 take_batch(PyObject *module, PyObject *args)
 {
@@ -389,16 +385,18 @@ take_batch(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "take_batch: set_registration_type was not called");
         return NULL;
     }
-    /* Everything that can fail is allocated before the first key is popped. */
+    /* Everything that can fail (or start Python's collector) first. */
     Py_ssize_t nkeys = PyList_GET_SIZE(keys);
     PyObject *empty = PyTuple_New(0);
     PyObject *taken = PyList_New(nkeys);
-    PyObject *calls = PyList_New(nkeys);
-    PyObject *result = PyTuple_New(3);
-    if (empty == NULL || taken == NULL || calls == NULL || result == NULL) {
+    PyObject *fns = PyList_New(nkeys);
+    PyObject *argss = PyList_New(nkeys);
+    PyObject *result = PyTuple_New(4);
+    if (empty == NULL || taken == NULL || fns == NULL || argss == NULL || result == NULL) {
         Py_XDECREF(empty);
         Py_XDECREF(taken);
-        Py_XDECREF(calls);
+        Py_XDECREF(fns);
+        Py_XDECREF(argss);
         Py_XDECREF(result);
         return NULL;
     }
@@ -407,44 +405,89 @@ take_batch(PyObject *module, PyObject *args)
         /* Keys are ints: looking them up and deleting them runs no Python code. */
         PyObject *key = PyList_GET_ITEM(keys, i);
         PyObject *reg = PyDict_GetItemWithError(regs, key); /* borrowed */
-        if (reg == NULL || Py_TYPE(reg) != reg_type) {
-            /* Destroyed explicitly meanwhile (or not ours: left alone). */
+        if (reg == NULL || Py_TYPE(reg) != reg_type || SLOT(reg, off_destroy) == NULL
+            || SLOT(reg, off_destroy) == Py_None || SLOT(reg, off_args) == NULL) {
+            /* Destroyed explicitly meanwhile (registrations are always exact
+             * Registrations with a destroy while in the dict). */
             PyErr_Clear();
             continue;
-        }
-        PyObject *call = *(PyObject **)((char *)reg + off_call);
-        if (call == NULL) {
-            continue; /* never happens: make_registration always sets _call */
         }
         Py_INCREF(reg);
         if (PyDict_DelItem(regs, key) < 0) {
             PyErr_Clear(); /* present a moment ago: cannot fail */
         }
-        retire(reg, state, empty); /* an exact Registration: cannot fail */
+        Py_XDECREF(swap_slot(reg, off_state, state)); /* a small int: no code runs */
         PyList_SET_ITEM(taken, count, reg);
-        PyList_SET_ITEM(calls, count, call);
+        PyList_SET_ITEM(fns, count, swap_slot(reg, off_destroy, Py_None));
+        PyList_SET_ITEM(argss, count, swap_slot(reg, off_args, empty));
         count++;
     }
     Py_DECREF(empty);
     if (count < nkeys) {
-        /* Shrinking a list only drops the (NULL) tail. */
+        /* Shrinking a list only drops its (NULL) tail. */
         PyList_SetSlice(taken, count, nkeys, NULL);
-        PyList_SetSlice(calls, count, nkeys, NULL);
+        PyList_SetSlice(fns, count, nkeys, NULL);
+        PyList_SetSlice(argss, count, nkeys, NULL);
     }
-    PyObject *segments = segments_of(calls, batched);
+    PyObject *segments = segments_of(fns, batched);
     if (segments == NULL) {
         PyErr_Clear(); /* the caller runs every call one by one */
         segments = Py_NewRef(Py_None);
     }
     PyTuple_SET_ITEM(result, 0, taken);
-    PyTuple_SET_ITEM(result, 1, calls);
-    PyTuple_SET_ITEM(result, 2, segments);
+    PyTuple_SET_ITEM(result, 1, fns);
+    PyTuple_SET_ITEM(result, 2, argss);
+    PyTuple_SET_ITEM(result, 3, segments);
     return result;
+}
+
+PyDoc_STRVAR(run_each_doc,
+"run_each(fns, argss) -> failures\n\n"
+"Call fns[i](*argss[i]) for each i, in order, whatever raises (KeyboardInterrupt\n"
+"too); returns (index, exception) for the calls that raised.");
+
+static PyObject *
+run_each(PyObject *module, PyObject *args)
+{
+    PyObject *fns, *argss;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!O!:run_each", &PyList_Type, &fns, &PyList_Type, &argss)) {
+        return NULL;
+    }
+    PyObject *failures = PyList_New(0);
+    if (failures == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(fns) && i < PyList_GET_SIZE(argss); i++) {
+        PyObject *fn = PyList_GET_ITEM(fns, i);
+        PyObject *a = PyList_GET_ITEM(argss, i);
+        Py_INCREF(fn);
+        Py_INCREF(a);
+        PyObject *res;
+        if (PyTuple_Check(a)) {
+            res = PyObject_Call(fn, a, NULL);
+        }
+        else {
+            res = NULL;
+            PyErr_SetString(PyExc_TypeError, "run_each: arguments are not a tuple");
+        }
+        Py_DECREF(fn);
+        Py_DECREF(a);
+        if (res != NULL) {
+            Py_DECREF(res);
+        }
+        else if (record_failure(failures, i) < 0) {
+            Py_DECREF(failures);
+            return NULL;
+        }
+    }
+    return failures;
 }
 
 static PyMethodDef methods[] = {
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
     {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
+    {"run_each", run_each, METH_VARARGS, run_each_doc},
     {"set_flags", set_flags, METH_O, set_flags_doc},
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Any
 
 def set_flags(flags: list[int], /) -> None: ...
@@ -18,4 +19,12 @@ def take_batch(
     state: int,
     batched: tuple[Any, ...],
     /,
-) -> tuple[list[Any], list[tuple[Any, ...]], list[tuple[int, int, int]] | None]: ...
+) -> tuple[
+    list[Any],
+    list[Callable[..., object]],
+    list[tuple[Any, ...]],
+    list[tuple[int, int, int]] | None,
+]: ...
+def run_each(
+    fns: list[Callable[..., object]], argss: list[tuple[Any, ...]], /
+) -> list[tuple[int, BaseException]]: ...

@@ -392,11 +392,12 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
         return None
     destroy_each = _speedups.destroy_each
 
-    def destroy_batch(calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-        # calls: [(_destroy_one, obj), ...]; the same outcome as calling each.
-        errors: list[tuple[int, BaseException]] = destroy_each(calls, 1, fast, *addresses)
+    def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        # argss: [(obj,), ...], the arguments of _destroy_one calls; the same
+        # outcome as making each call.
+        errors: list[tuple[int, BaseException]] = destroy_each(argss, 0, fast, *addresses)
         for i, _ in errors:
-            _forget(calls[i][1])
+            _forget(argss[i][0])
         return errors
 
     return destroy_batch

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _queue
+from collective_gc import _manager, _queue
 
 from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
@@ -391,7 +391,52 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         comm.Free()
 
 
-def test_keyboard_interrupt_in_a_destroy_lets_the_others_run() -> None:
+@pytest.fixture(params=["c", "python"])
+def sync_passes(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Sync points take their batch and call its destroys in C, then in Python."""
+    saved = (_manager._take_batch, _manager._run_each)
+    if request.param == "python":
+        _manager._take_batch, _manager._run_each = _manager._take_batch_py, _manager._run_each_py
+    try:
+        yield request.param
+    finally:
+        _manager._take_batch, _manager._run_each = saved
+
+
+def test_the_c_sync_passes_are_built_here() -> None:
+    assert _manager._take_batch is not _manager._take_batch_py
+    assert _manager._run_each is not _manager._run_each_py
+
+
+def test_destroys_that_raise_are_all_reported(sync_passes: str) -> None:
+    comm = MPI.COMM_SELF.Dup()
+    log: list[int] = []
+
+    def destroy(i: int) -> None:
+        log.append(i)
+        if i % 3 == 0:
+            raise ValueError(f"destroy {i} fails")
+
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(8)]
+            regs = [
+                cgc.register(o, destroy, i, comm=comm, name=f"o{i}") for i, o in enumerate(objs)
+            ]
+            regs[4].destroy()  # destroyed explicitly first: skipped at the sync point
+            del objs
+            with pytest.raises(cgc.DestroyError) as info:
+                cgc.collect(comm, generation=None)
+        assert log == [4, 7, 6, 5, 3, 2, 1, 0]
+        assert [(k, n, m) for _, k, n, m in info.value.failures] == [
+            (regs[i].key, f"o{i}", f"ValueError: destroy {i} fails") for i in (6, 3, 0)
+        ]
+        assert all(r.state == "destroyed" for r in regs)
+    finally:
+        comm.Free()
+
+
+def test_keyboard_interrupt_in_a_destroy_lets_the_others_run(sync_passes: str) -> None:
     # Serial: an interrupt on one rank of a parallel job ends the job anyway.
     comm = MPI.COMM_SELF.Dup()
     log: list[str] = []

@@ -414,6 +414,7 @@ def test_the_c_batch_destroy_is_built_here() -> None:
     # unnoticed.
     assert cp._BATCH is not None
     assert _manager._take_batch is not _manager._take_batch_py
+    assert _manager._run_each is not _manager._run_each_py
     assert PETSc.Vec in cp._fast_types() and PETSc.DMDA in cp._fast_types()
 
 
@@ -428,7 +429,7 @@ class MyVec(PETSc.Vec):  # type: ignore[misc]
         return self
 
 
-_TAKE_BATCH = _manager._take_batch
+_SPEEDUPS = (_manager._take_batch, _manager._run_each)
 
 
 class BatchPath:
@@ -439,10 +440,10 @@ class BatchPath:
         self.name = name
         self.chunks: list[int] = []
 
-    def batch(self, calls: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-        self.chunks.append(len(calls))
+    def batch(self, argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        self.chunks.append(len(argss))
         assert cp._BATCH is not None
-        return cp._BATCH(calls)
+        return cp._BATCH(argss)
 
 
 @pytest.fixture(params=["c", "python", "mixed"])
@@ -454,11 +455,12 @@ def batch_path(request: pytest.FixtureRequest) -> Iterator[BatchPath]:
     set_batch(cp._destroy_one, None if path.name == "python" else path.batch)
     if path.name != "c":
         _manager._take_batch = _manager._take_batch_py
+        _manager._run_each = _manager._run_each_py
     try:
         yield path
     finally:
         set_batch(cp._destroy_one, cp._BATCH)
-        _manager._take_batch = _TAKE_BATCH
+        _manager._take_batch, _manager._run_each = _SPEEDUPS
 
 
 @pytest.mark.mpi(min_size=2)
