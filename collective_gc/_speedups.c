@@ -1,4 +1,4 @@
-/* collective_gc._speedups: the two per-object hot spots of collective_gc, in C.
+/* collective_gc._speedups: the per-object hot spots of collective_gc, in C.
  *
  * Optional: without it (no C compiler at install) the package does the same
  * from Python, more slowly. Python's GIL is held throughout.
@@ -8,8 +8,10 @@
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
- * take_batch: a sync point's bookkeeping for the keys every rank agreed on,
- * in one pass (see collective_gc._manager.Manager._destroy_agreed).
+ * take_batch, run_each: a sync point's bookkeeping for the keys every rank
+ * agreed on, in one pass, and the calls of their destroys (see
+ * collective_gc._manager.Manager._destroy_agreed and the Python versions
+ * _take_batch_py and _run_each_py there).
  *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
