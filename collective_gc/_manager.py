@@ -102,6 +102,9 @@ class _Child(Protocol):
 
 
 _ZEROS = array.array("q", bytes(8 * 64))
+_IN_PLACE = MPI.IN_PLACE
+_MAX = MPI.MAX
+_new_tuple = tuple.__new__
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
 _DESTROY_OF = operator.attrgetter("_destroy")
@@ -218,10 +221,6 @@ def _load_speedups() -> tuple[Any, Any]:
 _take_batch: Callable[..., _Taken]
 _run_each: Callable[..., list[tuple[int, BaseException]]]
 _take_batch, _run_each = _load_speedups()
-
-
-def _no_deadline() -> str:  # what a wait without a deadline would never need to say
-    return "no deadline"
 
 
 class Manager:
@@ -601,8 +600,10 @@ class Manager:
             self._raise_failures(failures, seq, deadline)
         seconds = time.perf_counter() - t0
         self.sync_seconds += seconds
-        return CollectStats(
-            agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
+        # tuple.__new__: NamedTuple's own __new__ is a Python function.
+        return _new_tuple(
+            CollectStats,
+            (agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected),
         )
 
     def _agree(
@@ -636,8 +637,13 @@ class Manager:
         head = array.array(
             "q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors, gen, *votes)
         )
-        what = _no_deadline if deadline is None else self._what("its header")
-        red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, what)
+        if deadline is None:
+            # The common case, inline and in place: this allreduce is most of
+            # an empty sync point's cost.
+            self._comm.Allreduce(_IN_PLACE, head, _MAX)
+            red = head
+        else:
+            red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
         if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
             raise self._mismatch(red)
         self.votes = (red[H_VOTE], red[H_VOTE + 1])
