@@ -425,12 +425,12 @@ take_batch(PyObject *module, PyObject *args)
         count++;
     }
     Py_DECREF(empty);
-    if (count < nkeys) {
-        /* Shrinking a list only drops its (NULL) tail. */
-        PyList_SetSlice(taken, count, nkeys, NULL);
-        PyList_SetSlice(fns, count, nkeys, NULL);
-        PyList_SetSlice(argss, count, nkeys, NULL);
-    }
+    /* Cut the lists to the keys taken: their tail is still NULL, and a list
+     * may be shorter than its allocation, so this cannot fail (PyList_SetSlice
+     * may allocate, and failing here would leave NULLs in the lists). */
+    Py_SET_SIZE((PyVarObject *)taken, count);
+    Py_SET_SIZE((PyVarObject *)fns, count);
+    Py_SET_SIZE((PyVarObject *)argss, count);
     PyObject *segments = segments_of(fns, batched);
     if (segments == NULL) {
         PyErr_Clear(); /* the caller runs every call one by one */
