@@ -62,6 +62,7 @@ from ._queue import (
     ALIVE,
     DESTROYED,
     DETACHED,
+    SPEEDUPS,
     Registration,
     check_destroy,
     make_registration,
@@ -209,18 +210,10 @@ def _run_each_py(
             errors.append((len(fns) - operator.length_hint(todo) - 1, exc))
 
 
-def _load_speedups() -> tuple[Any, Any]:
-    try:
-        from . import _speedups
-    except ImportError:  # built without a C compiler: the Python versions do it
-        return _take_batch_py, _run_each_py
-    _speedups.set_registration_type(Registration)
-    return _speedups.take_batch, _speedups.run_each
-
-
-_take_batch: Callable[..., _Taken]
-_run_each: Callable[..., list[tuple[int, BaseException]]]
-_take_batch, _run_each = _load_speedups()
+_take_batch: Callable[..., _Taken] = _take_batch_py if SPEEDUPS is None else SPEEDUPS.take_batch
+_run_each: Callable[..., list[tuple[int, BaseException]]] = (
+    _run_each_py if SPEEDUPS is None else SPEEDUPS.run_each
+)
 
 
 class Manager:

@@ -91,16 +91,20 @@ def _py_on_finalize(
     reg._push(reg)
 
 
-def _load_c_on_finalize() -> Callable[[Registration], None] | None:
+def _load_speedups() -> types.ModuleType | None:
     try:
         from . import _speedups
-    except ImportError:  # built without a C compiler: the Python version does it
+    except ImportError:  # built without a C compiler: the Python versions do it all
         return None
     _speedups.set_flags(_FLAGS)
-    return _speedups.on_finalize
+    return _speedups
 
 
-_C_ON_FINALIZE = _load_c_on_finalize()
+# The optional C extension (imported here once; _manager and petsc use it too), or None.
+SPEEDUPS = _load_speedups()
+_C_ON_FINALIZE: Callable[[Registration], None] | None = (
+    None if SPEEDUPS is None else SPEEDUPS.on_finalize
+)
 # The callback every new registration gets (tests switch it to compare the two).
 _CALLBACK: list[Callable[[Registration], None]] = [_C_ON_FINALIZE or _py_on_finalize]
 
@@ -207,6 +211,10 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     __eq__ = object.__eq__
     __ne__ = object.__ne__
     __hash__ = object.__hash__
+
+
+if SPEEDUPS is not None:
+    SPEEDUPS.set_registration_type(Registration)  # where its sync-point pass finds the slots
 
 
 def make_registration(

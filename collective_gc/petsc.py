@@ -41,7 +41,7 @@ from petsc4py import PETSc
 
 from ._errors import RegistrationError, call_each
 from ._manager import Manager, manager, register, set_batch
-from ._queue import Registration
+from ._queue import SPEEDUPS, Registration
 from ._scope import sync_point
 
 __all__ = ["manage", "destroy_all", "install", "garbage", "solve"]
@@ -376,9 +376,9 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
     PetscObjectDestroy; without any of them sync points call ``destroy()``
     on each object from Python, with the same outcome.
     """
+    if SPEEDUPS is None:
+        return None
     try:
-        from . import _speedups
-
         lib = ctypes.CDLL(PETSc.__file__)
         addresses = (
             _capi_address("PyPetscObject_GetPtr"),
@@ -386,11 +386,11 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
             _capi_address("PyPetscError_Set"),
         )
         fast = _fast_types()
-    except (ImportError, OSError, AttributeError, KeyError, ValueError, TypeError):
+    except (OSError, AttributeError, KeyError, ValueError, TypeError):
         return None
     if not all(addresses):
         return None
-    destroy_each = _speedups.destroy_each
+    destroy_each = SPEEDUPS.destroy_each
 
     def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
         # argss: [(obj,), ...], the arguments of _destroy_one calls; the same
