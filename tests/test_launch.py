@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mpiexec_env
+from conftest import mpiexec_cmd, mpiexec_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.launcher
@@ -24,16 +24,7 @@ def mpiexec(
     e = mpiexec_env()
     e.update(env)
     return subprocess.run(
-        [
-            "mpiexec",
-            "-n",
-            "4",
-            "--timeout",
-            str(int(timeout)),
-            sys.executable,
-            str(SCRIPTS / script),
-            *args,
-        ],
+        [*mpiexec_cmd(4, timeout), sys.executable, str(SCRIPTS / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout + 30,
