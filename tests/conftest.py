@@ -9,6 +9,7 @@ failed rank will not reach. pytest-timeout (thread method) and mpiexec's
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 import shutil
@@ -39,6 +40,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if PETSC_REQUIRED and importlib.util.find_spec("petsc4py") is None:
+        raise pytest.UsageError(
+            "CGC_REQUIRE_PETSC=1 but petsc4py cannot be found by "
+            f"{sys.executable}: this stack must test PETSc"
+        )
     if WORLD.Get_size() > 1 and config.option.basetemp is None:
         # Ranks sharing one pytest temp root race on its cleanup.
         config.option.basetemp = os.path.join(
@@ -48,6 +54,37 @@ def pytest_configure(config: pytest.Config) -> None:
         # One report is enough; failures on any rank still print (see above).
         config.option.verbose = -2
         config.option.reportchars = ""
+
+
+# -- petsc4py: optional, except on a stack that declares it required ----------
+
+#: A leg that must test PETSc sets ``CGC_REQUIRE_PETSC=1`` (the Debian legs do,
+#: through the Makefile and tools/stack-run): there a missing petsc4py fails
+#: instead of skipping every PETSc test.
+PETSC_REQUIRED = os.environ.get("CGC_REQUIRE_PETSC", "") not in ("", "0")
+
+
+def import_petsc() -> Any:
+    """``petsc4py.PETSc``, for a test module or test that needs it.
+
+    At module level (``PETSc = import_petsc()``) a missing petsc4py skips the
+    whole module with a reason; where ``CGC_REQUIRE_PETSC=1`` it raises the
+    ImportError instead, so the run fails.
+    """
+    if PETSC_REQUIRED:
+        from petsc4py import PETSc
+
+        return PETSc
+    return pytest.importorskip(
+        "petsc4py.PETSc",
+        reason="petsc4py is not installed on this stack (CGC_REQUIRE_PETSC=1 makes this an error)",
+    )
+
+
+@pytest.fixture
+def petsc() -> Any:
+    """``petsc4py.PETSc`` for one test in a module that runs without it."""
+    return import_petsc()
 
 
 @pytest.fixture
