@@ -29,9 +29,14 @@ This is the only module of collective_gc that imports petsc4py.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
+import gc
+import types
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,12 +44,38 @@ import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
-from ._errors import RegistrationError, call_each
+from ._errors import CollectiveGCError, ExitLeakWarning, RegistrationError, call_each
 from ._manager import Manager, manager, register, set_batch
 from ._queue import SPEEDUPS, Registration
 from ._scope import sync_point
 
-__all__ = ["manage", "destroy_all", "install", "garbage", "solve"]
+__all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve"]
+
+
+# -- which PETSc and petsc4py this module knows ---------------------------------
+
+# What this module relies on beyond petsc4py's public API was read in PETSc's
+# and petsc4py's sources of every release from 3.18 to 3.24: the garbage map
+# (a khash table of PetscInt64 creation index to PetscObject, attached to
+# PETSc's inner communicator under Petsc_Garbage_HMap_keyval) and the
+# destroy() methods of the classes _fast_types() lists (XDestroy on the
+# handle slot that PyPetscObject_GetPtr returns, nothing else). Outside that
+# range neither is used: the view leaves PETSc's entries out, sync points
+# clean PETSc's garbage unconditionally, and destroys are destroy() calls.
+_CHECKED = ((3, 18), (3, 24))
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+_PETSC_RELEASE = tuple(PETSc.Sys.getVersion()[:2])
+_PETSC4PY_RELEASE = _release(petsc4py.__version__)
+
+
+def _checked(release: tuple[int, ...]) -> bool:
+    return _CHECKED[0] <= release <= _CHECKED[1]
 
 
 # -- reading PETSc's garbage maps (local, read-only) -------------------------
@@ -107,7 +138,7 @@ class _Internals:
         flag = ctypes.c_int()
         if self._get_attr(handle, kv, ctypes.byref(value), ctypes.byref(flag)) or not flag.value:
             return None
-        return value.value or 0
+        return int(value.value or 0)
 
     def _to_handle(self, raw: int) -> int:
         # PETSc stores an MPI_Comm in a union with a void*: for int handles
@@ -124,17 +155,34 @@ class _Internals:
         raw = self._attr(handle, self._inner_kv)
         return None if raw is None else self._to_handle(raw)
 
+    def _table(self, inner: int) -> _KHash | None:
+        """The garbage map of an inner communicator, if it has one and it looks whole."""
+        table = self._attr(inner, self._garbage_kv)
+        if not table:
+            return None
+        kh = _KHash.from_address(table)
+        n = kh.n_buckets
+        # khash keeps a power-of-two bucket count, at most that many live or
+        # deleted entries, and its three arrays once it has buckets. Anything
+        # else means this is not the table we know: read nothing more of it.
+        if (
+            n & (n - 1)
+            or not kh.size <= kh.n_occupied <= n
+            or (n and not (kh.flags and kh.keys and kh.vals))
+        ):
+            raise _Unreadable(f"PETSc's garbage map at {table:#x} does not look like a khash table")
+        return kh
+
     def count(self, inner: int) -> int:
         """How many garbage entries this rank holds on an inner communicator."""
-        table = self._attr(inner, self._garbage_kv)
-        return _KHash.from_address(table).size if table else 0
+        kh = self._table(inner)
+        return 0 if kh is None else int(kh.size)
 
     def entries(self, inner: int) -> list[tuple[int, str]]:
         """(creation index, class name) of this rank's garbage on an inner communicator."""
-        table = self._attr(inner, self._garbage_kv)
-        if not table:
+        kh = self._table(inner)
+        if kh is None:
             return []
-        kh = _KHash.from_address(table)
         out = []
         name = ctypes.c_char_p()
         for i in range(kh.n_buckets):
@@ -150,7 +198,13 @@ class _Internals:
         return out
 
 
+class _Unreadable(RuntimeError):
+    """PETSc's garbage map is not laid out as this module knows it."""
+
+
 def _load_internals() -> _Internals | None:
+    if not _checked(_PETSC_RELEASE):
+        return None  # a layout we have not read: never guess at memory
     try:
         return _Internals()
     except (OSError, AttributeError, ValueError):
@@ -179,6 +233,38 @@ def garbage(comm: MPI.Comm) -> list[tuple[int, str]]:
     return [] if inner is None else _PETSC.entries(inner)
 
 
+# -- what this rank knows of each communicator's PETSc state ------------------
+
+
+class _CommState:
+    """This rank's record of the PETSc objects managed on one communicator.
+
+    ``failed`` counts this rank's PETSc destroys that raised (the wrecks are
+    leaked, see :func:`_forget`); ``unusable`` is the reason the ranks agreed
+    that PETSc's state of the communicator differs between them.
+    """
+
+    __slots__ = ("failed", "unusable", "__weakref__")
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self.unusable: str | None = None
+
+
+# One per installed manager. Registrations of serial objects get _SERIAL: a
+# serial wreck cannot make the ranks disagree about anything collective.
+_STATES: weakref.WeakKeyDictionary[Manager, _CommState] = weakref.WeakKeyDictionary()
+_SERIAL = _CommState()
+
+
+def _count(inner: int) -> int:
+    assert _PETSC is not None
+    try:
+        return _PETSC.count(inner)
+    except _Unreadable:
+        return 1  # cannot tell: say there is garbage (an empty cleanup is harmless)
+
+
 # -- the sync and view hooks ---------------------------------------------------
 
 
@@ -191,34 +277,45 @@ def _sync_hook(mgr: Manager) -> None:
     whether any of them holds garbage, and whether all of them still have
     PETSc's inner communicator, through the vote (:func:`_vote`) carried in
     the sync point's own allreduces (taken again after its destroys, which may
-    have made garbage), so this costs no message of its own. Normally they
-    all have it or none has (PETSc creates and frees it in collective calls),
-    but after a destroy that failed on some
-    ranks only, the wreck keeps it alive there; ``garbage_cleanup`` would then
-    duplicate the communicator on the other ranks only, and hang.
+    have made garbage), so this costs no message of its own.
+
+    The same vote says whether a managed PETSc destroy raised on any rank.
+    Then PETSc's objects of the communicator differ between ranks (the wreck,
+    and PETSc's inner communicator with it, survive where it failed), and any
+    later collective PETSc call on it may hang: the manager is made unusable
+    on every rank, with that explanation, and nothing is cleaned there.
     """
     comm = mgr.comm
-    if _PETSC is None:
+    state = _STATES.get(mgr)
+    if mgr.size > 1 and mgr.votes[1] >= 2:
+        _refuse(mgr, state)
+    elif _PETSC is None:
         # Cannot look: clean unconditionally (every rank alike).
         PETSc.garbage_cleanup(comm)
         if mgr.size > 1:
             PETSc.garbage_cleanup(MPI.COMM_SELF)
         return
-    inner = _PETSC.inner(comm)
-    if mgr.size > 1:
+    elif mgr.size > 1:
         votes = mgr.votes  # agreed in the sync point's own allreduces: no extra message
         most, some_have, all_have = votes[0] - 1, votes[0] >= 1, votes[1] == 0
         if most > 0 and all_have:
             PETSc.garbage_cleanup(comm)
         elif most > 0 and some_have:
             _warn_split_state(mgr)
-    elif inner is not None and _PETSC.count(inner):
-        PETSc.garbage_cleanup(comm)
+    else:
+        if state is not None:
+            state.failed = 0  # one rank: nothing can differ between ranks
+        inner = _PETSC.inner(comm)
+        if inner is not None and _count(inner):
+            PETSc.garbage_cleanup(comm)
+    if _PETSC is None:
+        PETSc.garbage_cleanup(MPI.COMM_SELF)  # rank-local: safe whatever the vote said
+        return
     # COMM_SELF's garbage is rank-local, so any sync point may clean it; look
     # first (an empty cleanup of COMM_SELF costs ~0.1 ms here: PETSc
     # duplicates and frees an inner communicator to find nothing).
     self_inner = _PETSC.inner(MPI.COMM_SELF)
-    if self_inner is not None and self_inner != inner and _PETSC.count(self_inner):
+    if self_inner is not None and self_inner != _PETSC.inner(comm) and _count(self_inner):
         PETSc.garbage_cleanup(MPI.COMM_SELF)
 
 
@@ -227,14 +324,40 @@ def _vote(mgr: Manager) -> tuple[int, int]:
 
     Slot 0: 0 without PETSc's inner communicator, else 1 + this rank's garbage
     count (MAX: whether any rank has garbage, and whether any has the inner
-    communicator). Slot 1: 1 if this rank lacks it (MAX: whether all have it).
+    communicator). Slot 1: 2 if a managed PETSc destroy raised on this rank,
+    else 1 if this rank lacks the inner communicator (MAX: whether any
+    destroy failed anywhere, else whether all have it).
+
+    Raises on every rank alike once the ranks agreed that the communicator's
+    PETSc state differs (see :func:`_refuse`): that makes every later sync
+    point refuse before it agrees on anything.
     """
+    state = _STATES.get(mgr)
+    if state is not None and state.unusable is not None:
+        raise CollectiveGCError(f"cannot run a sync point on the {mgr!r}: {state.unusable}")
+    failed = state is not None and state.failed > 0
     if _PETSC is None:
-        return (0, 0)
+        return (0, 2 if failed else 0)
     inner = _PETSC.inner(mgr.comm)
     if inner is None:
-        return (0, 1)
-    return (1 + _PETSC.count(inner), 0)
+        return (0, 2 if failed else 1)
+    return (1 + _count(inner), 2 if failed else 0)
+
+
+def _refuse(mgr: Manager, state: _CommState | None) -> None:
+    """No more sync points on ``mgr``; on every rank alike, since the vote is agreed."""
+    reason = (
+        f"a PETSc destroy raised on some rank (seen at sync point {mgr.sync_count - 1}), so "
+        f"the PETSc objects of this communicator of size {mgr.size} now differ between "
+        "ranks (the failed object, and PETSc's inner communicator with it, survive "
+        "where it failed) and further collective use of PETSc on it may hang; no "
+        "later sync point runs on it: finish with it, or go on with a fresh communicator"
+    )
+    mark = getattr(mgr, "mark_unusable", None)
+    if mark is not None:
+        mark(reason)
+    elif state is not None and state.unusable is None:
+        state.unusable = reason  # see _vote
 
 
 _WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
@@ -245,7 +368,7 @@ def _warn_split_state(mgr: Manager) -> None:
         return
     _WARNED.add(mgr)
     warnings.warn(
-        f"collective_gc: rank {mgr.rank}: PETSc's state of the {mgr._describe()} differs "
+        f"collective_gc: rank {mgr.rank}: PETSc's state of the {mgr!r} differs "
         "between ranks (a PETSc destroy failed on some ranks only?), so its PETSc garbage "
         "is no longer cleaned: cleaning it now would hang. Creating new PETSc objects on "
         "this communicator may hang too; use a fresh one.",
@@ -255,17 +378,22 @@ def _warn_split_state(mgr: Manager) -> None:
 
 
 def _view_hook(mgr: Manager) -> Iterator[tuple[str, str]]:
-    """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), for ``cgc.view``. Local."""
+    """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), and owners that can never die. Local."""
+    for line in _immortal(mgr):
+        yield "never dies", line
     if _PETSC is None:
         return
-    inner = _PETSC.inner(mgr.comm)
-    if inner is not None:
-        for cidx, cls in _PETSC.entries(inner):
-            yield cls, f"PETSc garbage #{cidx}"
-    self_inner = _PETSC.inner(MPI.COMM_SELF)
-    if self_inner is not None and self_inner != inner:
-        for cidx, cls in _PETSC.entries(self_inner):
-            yield cls, f"PETSc garbage #{cidx} (COMM_SELF)"
+    try:
+        inner = _PETSC.inner(mgr.comm)
+        if inner is not None:
+            for cidx, cls in _PETSC.entries(inner):
+                yield cls, f"PETSc garbage #{cidx}"
+        self_inner = _PETSC.inner(MPI.COMM_SELF)
+        if self_inner is not None and self_inner != inner:
+            for cidx, cls in _PETSC.entries(self_inner):
+                yield cls, f"PETSc garbage #{cidx} (COMM_SELF)"
+    except _Unreadable as exc:
+        yield "PETSc garbage", f"not shown: {exc}"
 
 
 def install(comm: MPI.Comm | None = None) -> Manager:
@@ -276,16 +404,174 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     for a ``cgc.dup``/``cgc.split`` communicator) ends with
     ``PETSc.garbage_cleanup(comm)`` when any rank holds PETSc garbage on
     ``comm``, and cleans this rank's ``COMM_SELF`` garbage; ``cgc.view(comm)``
-    lists PETSc's entries. ``comm`` defaults to ``COMM_WORLD``. :func:`manage`
+    lists PETSc's entries, and managed owners that can never die (see
+    :func:`immortal`). ``comm`` defaults to ``COMM_WORLD``. :func:`manage`
     calls it for you. Idempotent.
 
     Call it on every rank of ``comm``: the cleanup is collective, so a rank
     without the hook would skip it while the others wait for it.
     """
     mgr = manager(MPI.COMM_WORLD if comm is None else comm)
-    mgr.add_sync_hook(_sync_hook, vote=_vote)
-    mgr.add_view_hook(_view_hook)
+    if mgr not in _STATES:
+        _STATES[mgr] = _CommState()
+        mgr.add_sync_hook(_sync_hook, vote=_vote)
+        mgr.add_view_hook(_view_hook)
     return mgr
+
+
+# -- owners their own resources keep alive ------------------------------------
+
+# Not walked into: their referents are the interpreter's, not the user's
+# object graph (a function's globals reach every module). The manager is
+# left out too: through its other registrations every owner would look
+# reachable from every other.
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FrameType,
+    types.CodeType,
+    types.BuiltinFunctionType,
+    str,
+    bytes,
+    int,
+    float,
+    Manager,
+)
+
+
+def _edges(obj: object) -> Iterator[tuple[str, object]]:
+    """(label, referent) for the strong references out of ``obj`` that matter here."""
+    if isinstance(obj, _OPAQUE):
+        return
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            yield f"[{k!r}]", v
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield f"[{i}]", v
+    elif isinstance(obj, (set, frozenset)):
+        for v in list(obj):
+            yield "{...}", v
+    elif isinstance(obj, types.MethodType):
+        yield ".__self__", obj.__self__
+    elif isinstance(obj, types.FunctionType):
+        for cell in obj.__closure__ or ():
+            try:
+                yield f".<closure of {obj.__name__}>", cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+    elif isinstance(obj, functools.partial):
+        yield ".func", obj.func
+        yield ".args", obj.args
+        yield ".keywords", obj.keywords
+    elif isinstance(obj, PETSc.Object):
+        # petsc4py's traverse gives the PETSc object's own attribute dict
+        # (application context, callbacks, setAttr values): what petsc4py's
+        # own cyclic collection follows.
+        for ref in gc.get_referents(obj):
+            yield ".<PETSc attributes>", ref
+    else:
+        inst = getattr(obj, "__dict__", None)
+        for ref in gc.get_referents(obj):
+            if ref is inst and isinstance(inst, dict):
+                for k, v in list(inst.items()):
+                    yield f".{k}", v
+            else:
+                yield f".<{type(ref).__name__}>", ref
+
+
+def _keeper(reg: Registration, owner: object, max_objects: int = 5000) -> str | None:
+    """How ``reg``'s own destroy call reaches its owner, or None. Local.
+
+    The registration holds its destroy and arguments strongly, and is held
+    by its manager, so an owner reachable from them can never die. Breadth
+    first from the registration's referents: the shortest such path.
+    """
+    start = id(reg)
+    # Per object reached: (its referrer, the label of the reference), and how
+    # the path names it when it is the referrer of the next step.
+    parent: dict[int, tuple[int, str]] = {}
+    names: dict[int, str] = {}
+    queue: deque[tuple[object, int]] = deque()
+    for ref in gc.get_referents(reg):
+        if isinstance(ref, _OPAQUE) or isinstance(ref, types.BuiltinMethodType):
+            continue  # the manager, and its inbox's bound append
+        name = "destroy args" if isinstance(ref, tuple) else "destroy"
+        if ref is owner:
+            return f"{name} -> {type(owner).__name__}"
+        parent[id(ref)] = (start, "")
+        names[id(ref)] = name
+        queue.append((ref, 0))
+    while queue and len(parent) < max_objects:
+        cur, depth = queue.popleft()
+        if depth >= 8:
+            continue
+        for label, ref in _edges(cur):
+            rid = id(ref)
+            if rid in parent or rid == start or isinstance(ref, _OPAQUE):
+                continue
+            parent[rid] = (id(cur), label)
+            names[rid] = type(ref).__name__
+            if ref is owner:
+                steps = []
+                node = rid
+                while parent[node][0] != start:
+                    up, lab = parent[node]
+                    steps.append(f"{names[up]}{lab}")
+                    node = up
+                return " -> ".join(steps[::-1]) + f" -> {type(owner).__name__}"
+            queue.append((ref, depth + 1))
+    return None
+
+
+def _immortal(mgr: Manager) -> list[str]:
+    out = []
+    for reg in mgr.alive():
+        owner = reg()
+        path = None if owner is None else _keeper(reg, owner)
+        del owner
+        if path is not None:
+            out.append(
+                f"{reg.typename} {reg.name!r} (key {reg.key}) is kept alive by its own "
+                f"destroy call, so it never dies and its destroy never runs: {path}"
+            )
+    return out
+
+
+def immortal(comm: MPI.Comm) -> list[str]:
+    """Managed owners on ``comm`` that their own resources keep alive, on this rank. Local.
+
+    A registration holds its objects until its owner dies; if one of them
+    refers back to the owner (``ksp.setAppCtx(owner)``,
+    ``snes.setFunction(owner.F)``, ``obj.setAttr("o", owner)``, a monitor
+    closing over it), the owner can never die. Plain petsc4py would collect
+    such a cycle; here the registration is what keeps it. One line per such
+    owner, naming it and the path from its destroy call back to it; break
+    that path (a ``weakref.proxy`` of the owner, say). ``cgc.view(comm)``
+    shows the same lines, and a warning says them at exit. Only managers
+    :func:`install` (or :func:`manage`) ran on are looked at.
+    """
+    mgr = manager(comm)
+    return _immortal(mgr) if mgr in _STATES else []
+
+
+def _warn_immortal_at_exit() -> None:
+    # Runs before collective_gc's own exit handler (registered after it), and
+    # only looks: no MPI call, no destroy.
+    for mgr in list(_STATES.keys()):
+        try:
+            lines = _immortal(mgr)
+        except Exception:  # a diagnostic must never break the exit
+            continue
+        for line in lines:
+            warnings.warn(
+                f"collective_gc: rank {mgr.rank}: on the {mgr!r} at exit: {line}",
+                ExitLeakWarning,
+                stacklevel=1,
+            )
+
+
+atexit.register(_warn_immortal_at_exit)
 
 
 # -- wrappers that own PETSc objects --------------------------------------------
@@ -338,23 +624,58 @@ def _forget(obj: Any) -> None:
         pass
 
 
-def _destroy_one(obj: Any) -> None:
+def _original(exc: BaseException) -> BaseException:
+    """The exception to report for a destroy that raised ``exc``.
+
+    When Python code that PETSc called (a Python-type Mat's context, say)
+    raises, petsc4py 3.18 lets that exception through, while later ones raise
+    a ``PETSc.Error`` whose ``__cause__`` it is, and whose text is PETSc's
+    error trace (the same message once per PETSc frame). Report the user's
+    exception in both cases, once, with its own type and message.
+    """
+    cause = exc.__cause__
+    if isinstance(exc, PETSc.Error) and cause is not None and not isinstance(cause, PETSc.Error):
+        return cause
+    return exc
+
+
+def _destroy(obj: Any) -> None:
+    try:
+        obj.destroy()
+    except PETSc.Error as exc:
+        if _original(exc) is exc:
+            raise
+        # Nothing in this frame may hold the cause: its traceback holds the frame.
+        raise _original(exc) from None
+
+
+def _destroy_one(obj: Any, state: _CommState) -> None:
     # The managed destroy of a wrapper owning one object (the common case, so
     # no loop and no varargs).
     try:
-        obj.destroy()
+        _destroy(obj)
     except BaseException:
         _forget(obj)
+        state.failed += 1
         raise
+
+
+def _destroy_many(state: _CommState, *objs: Any) -> None:
+    # The managed destroy of a wrapper owning several objects.
+    def failed(obj: Any) -> None:
+        _forget(obj)
+        state.failed += 1
+
+    call_each(reversed(objs), _destroy, on_error=failed)
 
 
 def _fast_types() -> tuple[type, ...]:
     # petsc4py's own classes whose destroy() is XDestroy(&handle) and nothing
-    # else (read in petsc4py 3.18's sources), so PetscObjectDestroy on the
-    # handle slot does the same. Exact types only: a user's subclass may
-    # override destroy(), and gets it called. Other petsc4py versions are not
-    # checked yet: there the C loop calls every object's destroy() method.
-    if petsc4py.__version__.split(".")[:2] != ["3", "18"]:
+    # else (read in the sources of each release in _CHECKED), so
+    # PetscObjectDestroy on the handle slot does the same. Exact types only: a
+    # user's subclass may override destroy(), and gets it called. Outside
+    # _CHECKED the C loop calls every object's destroy() method.
+    if not _checked(_PETSC4PY_RELEASE):
         return ()
     names = ("Vec", "Mat", "IS", "KSP", "PC", "SNES")
     out = [getattr(PETSc, n) for n in names if hasattr(PETSc, n)]
@@ -393,11 +714,14 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
     destroy_each = SPEEDUPS.destroy_each
 
     def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-        # argss: [(obj,), ...], the arguments of _destroy_one calls; the same
-        # outcome as making each call.
+        # argss: [(obj, state), ...], the arguments of _destroy_one calls; the
+        # same outcome as making each call.
         errors: list[tuple[int, BaseException]] = destroy_each(argss, 0, fast, *addresses)
-        for i, _ in errors:
-            _forget(argss[i][0])
+        for j, (i, exc) in enumerate(errors):
+            obj, state = argss[i]
+            _forget(obj)
+            state.failed += 1
+            errors[j] = (i, _original(exc))
         return errors
 
     return destroy_batch
@@ -407,17 +731,14 @@ def destroy_all(*objs: Any) -> None:
     """Collective: ``obj.destroy()`` for each object, last first.
 
     Every object is tried even if one raises; the first exception is then
-    raised (PETSc's own, usually ``PETSc.Error``), and an object whose destroy
-    raised is left alone for good (its handle is nulled: destroying a
-    half-destroyed object again can crash). Already destroyed objects (null
-    handle) are skipped by petsc4py itself, so a second call does nothing.
-    Called on every rank of the objects' communicators, as their destroys are.
+    raised (PETSc's own, usually ``PETSc.Error``, or the Python exception
+    that made PETSc fail), and an object whose destroy raised is left alone
+    for good (its handle is nulled: destroying a half-destroyed object again
+    can crash). Already destroyed objects (null handle) are skipped by
+    petsc4py itself, so a second call does nothing. Called on every rank of
+    the objects' communicators, as their destroys are.
     """
     call_each(reversed(objs), _destroy, on_error=_forget)
-
-
-def _destroy(obj: Any) -> None:
-    obj.destroy()
 
 
 # Sync points destroy runs of managed single-object wrappers in C (see
@@ -426,7 +747,8 @@ _BATCH = _fast_destroyer()
 set_batch(_destroy_one, _BATCH)
 
 
-def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> None:
+def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> bool:
+    """Refuse what cannot be managed on ``comm``; True if ``obj`` is serial."""
     if not isinstance(obj, PETSc.Object):
         raise RegistrationError(
             f"collective_gc.petsc.manage() manages petsc4py objects, not a "
@@ -440,7 +762,7 @@ def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> None:
     ocomm = obj.getComm()
     osize = ocomm.getSize()
     if osize == 1:
-        return  # a serial object: destroying it at a sync point of any communicator is safe
+        return True  # a serial object: destroying it at a sync point of any communicator is safe
     if _PETSC is not None:
         # PETSc keeps the object on the inner communicator of the one it was
         # created with; no inner communicator means no PETSc object on comm.
@@ -454,6 +776,7 @@ def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> None:
             "the communicator it was created on (PETSc bins its garbage by communicator, "
             "and a sync point on another one would never see it)"
         )
+    return False
 
 
 def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -> Registration:
@@ -469,29 +792,36 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     with ``.destroy()``, last first, at the first sync point on ``comm`` at
     which every rank has queued them, on every rank in the same order. If one
     raises on any rank, every other destroy still runs and
-    ``collective_gc.DestroyError`` is raised on every rank. Destroying an
-    object yourself before then is fine: petsc4py nulls its handle, and the
-    managed destroy skips it.
+    ``collective_gc.DestroyError`` is raised on every rank, naming the
+    exception that made it fail; if it was a parallel object, PETSc's objects
+    on ``comm`` now differ between ranks, and later sync points on ``comm``
+    refuse to run, saying so. Destroying an object yourself before then is
+    fine: petsc4py nulls its handle, and the managed destroy skips it.
 
     The objects must live on ``comm`` (the communicator they were created
     with) or be serial (size 1). The registration keeps them alive until
-    then, so they must not refer back to ``owner`` (an application context or
-    a monitor closing over it would keep the owner alive for ever; use a
-    weak reference there). Also installs the PETSc garbage hook on ``comm``
-    (see :func:`install`). Returns the registration (``.destroy()`` destroys
-    now, collectively; ``.detach()`` leaves the objects to you).
+    then, so they must not refer back to ``owner``: an application context,
+    a callback that is a method of the owner or an attribute set with
+    ``setAttr`` would keep the owner alive for ever (use a weak reference
+    there). :func:`immortal`, ``cgc.view`` and a warning at exit name such
+    owners and the path back to them. Also installs the PETSc garbage hook on
+    ``comm`` (see :func:`install`). Returns the registration
+    (``.destroy()`` destroys now, collectively; ``.detach()`` leaves the
+    objects to you).
     """
     if not objs:
         raise RegistrationError("collective_gc.petsc.manage() needs at least one petsc4py object")
-    install(comm)
+    mgr = install(comm)
     inner = None if _PETSC is None else _PETSC.inner(comm)
+    serial = True
     for obj in objs:
-        _check(obj, comm, inner)
+        serial = _check(obj, comm, inner) and serial
+    state = _SERIAL if serial else _STATES[mgr]
     if name is None:
         name = type(owner).__name__
     if len(objs) == 1:
-        return register(owner, _destroy_one, objs[0], comm=comm, name=name)
-    return register(owner, destroy_all, *objs, comm=comm, name=name)
+        return register(owner, _destroy_one, objs[0], state, comm=comm, name=name)
+    return register(owner, _destroy_many, state, *objs, comm=comm, name=name)
 
 
 # -- solves as sync points -----------------------------------------------------
