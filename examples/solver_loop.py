@@ -28,6 +28,7 @@ import gc
 import random
 import sys
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,10 @@ class SolverCache:
         self.ksp.setType("cg")
         self.ksp.getPC().setType("jacobi")
         self.ksp.setTolerances(rtol=1e-8)
+        # A weak proxy, never self: the registration holds the KSP until this
+        # cache dies, so a KSP holding the cache would keep it alive for ever
+        # (cp.immortal and cgc.view name such owners).
+        self.ksp.setAppCtx(weakref.proxy(self))
         self.x, self.b = A.createVecs()
         track(self.ksp, self.x, self.b)
         registrations.append(
@@ -167,6 +172,7 @@ def main() -> None:
     gc.set_threshold(200 + 400 * rank, 5 + 2 * rank, 10)
     noise: list[Any] = []
     iterations = 0
+    stuck = 0
     say(f"solver loop: {size} ranks, {GRID * GRID} unknowns, {STEPS} steps")
     t0 = time.perf_counter()
     with cgc.collective_scope(comm, gc="managed") as scope:
@@ -188,10 +194,11 @@ def main() -> None:
             if (step + 1) % 20 == 0:
                 pending = total(len(cgc.pending(comm)))
                 garbage = total(len(cp.garbage(comm)) + len(cp.garbage(MPI.COMM_SELF)))
+                stuck += total(len(cp.immortal(comm)))
                 say(
                     f"  step {step + 1:4d}: {its:3d} CG iterations, residual {res:.1e}, "
                     f"sums {summed:.0f}/{group:.0f}; queued {pending:3d}, "
-                    f"PETSc garbage {garbage:3d}, "
+                    f"PETSc garbage {garbage:3d}, owners that never die {stuck}, "
                     f"{scope.syncs} sync points so far, {scope.collections} agreed collections"
                 )
         del problem, op
@@ -221,7 +228,8 @@ def main() -> None:
         f"  time in sync points           {sync_s:6.2f} s of {total(loop, MPI.MAX):.2f} s "
         f"({iterations} CG iterations on rank 0's count)"
     )
-    ok = total(int(destroyed != created or pending or garbage or petsc_alive), MPI.MAX) == 0
+    bad = int(destroyed != created or pending or garbage or petsc_alive or stuck)
+    ok = total(bad, MPI.MAX) == 0
     tracker.destroy()
     say("OK: every object destroyed exactly once, nothing left" if ok else "NOT CLEAN")
     if not ok:
