@@ -16,30 +16,50 @@ Per seed, on a fresh duplicate of COMM_WORLD:
   order on every rank, nothing pending, no hang (a watchdog ends the job if a
   seed overruns its deadline).
 
+Then the fault episodes of :mod:`stress.episodes` (issue 11): registrations
+and drops from several threads on COMM_SELF and rank-local, KeyboardInterrupt
+and SystemExit raised inside destroys on one rank, destroys that detach,
+register, drop and call diagnostics, late ranks against deadlines,
+communicators freed with destroys pending. Per seed it reports hangs, double
+destroys, destroys of live objects, lost destroys and ranks that disagree on
+how a sync point ended (plus duplicate keys and errors a correct library
+would not raise); see :mod:`stress.ledger`.
+
 ``--naive`` runs the same graphs with the destroys called from ``__del__``:
 that is the deadlock the library exists to remove, and the watchdog (or
 mpiexec's --timeout) catches it.
 
 Run: mpiexec -n 4 python -m mpi4py tests/stress_harness.py --seeds 200   (make stress)
+Against code that may hang or crash, ``python tests/stress/resume.py`` restarts
+the job after each seed that killed it.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
+import json
 import os
 import random
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mpi4py import MPI
-from petsc4py import PETSc
+from stress.episodes import EPISODES, run_faults
+from stress.ledger import CLASSES, CheckpointTimeout, Defect, Ledger, exchange
 
 import collective_gc as cgc
+
+try:  # optional: pip-only stacks have no petsc4py
+    from petsc4py import PETSc
+except ImportError:
+    PETSc = None
 
 
 @dataclass
@@ -75,19 +95,27 @@ class NaiveHolder(Holder):
 
 
 class Watchdog:
-    """Ends this rank (and so the job) if a seed overruns its deadline."""
+    """Ends this rank (and so the job) if a phase of a seed overruns its deadline.
+
+    The last net: sync points and checkpoints have deadlines of their own, but
+    a call without one (a blocking collective inside the library) can still
+    hang. It prints ``HANG: ... seed N`` (the resume driver reads it) and
+    every thread's stack, then exits, which makes mpiexec end the job.
+    """
 
     def __init__(self, seconds: float, rank: int) -> None:
         self.seconds = seconds
         self.rank = rank
         self.deadline = float("inf")
         self.seed = -1
+        self.phase = ""
         t = threading.Thread(target=self._run, daemon=True, name="stress-watchdog")
         t.start()
 
-    def arm(self, seed: int) -> None:
+    def arm(self, seed: int, phase: str = "", seconds: float | None = None) -> None:
         self.seed = seed
-        self.deadline = time.monotonic() + self.seconds
+        self.phase = phase
+        self.deadline = time.monotonic() + (self.seconds if seconds is None else seconds)
 
     def disarm(self) -> None:
         self.deadline = float("inf")
@@ -96,14 +124,19 @@ class Watchdog:
         while True:
             time.sleep(0.2)
             if time.monotonic() > self.deadline:
-                sys.stderr.write(
-                    f"HANG: rank {self.rank} seed {self.seed} overran {self.seconds} s\n"
-                )
-                sys.stderr.flush()
-                os._exit(3)
+                die(f"rank {self.rank} seed {self.seed} overran its deadline in {self.phase!r}")
 
 
-ALL_KINDS = ("check", "check", "win", "comm", "vec", "derived")
+def die(why: str) -> None:
+    """A hang: say where every thread is, then end the job (never wait for it)."""
+    sys.stdout.flush()
+    sys.stderr.write(f"HANG: {why}\n")
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(3)
+
+
+ALL_KINDS = ("check", "check", "win", "comm", "derived") + (("vec",) if PETSc is not None else ())
 
 
 def run_seed(
@@ -118,7 +151,7 @@ def run_seed(
     ``kinds`` picks the resources (windows need mpiexec: a singleton Open MPI
     process here cannot create one).
     """
-    comm = world.Dup()
+    comm = MPI.Intracomm(world.Dup())
     rank = comm.Get_rank()
     shared = random.Random(seed)
     mine = random.Random(seed * 7919 + rank)
@@ -146,7 +179,7 @@ def run_seed(
         note(i)
         c.Free()
 
-    def destroy_vec(i: int, v: PETSc.Vec) -> None:
+    def destroy_vec(i: int, v: Any) -> None:
         note(i)
         v.destroy()
 
@@ -157,6 +190,8 @@ def run_seed(
     cls = NaiveHolder if naive else Holder
     try:
         for i in range(n):
+            fn: Callable[..., None]
+            args: tuple[Any, ...]
             h = cls(i)
             kind = shared.choice(kinds)
             src = None
@@ -173,6 +208,7 @@ def run_seed(
                 h.res = comm.Dup()
                 fn, args = free_comm, (i, h.res)
             elif kind == "vec":
+                assert PETSc is not None, "no petsc4py: leave 'vec' out of kinds"
                 h.res = PETSc.Vec().createMPI(4, comm=comm)
                 fn, args = destroy_vec, (i, h.res)
             else:
@@ -230,6 +266,18 @@ def run_seed(
                 reg = regs[j]
                 if reg is not None:
                     reg.destroy()
+            # Diagnostics between sync points: pending and find_cycles are local,
+            # view is collective (every rank, decided by the shared RNG).
+            if not naive:
+                if mine.random() < 0.2:
+                    cgc.pending(comm)
+                if shared.random() < 0.1:
+                    cgc.view(comm, file=None)
+                if mine.random() < 0.1:
+                    live = [x for x in holders if x is not None]
+                    if live:
+                        cgc.find_cycles(live[mine.randrange(len(live))], max_depth=4)
+                    del live
             if not naive and shared.random() < 0.6:
                 cgc.collect(comm, generation=None, timeout=20)
         del noise
@@ -258,6 +306,67 @@ def run_seed(
     return out
 
 
+def _graph_defects(res: Outcome, rank: int) -> list[Defect]:
+    """The graph round's findings in the classes of stress.ledger."""
+    out = [Defect("error", "graph", rank, e) for e in res.errors if "differ" not in e]
+    out += [Defect("disagree", "graph", rank, e) for e in res.errors if "differ" in e]
+    if res.hangs:
+        out.append(Defect("hang", "graph", rank, "a sync point timed out"))
+    if res.double:
+        out.append(Defect("double", "graph", rank, f"{res.double} object(s) destroyed twice"))
+    if res.leaks:
+        out.append(Defect("lost", "graph", rank, f"{res.leaks} object(s) never destroyed"))
+    return out
+
+
+def check_seed(
+    world: MPI.Intracomm,
+    ck: MPI.Comm,
+    seed: int,
+    dog: Watchdog,
+    *,
+    objects: int = 80,
+    naive: bool = False,
+    graph: bool = True,
+    faults: bool = True,
+    hang_timeout: float = 15.0,
+    only: tuple[str, ...] = (),
+    kinds: tuple[str, ...] = ALL_KINDS,
+) -> tuple[list[Defect], list[str], Outcome | None]:
+    """Collective over ``world``: one seed's graph round and fault episodes.
+
+    Returns every rank's defects (the same list on every rank, gathered over
+    ``ck`` against a deadline), the episodes run, and this rank's graph outcome.
+    A hang ends the job (watchdog or checkpoint deadline), never waits.
+    """
+    rank = world.Get_rank()
+    dog.arm(seed, "graph")
+    defects: list[Defect] = []
+    episodes: list[str] = []
+    res = None
+    if graph:
+        res = run_seed(world, seed, objects, naive, kinds)
+        defects += _graph_defects(res, rank)
+    if faults:
+        ledger = Ledger(rank)
+
+        def arm(phase: str, seconds: float) -> None:
+            dog.arm(seed, phase, max(seconds, dog.seconds))
+
+        try:
+            episodes = run_faults(world, seed, ledger, hang_timeout, arm, only)
+        except CheckpointTimeout as exc:
+            die(f"rank {rank} seed {seed}: {exc}")
+        defects += ledger.defects
+    dog.arm(seed, "report", 2 * hang_timeout + 30)
+    try:
+        everyone = exchange(ck, defects, 2 * hang_timeout + 15, f"seed {seed} report")
+    except CheckpointTimeout as exc:
+        die(f"rank {rank} seed {seed}: {exc}")
+    dog.disarm()
+    return [d for per in everyone for d in per], episodes, res
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=200)
@@ -265,52 +374,93 @@ def main() -> int:
     parser.add_argument("--objects", type=int, default=80)
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds per seed")
     parser.add_argument("--naive", action="store_true", help="destroy from __del__ (deadlocks)")
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=15.0,
+        help="deadline of sync points that must complete (timing out there is a hang)",
+    )
+    parser.add_argument("--only", default="", help="comma-separated episodes (default: random)")
+    parser.add_argument("--no-graph", action="store_true", help="fault episodes only")
+    parser.add_argument("--no-faults", action="store_true", help="the graph round only")
+    parser.add_argument("--report", default="", help="rank 0 appends one JSON line per seed")
     args = parser.parse_args()
+    only = tuple(x for x in args.only.split(",") if x)
+    unknown = set(only) - set(EPISODES)
+    if unknown:
+        parser.error(f"unknown episodes {sorted(unknown)}; known: {sorted(EPISODES)}")
+    # The late and freed episodes leave destroys pending on purpose (a manager
+    # that timed out, a freed communicator); their exit warnings are expected.
+    warnings.simplefilter("ignore", cgc.ExitLeakWarning)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     dog = Watchdog(args.deadline, rank)
+    ck = world.Dup()  # the per-seed report exchange, never shared with the library
     totals = Outcome(-1)
+    counts = dict.fromkeys(CLASSES, 0)
     t0 = time.perf_counter()
     bad = 0
     for seed in range(args.first, args.first + args.seeds):
-        dog.arm(seed)
-        res = run_seed(world, seed, args.objects, args.naive)
-        dog.disarm()
-        totals.objects += res.objects
-        totals.destroys += res.destroys
-        totals.double += res.double
-        totals.leaks += res.leaks
-        totals.hangs += res.hangs
-        flags = world.allreduce(
-            int(bool(res.errors or res.double or res.leaks or res.hangs)), op=MPI.SUM
+        ts = time.perf_counter()
+        found, episodes, res = check_seed(
+            world,
+            ck,
+            seed,
+            dog,
+            objects=args.objects,
+            naive=args.naive,
+            graph=not args.no_graph or args.naive,
+            faults=not (args.naive or args.no_faults),
+            hang_timeout=args.hang_timeout,
+            only=only,
         )
-        if flags:
+        if res is not None:
+            totals.objects += res.objects
+            totals.destroys += res.destroys
+        for d in found:
+            counts[d.cls] += 1
+        if found:
             bad += 1
-            for e in res.errors:
-                print(f"seed {seed}: {e}", file=sys.stderr, flush=True)
-        if rank == 0 and (seed + 1 - args.first) % 20 == 0:
-            print(
-                f"  {seed + 1 - args.first}/{args.seeds} seeds, {time.perf_counter() - t0:.1f} s",
-                flush=True,
-            )
-    sums = world.allreduce(
-        (totals.objects, totals.destroys, totals.double, totals.leaks, totals.hangs),
-        op=_tuple_sum(),
-    )
+        if rank == 0:
+            for d in found:
+                print(d.line(seed), flush=True)
+            if args.report:
+                per = {c: sum(1 for d in found if d.cls == c) for c in CLASSES}
+                with open(args.report, "a") as f:
+                    line = {
+                        "seed": seed,
+                        "episodes": episodes,
+                        "counts": per,
+                        "seconds": round(time.perf_counter() - ts, 3),
+                        "lines": [d.line(seed) for d in found],
+                    }
+                    f.write(json.dumps(line) + "\n")
+            if (seed + 1 - args.first) % 20 == 0:
+                print(
+                    f"  {seed + 1 - args.first}/{args.seeds} seeds, "
+                    f"{time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+    sums = world.allreduce((totals.objects, totals.destroys), op=_tuple_sum())
     if rank == 0:
+        tally = ", ".join(f"{c} {counts[c]}" for c in CLASSES)
         print(
             f"stress{' (naive)' if args.naive else ''}: {world.Get_size()} ranks, "
-            f"seeds {args.seeds}, "
-            f"objects {sums[0] // world.Get_size()} per rank, destroys {sums[1]} (all ranks), "
-            f"hangs {sums[4]}, double destroys {sums[2]}, leaks {sums[3]}, bad seeds {bad}, "
+            f"seeds {args.seeds}, graph objects {sums[0] // world.Get_size()} per rank, "
+            f"destroys {sums[1]} (all ranks); {tally}; bad seeds {bad}, "
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
+    ck.Free()
     return 1 if bad else 0
 
 
 def _tuple_sum() -> MPI.Op:
-    return MPI.Op.Create(lambda a, b, dt: tuple(x + y for x, y in zip(a, b)), commute=True)
+    # A pickle-based reduction of Python tuples: the function returns the result.
+    return MPI.Op.Create(
+        lambda a, b, dt: tuple(x + y for x, y in zip(a, b)),  # type: ignore[arg-type]
+        commute=True,
+    )
 
 
 if __name__ == "__main__":

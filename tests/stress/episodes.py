@@ -1,0 +1,644 @@
+"""The fault scenarios ("episodes") of one stress seed.
+
+Each episode is collective over the world communicator, draws what every rank
+must do alike from ``ctx.shared`` and what may differ per rank (drop order,
+timing, thread interleaving) from ``ctx.mine``, and records defects in the
+ledger (see :mod:`.ledger` for the classes). Sync points of an episode always
+carry a deadline, so a hang inside the library becomes a ``CollectiveTimeoutError``
+the harness can report and move past; the checkpoints that compare the ranks
+have a deadline of their own, and the harness's watchdog is the last net.
+
+What a correct library must do here (issue 11):
+
+- a destroy raising ``KeyboardInterrupt``/``SystemExit`` on one rank: every rank
+  leaves the sync point; the interrupt is re-raised where it happened, the
+  others get ``DestroyError`` naming it; the next sync point works;
+- a timeout on any rank makes the manager unusable on every rank
+  (``CollectiveGCError`` on later syncs), and no rank reports OK for a sync
+  point the others abandoned;
+- nothing queued is lost, whatever a destroy calls (detach, pending, view,
+  register, dropping other objects);
+- registration from several threads on a size-1 communicator and rank-local
+  (``comm=None``) is safe: unique keys, no lost or early destroy, and no
+  refusal because another thread is running destroys.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import random
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+import collective_gc as cgc
+
+from .ledger import Holders, Ledger, Obj, exchange
+
+INTERRUPTS = ("KeyboardInterrupt", "SystemExit")
+_RAISABLE: dict[str, type[BaseException]] = {
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": SystemExit,
+    "RuntimeError": RuntimeError,
+}
+
+
+@dataclass
+class Res:
+    """How one rank left one sync point."""
+
+    kind: str  # "ok", or the exception's type name
+    text: str
+    destroyed: int
+    seconds: float
+
+
+def sync(comm: MPI.Comm, timeout: float, generation: int | None = 2) -> Res:
+    """``cgc.collect`` with everything it may raise caught and described."""
+    t0 = time.monotonic()
+    try:
+        stats = cgc.collect(comm, generation=generation, timeout=timeout)
+    except BaseException as exc:  # interrupts too: they are what is injected
+        return Res(type(exc).__name__, str(exc)[:600], -1, time.monotonic() - t0)
+    return Res("ok", "", stats.destroyed, time.monotonic() - t0)
+
+
+class Ctx:
+    """What the episodes of one seed share."""
+
+    def __init__(
+        self,
+        world: MPI.Intracomm,
+        seed: int,
+        ledger: Ledger,
+        hang_timeout: float,
+        arm: Callable[[str, float], None],
+    ) -> None:
+        self.world = world
+        self.rank = world.Get_rank()
+        self.size = world.Get_size()
+        self.seed = seed
+        self.ledger = ledger
+        self.hang_timeout = hang_timeout
+        # A checkpoint may wait for a rank that waits out a full sync deadline.
+        self.ck_timeout = 2 * hang_timeout + 15
+        self.arm = arm
+        self.shared = random.Random(seed)
+        self.mine = random.Random(seed * 7919 + self.rank + 1)
+        self.ck = world.Dup()  # the harness's own traffic, never the library's
+
+    def checkpoint(self, what: str, value: Any) -> list[Any]:
+        self.arm(f"{self.ledger.episode}: checkpoint {what}", self.ck_timeout + 10)
+        return exchange(self.ck, value, self.ck_timeout, f"{self.ledger.episode}: {what}")
+
+    def close(self) -> None:
+        self.ck.Free()
+
+
+def judge(
+    ctx: Ctx,
+    what: str,
+    res: Res,
+    label: str,
+    expect: Callable[[int, list[Any]], set[str]] | None = None,
+    extra: Any = None,
+) -> list[Any]:
+    """Compare one sync point's outcome across ranks (a checkpoint); rank 0 records.
+
+    ``expect(rank, gathered)`` gives the outcome kinds acceptable on ``rank``
+    (default: only "ok"). The destroy logs and in-destroy events of ``label``
+    must be equal on every rank. Returns what every rank sent.
+    """
+    L = ctx.ledger
+    mine = (res, list(L.log.get(label, ())), list(L.events.get(label, ())), extra)
+    got = ctx.checkpoint(what, mine)
+    if ctx.rank != 0:
+        return got
+    kinds = [g[0].kind for g in got]
+    shown = ", ".join(
+        f"r{q}={g[0].kind}" + (f"({g[0].seconds:.1f}s)" if g[0].seconds > 1 else "")
+        for q, g in enumerate(got)
+    )
+    bad = [q for q in range(ctx.size) if kinds[q] not in (expect or _only_ok)(q, got)]
+    if bad:
+        timed_out = [q for q in bad if kinds[q] == "CollectiveTimeoutError"]
+        detail = next((g[0].text for q, g in enumerate(got) if q in bad and g[0].text), "")
+        if timed_out:
+            L.defect("hang", f"{what}: rank(s) {timed_out} timed out [{shown}] {detail[:300]}")
+        if len(set(kinds)) > 1:
+            L.defect("disagree", f"{what}: [{shown}] {detail[:300]}")
+        elif not timed_out:
+            L.defect("error", f"{what}: unexpected on every rank [{shown}] {detail[:300]}")
+    oks = {g[0].destroyed for g in got if g[0].kind == "ok"}
+    if len(oks) > 1:
+        L.defect("disagree", f"{what}: ranks report different destroy counts {sorted(oks)}")
+    if any(g[1] != got[0][1] for g in got):
+        lens = [len(g[1]) for g in got]
+        L.defect("disagree", f"{what}: destroy logs of {label} differ (lengths {lens})")
+    if any(g[2] != got[0][2] for g in got):
+        L.defect("disagree", f"{what}: actions inside destroys differ: {[g[2][-3:] for g in got]}")
+    return got
+
+
+def _only_ok(rank: int, got: list[Any]) -> set[str]:
+    return {"ok"}
+
+
+def final_collects(ctx: Ctx, comm: MPI.Comm, label: str, what: str) -> bool:
+    """Drop-everything epilogue: agreed collects until one destroys nothing.
+
+    Destroys may free further managed objects, hence several rounds; the
+    count destroyed is agreed, so every rank leaves the loop together.
+    Returns False if a sync point failed (the lost check is then meaningless).
+    """
+    gc.collect()
+    for round_ in range(8):
+        res = sync(comm, ctx.hang_timeout)
+        got = judge(ctx, f"{what} final collect {round_}", res, label)
+        # Decided on what every rank sent, so that every rank leaves alike.
+        if any(g[0].kind != "ok" for g in got):
+            return False
+        if max(g[0].destroyed for g in got) == 0:
+            return True
+    return True
+
+
+def _raiser(fired: list[str], kind: str, label: str, token: int) -> Callable[[], None]:
+    def fire() -> None:
+        fired.append(kind)
+        raise _RAISABLE[kind](f"injected {kind} in the destroy of {label}#{token}")
+
+    return fire
+
+
+def _find_cycles_of_one(holders: Iterable[Any]) -> None:
+    # A function of its own: a local bound to a live object in the episode's
+    # frame would keep it alive on this rank only, and its destroy would
+    # rightly never run.
+    for obj in holders:
+        if obj is not None:
+            cgc.find_cycles(obj, max_depth=4)
+            return
+
+
+def check_lost_everywhere(ctx: Ctx, *labels: str) -> None:
+    """Collective objects: lost if dead on every rank and never destroyed.
+
+    (One alive on some rank is rightly still pending elsewhere.)
+    """
+    got = ctx.checkpoint("lost check", ctx.ledger.lost_tokens(*labels))
+    common = set(got[0]).intersection(*got[1:])
+    if ctx.rank == 0:  # one report for every rank
+        ctx.ledger.report_lost(sorted(common), " on any rank")
+
+
+def _drop_some(holders: list[Any], rng: random.Random, share: float) -> None:
+    for j in range(len(holders)):
+        if holders[j] is not None and rng.random() < share:
+            holders[j] = None
+
+
+def _link(holders: list[Any], rng: random.Random, cycles: int) -> None:
+    """Random reference cycles between the objects (decided by ``rng``)."""
+    n = len(holders)
+    for _ in range(cycles):
+        members = [holders[rng.randrange(n)] for _ in range(rng.randrange(1, 5))]
+        for a, b in zip(members, members[1:] + members[:1]):
+            a.refs.append(b)
+
+
+# -- threads: registration and drops from several threads (issue 11, defect 1) --
+
+
+def threads(ctx: Ctx) -> None:
+    """Worker threads register and drop on a size-1 communicator and rank-local,
+    while the main thread runs sync points (some of whose destroys raise
+    interrupts) and diagnostics on the same communicator."""
+    L = ctx.ledger
+    L.episode = "threads"
+    ctx.arm("threads", ctx.hang_timeout * 3 + 30)
+    sc = MPI.COMM_SELF.Dup()  # COMM_SELF semantics, a fresh manager per seed
+    label, rl = "self", "reaper"
+    nthreads = ctx.mine.randrange(2, 5)
+    per = ctx.mine.randrange(40, 150)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        rng = random.Random((ctx.seed * 64 + ctx.rank) * 8 + w)
+        keep: list[Obj] = []
+        for _ in range(per):
+            local = rng.random() < 0.25
+            try:
+                obj = L.make(None if local else sc, rl if local else label, local=True)[0]
+            except Exception as exc:  # a defect: registration here must succeed
+                errors.append(f"thread {w}: register: {type(exc).__name__}: {exc}")
+                continue
+            keep.append(obj)
+            if len(keep) > 1 and rng.random() < 0.2:
+                other = keep[rng.randrange(len(keep) - 1)]
+                obj.refs.append(other)
+                other.refs.append(obj)
+            del obj
+            while keep and rng.random() < 0.5:
+                keep.pop(rng.randrange(len(keep)))
+            if rng.random() < 0.05:
+                try:
+                    cgc.pending(sc)
+                except Exception as exc:
+                    errors.append(f"thread {w}: pending: {type(exc).__name__}: {exc}")
+        keep.clear()
+
+    holders = Holders()
+    fired: list[str] = []
+    old = sys.getswitchinterval()
+    # Switch threads as often as possible: races show up in a few seeds, not thousands.
+    sys.setswitchinterval(ctx.mine.choice((1e-6, 1e-5, 1e-4)))
+    try:
+        workers = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(nthreads)]
+        for t in workers:
+            t.start()
+        while any(t.is_alive() for t in workers):
+            op = ctx.mine.random()
+            if op < 0.35:
+                obj = L.make(sc, label, local=True)[0]
+                holders.append(obj)
+                if ctx.mine.random() < 0.08:
+                    kind = ctx.mine.choice(INTERRUPTS)
+                    L.actions[obj.token] = _raiser(fired, kind, label, obj.token)
+                else:
+                    # A destroy that gives the other threads the GIL.
+                    L.actions[obj.token] = functools.partial(time.sleep, 0)
+                del obj
+                _drop_some(holders, ctx.mine, 0.3)
+            elif op < 0.7:
+                before = len(fired)
+                res = sync(sc, ctx.hang_timeout, ctx.mine.choice((None, 0, 2)))
+                want = fired[before] if len(fired) > before else "ok"
+                if res.kind != want:
+                    cls = "hang" if res.kind == "CollectiveTimeoutError" else "error"
+                    L.defect(
+                        cls, f"sync on COMM_SELF: {res.kind} (expected {want}) {res.text[:300]}"
+                    )
+            elif op < 0.85:
+                cgc.pending(sc)
+            elif op < 0.95:
+                cgc.view(sc, file=None)
+            else:
+                _find_cycles_of_one(holders)
+        for t in workers:
+            t.join(ctx.hang_timeout)
+            if t.is_alive():
+                L.defect("hang", f"a registering thread did not finish in {ctx.hang_timeout} s")
+    finally:
+        sys.setswitchinterval(old)
+    if errors:
+        L.defect("error", f"{len(errors)} call(s) refused on worker threads, first: {errors[0]}")
+    holders.clear()
+    gc.collect()
+    ok = True
+    for _ in range(12):
+        before = len(fired)
+        res = sync(sc, ctx.hang_timeout)
+        if res.kind != "ok":
+            if len(fired) > before and res.kind == fired[before]:
+                continue  # an injected interrupt, re-raised as it should be: sync again
+            L.defect("error", f"final sync on COMM_SELF: {res.kind}: {res.text[:300]}")
+            ok = False
+            break
+        if res.destroyed == 0:
+            break
+    L.wait_local((rl,), 5.0)
+    L.check_keys(label)
+    L.check_lost(*((label, rl) if ok else (rl,)))
+    sc.Free()
+
+
+# -- interrupts raised inside destroys (issue 11, defect 3) ----------------------
+
+
+def interrupt(ctx: Ctx) -> None:
+    """One or two destroys raise KeyboardInterrupt, SystemExit or RuntimeError,
+    each on one rank only; the user catches it and syncs again."""
+    L = ctx.ledger
+    L.episode = "interrupt"
+    label = "intr"
+    ctx.arm("interrupt", ctx.ck_timeout * 3)
+    comm = ctx.world.Dup()
+    sh = ctx.shared
+    n = sh.randrange(3, 14)
+    holders = Holders(L.make(comm, label)[0] for _ in range(n))
+    fired: list[str] = []
+    plan = []
+    for _ in range(sh.choice((1, 1, 2))):
+        q, i = sh.randrange(ctx.size), sh.randrange(n)
+        kind = sh.choice(("KeyboardInterrupt", "KeyboardInterrupt", "SystemExit", "RuntimeError"))
+        plan.append((q, i, kind))
+        if q == ctx.rank and holders[i].token not in L.actions:
+            L.actions[holders[i].token] = _raiser(fired, kind, label, holders[i].token)
+    _link(holders, sh, sh.randrange(0, n))
+    order = list(range(n))
+    ctx.mine.shuffle(order)
+    for j in order:
+        holders[j] = None
+    gc.collect()
+    if sh.random() < 0.5:
+        cgc.pending(comm)
+    if sh.random() < 0.3:
+        cgc.view(comm, file=None)  # collective: every rank, decided by the shared RNG
+
+    def expect(q: int, got: list[Any]) -> set[str]:
+        mine = got[q][3]
+        interrupts = [k for k in mine if k in INTERRUPTS]
+        if interrupts:
+            return {interrupts[0]}
+        return {"DestroyError"} if any(g[3] for g in got) else {"ok"}
+
+    res = sync(comm, ctx.hang_timeout)
+    got = judge(ctx, f"sync with injected {plan}", res, label, expect, list(fired))
+    if ctx.rank == 0:
+        # Each DestroyError must name the interrupts raised on the other ranks.
+        for q, g in enumerate(got):
+            if g[0].kind != "DestroyError":
+                continue
+            for p, other in enumerate(got):
+                for k in other[3]:
+                    if p != q and k in INTERRUPTS and k not in g[0].text:
+                        L.defect(
+                            "disagree",
+                            f"rank {q}'s DestroyError does not name rank {p}'s {k}: "
+                            f"{g[0].text[:200]}",
+                        )
+    res = sync(comm, ctx.hang_timeout)  # the interrupt was caught: carry on
+    judge(ctx, "the sync after the interrupt", res, label)
+    holders.clear()
+    if final_collects(ctx, comm, label, "interrupt"):
+        check_lost_everywhere(ctx, label)
+    comm.Free()
+
+
+# -- destroys that detach, diagnose, register and drop (issue 11, defect 8) ------
+
+
+def _meddle(
+    L: Ledger,
+    label: str,
+    hw: weakref.ref[Holders],
+    regs: list[cgc.Registration],
+    tokens: list[int],
+    comm: MPI.Comm,
+    steps: list[tuple[Any, ...]],
+) -> None:
+    # Runs inside a destroy, at the same point on every rank (destroys are agreed
+    # and ordered): whatever it does, it does on every rank alike, so its
+    # results are compared across ranks (L.event).
+    for step in steps:
+        op = step[0]
+        try:
+            if op == "detach":
+                if regs[step[1]].detach():
+                    L.detached.add(tokens[step[1]])
+                    L.event(label, "detach", step[1], True)
+                else:
+                    L.event(label, "detach", step[1], False)
+            elif op == "pending":
+                cgc.pending(comm)
+                cgc.pending(None)
+            elif op == "drop":
+                holders = hw()
+                if holders is not None:
+                    for j in step[1]:
+                        holders[j] = None
+            elif op == "register":
+                holders = hw()
+                local = step[1] == "local"
+                obj = L.make(None if local else comm, "reaper" if local else label)[0]
+                if holders is not None:
+                    holders.append(obj)
+                del obj
+                L.event(label, "register", step[1], "ok")
+            elif op == "cycles":
+                _find_cycles_of_one(hw() or ())
+            elif op == "view":
+                cgc.view(comm, file=None)
+                L.event(label, "view", "ok")
+        except Exception as exc:  # compared across ranks: an error must be on all alike
+            L.event(label, op, type(exc).__name__)
+
+
+def meddle(ctx: Ctx) -> None:
+    """Destroys that detach a sibling, call pending/view/find_cycles, register
+    and drop other objects, at sync points with few or many keys pending."""
+    L = ctx.ledger
+    L.episode = "meddle"
+    label = "med"
+    ctx.arm("meddle", ctx.ck_timeout * 12)
+    comm = ctx.world.Dup()
+    sh = ctx.shared
+    n = sh.randrange(6, 24)
+    holders = Holders()
+    regs: list[cgc.Registration] = []
+    for _ in range(n):
+        obj, reg = L.make(comm, label)
+        holders.append(obj)
+        regs.append(reg)
+    del obj, reg
+    tokens = [o.token for o in holders]
+    hw = weakref.ref(holders)
+    for i in range(n):
+        if sh.random() < 0.5:
+            steps: list[tuple[Any, ...]] = []
+            if sh.random() < 0.5:
+                # Drop siblings, detach one of them (dead now, queued, not agreed)
+                # and look at what is pending: a drain in the middle of the sync
+                # point, with a stale key and keys that died during its destroys.
+                js = sh.sample(range(n), sh.randrange(1, 4))
+                steps += [("drop", js), ("detach", js[0]), ("pending",)]
+            elif sh.random() < 0.7:
+                steps.append(("detach", sh.randrange(n)))
+            if sh.random() < 0.7:
+                steps.append(("pending",))
+            if sh.random() < 0.5:
+                steps.append(("drop", [sh.randrange(n) for _ in range(sh.randrange(1, 4))]))
+            if sh.random() < 0.2:
+                steps.append(("register", sh.choice(("local", "comm"))))
+            if sh.random() < 0.2:
+                steps.append(("cycles",))
+            if sh.random() < 0.1:
+                steps.append(("view",))
+            if len(steps) < 3 or steps[0][0] != "drop":
+                sh.shuffle(steps)
+            L.actions[holders[i].token] = functools.partial(
+                _meddle, L, label, hw, regs, tokens, comm, steps
+            )
+    _link(holders, sh, sh.randrange(0, n // 2 + 1))
+    rounds = sh.randrange(2, 9)
+    for r in range(rounds):
+        if sh.random() < 0.6:
+            # A few objects, the same on every rank: small agreed batches.
+            for j in sh.sample(range(n), sh.randrange(1, 4)):
+                holders[j] = None
+        else:
+            _drop_some(holders, ctx.mine, 1.0 / (rounds - r))
+        if sh.random() < 0.5:
+            cgc.pending(comm)
+        if sh.random() < 0.2:
+            cgc.view(comm, file=None)
+        if sh.random() < 0.2:
+            _find_cycles_of_one(holders)
+        res = sync(comm, ctx.hang_timeout, sh.choice((None, 0, 2)))
+        judge(ctx, f"meddling sync {r}", res, label)
+    holders.clear()
+    if final_collects(ctx, comm, label, "meddle"):
+        check_lost_everywhere(ctx, label)
+        L.wait_local(("reaper",), 5.0)
+        L.check_lost("reaper")
+    comm.Free()
+
+
+# -- late ranks against deadlines (issue 11, defect 4) ----------------------------
+
+
+def late(ctx: Ctx) -> None:
+    """One rank arrives late at a sync point with a deadline: well within it
+    (every rank must report OK), or well beyond it (no rank may report OK,
+    and every rank's next sync point must refuse)."""
+    L = ctx.ledger
+    L.episode = "late"
+    label = "late"
+    sh = ctx.shared
+    comm = ctx.world.Dup()
+    first_use = sh.random() < 0.4  # the late sync point is the communicator's first use
+    holders = Holders()
+    if not first_use:
+        holders.extend(L.make(comm, label)[0] for _ in range(sh.randrange(1, 6)))
+        res = sync(comm, ctx.hang_timeout)
+        judge(ctx, "sync before the late one", res, label)
+        _drop_some(holders, ctx.mine, 0.5)
+    slow = sh.randrange(ctx.size)
+    beyond = sh.random() < 0.5
+    timeout = 0.3 if beyond else ctx.hang_timeout
+    lateness = timeout + 1.5 if beyond else 0.05
+    ctx.arm("late", ctx.ck_timeout * 3 + lateness)
+    ctx.checkpoint("before the late sync", None)  # every rank starts from here
+    if ctx.rank == slow:
+        time.sleep(lateness)
+    res = sync(comm, timeout, None)
+    what = f"rank {slow} {lateness:.2f} s late at a sync point with timeout {timeout}" + (
+        " (first use)" if first_use else ""
+    )
+    if not beyond:
+        judge(ctx, what, res, label)
+    else:
+        got = judge(
+            ctx, what, res, label, lambda q, g: {"CollectiveTimeoutError", "CollectiveGCError"}
+        )
+        if ctx.rank == 0:
+            for q, g in enumerate(got):
+                if q != slow and g[0].seconds > timeout + 1.0:
+                    L.defect(
+                        "hang",
+                        f"{what}: rank {q} left after {g[0].seconds:.2f} s ({g[0].kind}): "
+                        "the deadline was not honoured",
+                    )
+        # The manager must now be unusable on every rank.
+        res = sync(comm, 2.0, None)
+        judge(ctx, "the sync after a timeout", res, label, _unusable)
+        L.exempt.update(L.tokens(label))
+    holders.clear()
+    if not beyond:
+        if final_collects(ctx, comm, label, "late"):
+            check_lost_everywhere(ctx, label)
+        comm.Free()
+    # A communicator whose manager timed out keeps abandoned requests on the
+    # manager's duplicate: left alone, not freed.
+
+
+def _unusable(q: int, got: list[Any]) -> set[str]:
+    return {"CollectiveGCError"}
+
+
+# -- a communicator freed with destroys pending (issue 11, defect 2) -------------
+
+
+def freed(ctx: Ctx) -> None:
+    """The user frees a managed communicator with destroys pending, then touches
+    what the documentation offers (Manager.comm, pending, collect, view)."""
+    L = ctx.ledger
+    L.episode = "freed"
+    label = "freed"
+    sh = ctx.shared
+    ctx.arm("freed", ctx.ck_timeout * 4)
+    comm = ctx.world.Dup()
+    holders = Holders(L.make(comm, label)[0] for _ in range(sh.randrange(2, 10)))
+    _drop_some(holders, ctx.mine, 0.5)
+    res = sync(comm, ctx.hang_timeout)
+    judge(ctx, "sync before the free", res, label)
+    _drop_some(holders, ctx.mine, 0.5)
+    gc.collect()
+    mgr = cgc.manager(comm)
+    L.exempt.update(L.tokens(label))  # pending destroys of a freed communicator: at exit, or leaked
+    comm.Free()
+    outcomes = []
+    touches: list[tuple[str, Callable[[], object]]] = [
+        ("repr", lambda: repr(mgr)),
+        ("pending", lambda: cgc.pending(comm)),
+        ("collect", lambda: cgc.collect(comm, timeout=2.0)),
+        ("Manager.comm", lambda: mgr.comm.Get_size()),
+    ]
+    for name, touch in touches:
+        if sh.random() < 0.6:
+            try:
+                touch()
+                outcomes.append((name, "ok"))
+            except (cgc.CollectiveGCError, ValueError, TypeError) as exc:
+                outcomes.append((name, type(exc).__name__))
+            except Exception as exc:
+                outcomes.append((name, type(exc).__name__))
+                L.defect("error", f"{name} after comm.Free(): {type(exc).__name__}: {exc}")
+    got = ctx.checkpoint("after the free", outcomes)
+    if ctx.rank == 0 and any(g != got[0] for g in got):
+        L.defect("disagree", f"touching a freed communicator: {got}")
+    holders.clear()
+    gc.collect()
+
+
+EPISODES: dict[str, Callable[[Ctx], None]] = {
+    "threads": threads,
+    "interrupt": interrupt,
+    "meddle": meddle,
+    "late": late,
+    "freed": freed,
+}
+# How often each episode runs (per seed, decided by the shared RNG).
+WEIGHTS = {"threads": 0.5, "interrupt": 0.5, "meddle": 0.6, "late": 0.2, "freed": 0.2}
+
+
+def run_faults(
+    world: MPI.Intracomm,
+    seed: int,
+    ledger: Ledger,
+    hang_timeout: float,
+    arm: Callable[[str, float], None],
+    only: tuple[str, ...] = (),
+) -> list[str]:
+    """Collective over ``world``: the fault episodes of one seed; returns their names."""
+    ctx = Ctx(world, seed, ledger, hang_timeout, arm)
+    pick = random.Random(seed ^ 0x5EED)
+    draws = {name: pick.random() for name in EPISODES}
+    chosen = [n for n in EPISODES if (n in only if only else draws[n] < WEIGHTS[n])]
+    if ctx.size == 1 and "late" in chosen:
+        chosen.remove("late")  # no other rank to be late for
+    try:
+        for name in chosen:
+            EPISODES[name](ctx)
+    finally:
+        ledger.episode = "-"
+    ctx.close()
+    return chosen
