@@ -16,9 +16,21 @@ maximum keys], outside of which no key can be pending on every rank:
 - otherwise the sorted key arrays, padded to the largest count and reduced with
   a merge-intersection operator (the scheme of PETSc's PetscGarbageCleanup).
 
-Both cost O(pending) in time and message size. A deadline turns each blocking
-collective into a non-blocking one polled until it completes or the deadline
-passes, when :class:`CollectiveTimeoutError` is raised.
+Both cost O(pending) in time and message size.
+
+Every collective here is a non-blocking one, completed with ``Wait`` or, with
+a deadline, polled until it completes or the deadline passes (then
+:class:`CollectiveTimeoutError`). Never the blocking kind: MPI does not match
+a blocking collective with a non-blocking one, and ranks may differ in whether
+they have a deadline (a scope leaving on an exception on some ranks only, the
+exit agreement).
+
+A request abandoned at a deadline can still be completed by a rank that
+arrives later, which would then carry on as if nothing had happened. So the
+header carries every rank's deadline (as wall-clock time, the minimum over the
+ranks): a rank that completes a collective of the sync point after that
+minimum has passed raises :class:`CollectiveTimeoutError` too, as the rank
+that gave up did.
 """
 
 from __future__ import annotations
@@ -40,9 +52,12 @@ __all__ = [
     "H_POLICY",
     "H_VOTE",
     "NO_KEY",
+    "NO_DEADLINE",
+    "Deadline",
     "allreduce",
     "intersect",
     "allgather",
+    "dup",
 ]
 
 # Header slots (all reduced with MPI_MAX).
@@ -57,9 +72,36 @@ H_CYCLIC = 7  # cyclic finalizations drained at this sync point
 H_CHILD_ERRORS = 8  # destroys that raised on derived communicators (see _comms)
 H_POLICY = 9  # the policy slot filled by _scope (the gc generation)
 H_VOTE = 10  # two slots: the vote of the manager's sync hook (see add_sync_hook)
-HEADER_LEN = 12
+H_KIND = 12  # 0: a sync point, 1: the exit agreement (never matched with a sync point)
+H_NEG_KIND = 13
+H_NEG_DEADLINE = 14  # -(wall-clock deadline in microseconds), NO_DEADLINE if none
+HEADER_LEN = 15
 
 NO_KEY = int(np.iinfo(np.int64).max)
+NO_DEADLINE = -NO_KEY  # never the MAX while some rank has a deadline
+
+
+class Deadline:
+    """When a sync point gives up waiting: ``at`` (``time.monotonic()``) for
+    this rank's own deadline, ``late_after`` (``time.time()``) for the earliest
+    deadline of any rank once the header has told it (see the module docs)."""
+
+    __slots__ = ("at", "late_after")
+
+    def __init__(self, at: float | None) -> None:
+        self.at = at
+        self.late_after: float | None = None
+
+    def wall_us(self) -> int:
+        """This rank's deadline for the header: wall-clock microseconds, or NO_DEADLINE."""
+        if self.at is None:
+            return NO_DEADLINE
+        return -int((time.time() + (self.at - time.monotonic())) * 1e6)
+
+    def agree(self, neg_wall_us: int) -> None:
+        """Take the reduced header's earliest deadline of any rank."""
+        if neg_wall_us != NO_DEADLINE:
+            self.late_after = -neg_wall_us / 1e6
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
@@ -71,41 +113,71 @@ _ABANDONED: list[tuple[MPI.Request, tuple[object, ...]]] = []
 
 
 def _wait(
-    req: MPI.Request, deadline: float | None, what: Callable[[], str], *buffers: object
+    req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
 ) -> None:
-    if deadline is None:
+    if deadline is None or deadline.at is None:
         req.Wait()
-        return
-    # Poll: yield the core at first (4 ranks share 2 cores here), then back off
-    # to a millisecond so a long wait does not burn a core.
-    delay = 0.0
-    while not req.Test():
-        if time.monotonic() > deadline:
-            _ABANDONED.append((req, buffers))
-            raise CollectiveTimeoutError(what())
-        time.sleep(delay)
-        delay = min(1e-3, delay * 2 + 2e-5)
+    else:
+        # Poll: yield the core at first (ranks may share cores with the one we
+        # wait for), then back off to a millisecond so a long wait does not
+        # burn a core.
+        delay = 0.0
+        at = deadline.at
+        try:
+            while not req.Test():
+                if time.monotonic() > at:
+                    raise CollectiveTimeoutError(what())
+                time.sleep(delay)
+                delay = min(1e-3, delay * 2 + 2e-5)
+        except BaseException:
+            # Timed out, or interrupted (KeyboardInterrupt in the sleep): the
+            # request stays pending, and so must what MPI may still touch.
+            if req != MPI.REQUEST_NULL:
+                _ABANDONED.append((req, buffers))
+            raise
+    if deadline is not None and deadline.late_after is not None:
+        if time.time() > deadline.late_after:
+            raise CollectiveTimeoutError(
+                what()
+                + "\n(it completed here only after the deadline of another rank had "
+                "passed: that rank gave up on this sync point)"
+            )
+
+
+def wait(
+    req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
+) -> None:
+    """Complete ``req`` (a collective on the manager's communicator) against ``deadline``.
+
+    ``buffers`` are kept alive for ever if the request is abandoned, since MPI
+    may still read or write them when a late rank arrives.
+    """
+    _wait(req, deadline, what, *buffers)
+
+
+def dup(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, MPI.Request]:
+    """Collective, non-blocking: start duplicating ``comm``; complete with :func:`wait`.
+
+    The new communicator must not be used (nor wrapped again, which asks MPI
+    about it) before the request completes.
+    """
+    new, req = comm.Idup()
+    return new, req
 
 
 def allreduce(
-    comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: float | None, what: Callable[[], str]
+    comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: Deadline | None, what: Callable[[], str]
 ) -> _Buf:
-    """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``,
-    blocking or against a deadline."""
+    """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``."""
     recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
-    if deadline is None:
-        comm.Allreduce(send, recv, op)
-    else:
-        _wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
+    _wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
     return recv
 
 
 def allgather(
-    comm: MPI.Comm, value: Any, deadline: float | None, what: Callable[[], str]
+    comm: MPI.Comm, value: Any, deadline: Deadline | None, what: Callable[[], str]
 ) -> list[Any]:
-    """Collective. Allgather a picklable value, blocking or against a deadline."""
-    if deadline is None:
-        return comm.allgather(value)
+    """Collective. Allgather a picklable value."""
     # A pickled value of unknown size: gather the sizes, then the bytes.
     import pickle
 
@@ -143,7 +215,7 @@ def intersect(
     lo: int,
     hi: int,
     max_count: int,
-    deadline: float | None,
+    deadline: Deadline | None,
     what: Callable[[], str],
 ) -> np.ndarray[Any, Any]:
     """Collective. The keys in sorted ``keys`` that every rank holds, ascending.
@@ -168,12 +240,10 @@ def intersect(
     out = np.empty_like(buf)
     dtype = MPI.BYTE.Create_contiguous(buf.nbytes)
     dtype.Commit()
+    req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
     try:
-        if deadline is None:
-            comm.Allreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
-        else:
-            req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
-            _wait(req, deadline, what, buf, out, dtype)
+        _wait(req, deadline, what, buf, out, dtype)
     finally:
-        dtype.Free()
+        if req == MPI.REQUEST_NULL:  # completed: the datatype is ours to free
+            dtype.Free()
     return out[1 : 1 + out[0]].copy()

@@ -21,7 +21,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from ._errors import DestroyError
-from ._manager import Manager, _check_comm, manager, register
+from ._manager import Manager, lookup, manager, register
 
 __all__ = ["dup", "split"]
 
@@ -37,13 +37,6 @@ def _keyval() -> int:
     if not _CHILD_KEYVAL:
         _CHILD_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_child_deleted))
     return _CHILD_KEYVAL[0]
-
-
-def _existing_manager(comm: MPI.Intracomm) -> Manager | None:
-    from ._manager import _keyval as manager_keyval
-
-    mgr = comm.Get_attr(manager_keyval())
-    return mgr if isinstance(mgr, Manager) else None
 
 
 class _Derived:
@@ -69,11 +62,12 @@ class _Derived:
         """Collective over the derived communicator: sync its manager, free it if done."""
         failures: list[tuple[int, str, BaseException]] = []
         if self.handle is not None and not self.handle_freed:
-            mgr = _existing_manager(self.handle)
-            # Only while something is registered on it: that count is the same
-            # on every rank of the derived communicator (registration is
-            # collective, destroys are agreed), so they all skip it alike.
-            if mgr is not None and mgr._broken is None and mgr._regs:
+            mgr = lookup(self.handle)
+            # Only while something is registered on it, or it has sync hooks
+            # (PETSc's garbage cleanup): both are the same on every rank of
+            # the derived communicator (registration and hooks are added
+            # collectively, destroys are agreed), so they all skip it alike.
+            if mgr is not None and mgr.broken is None and (mgr.registered or mgr.has_sync_hooks):
                 try:
                     mgr.sync(deadline=deadline)
                 except DestroyError as exc:
@@ -89,16 +83,14 @@ class _Derived:
     def _try_release(self) -> None:
         handle = self.handle
         if handle is not None and not self.handle_freed:
-            mgr = _existing_manager(handle)
-            if mgr is not None:
-                if mgr._regs:
-                    # Still in use. The count left is the same on every rank of
-                    # the derived communicator after its sync point (registration
-                    # is collective and destroys are agreed), so they all wait.
-                    return
-                if mgr.size > 1:
-                    mgr._comm.Free()  # its private duplicate
-                mgr._broken = f"its communicator ({self.label}) was freed"
+            mgr = lookup(handle)
+            if mgr is not None and mgr.registered:
+                # Still in use. The count left is the same on every rank of
+                # the derived communicator after its sync point (registration
+                # is collective and destroys are agreed), so they all wait.
+                return
+            # Its manager, if any, is told by its attribute delete callback
+            # and lets go of its private duplicate at the next safe point.
             handle.Free()
         self.handle = None
         self.released = True
@@ -113,7 +105,7 @@ def _adopt(parent: Manager, new: MPI.Intracomm, comm: MPI.Intracomm, label: str)
     record = _Derived(MPI.Intracomm(new) if member else None, label)
     if member:
         new.Set_attr(_keyval(), record)
-    parent._children.append(record)
+    parent.add_child(record)
     register(new, record.drop, comm=comm, name=label)
     return new
 
@@ -126,10 +118,9 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     or at exit. Do not ``Free()`` it yourself while it is still registered
     (that would be seen and not freed twice, but it wastes nothing to let it be).
     """
-    c = _check_comm(comm)
-    parent = manager(c)
-    new = MPI.Intracomm(c.Dup())
-    return _adopt(parent, new, c, f"dup #{len(parent._children)} of a {parent._describe()}")
+    parent = manager(comm)
+    new = MPI.Intracomm(comm.Dup())
+    return _adopt(parent, new, comm, f"dup #{parent.children_made} of a {parent.describe()}")
 
 
 def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
@@ -138,8 +129,7 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     As :func:`dup`. A rank that passes ``MPI.UNDEFINED`` gets ``MPI.COMM_NULL``
     (still registered, so the parent's keys stay the same on every rank).
     """
-    c = _check_comm(comm)
-    parent = manager(c)
-    new = MPI.Intracomm(c.Split(color, key))
-    label = f"split #{len(parent._children)} (color {color}) of a {parent._describe()}"
-    return _adopt(parent, new, c, label)
+    parent = manager(comm)
+    new = MPI.Intracomm(comm.Split(color, key))
+    label = f"split #{parent.children_made} (color {color}) of a {parent.describe()}"
+    return _adopt(parent, new, comm, label)

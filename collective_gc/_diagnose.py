@@ -19,7 +19,7 @@ from typing import IO
 
 from mpi4py import MPI
 
-from ._manager import Manager, manager
+from ._manager import Manager, check_timeout, manager
 
 __all__ = ["find_cycles", "view"]
 
@@ -134,21 +134,41 @@ def _rows(mgr: Manager) -> list[tuple[int, int, str, str, str]]:
         (mgr.rank, r.key, r.typename, r.name, str(mgr.sync_count - r.queued_at))
         for r in mgr.pending()
     ]
-    for hook in mgr._view_hooks:
-        rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in hook(mgr))
+    rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in mgr.view_rows())
     return rows
 
 
-def view(comm: MPI.Intracomm, *, file: IO[str] | None = sys.stdout) -> str:
+class _Stdout:
+    """The default of ``view(file=)``: whatever ``sys.stdout`` is when view is called
+    (pytest's capture, a redirect), not the one there was at import."""
+
+    def __repr__(self) -> str:
+        return "sys.stdout"
+
+
+_STDOUT = _Stdout()
+
+
+def view(
+    comm: MPI.Intracomm,
+    *,
+    file: IO[str] | _Stdout | None = _STDOUT,
+    timeout: float | None = None,
+) -> str:
     """Collective: a per-rank table of what is queued on ``comm``; returns it on every rank.
 
     One row per queued destroy request: rank, key, type, name and age in sync
     points (how many sync points it has waited through), plus rows from
     adapters (PETSc's own garbage, key ``-``). Rank 0 prints it to ``file``
-    (None: print nothing). Every rank of ``comm`` must call it (it gathers).
+    (default: ``sys.stdout`` at the time of the call; None: print nothing).
+    Every rank of ``comm`` must call it (it gathers); ``timeout`` bounds that
+    wait (:class:`CollectiveTimeoutError`). It changes nothing: what the next
+    sync point sees (cyclic finalizations included) is the same with or
+    without it.
     """
+    seconds = check_timeout(timeout)
     mgr = manager(comm)
-    gathered = mgr._comm.allgather(_rows(mgr)) if mgr.size > 1 else [_rows(mgr)]
+    gathered = mgr.allgather(_rows(mgr), seconds)
     rows = [row for per in gathered for row in per]
     header = ("rank", "key", "type", "name", "age")
     table = [header] + [(str(r), "-" if k < 0 else str(k), t, n, a) for r, k, t, n, a in rows]
@@ -159,7 +179,8 @@ def view(comm: MPI.Intracomm, *, file: IO[str] | None = sys.stdout) -> str:
     ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     text = "\n".join(lines) + "\n"
-    if file is not None and mgr.rank == 0:
-        file.write(text)
-        file.flush()
+    out = sys.stdout if isinstance(file, _Stdout) else file
+    if out is not None and mgr.rank == 0:
+        out.write(text)
+        out.flush()
     return text

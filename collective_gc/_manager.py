@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import atexit
-import collections
 import gc
 import itertools
 import operator
@@ -29,7 +28,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -39,14 +38,18 @@ from ._agree import (
     H_CHILD_ERRORS,
     H_COUNT,
     H_CYCLIC,
+    H_KIND,
     H_LO,
+    H_NEG_DEADLINE,
     H_NEG_HI,
+    H_NEG_KIND,
     H_NEG_NEXT,
     H_NEG_SEQ,
     H_NEXT,
     H_POLICY,
     H_SEQ,
     H_VOTE,
+    NO_DEADLINE,
     NO_KEY,
 )
 from ._errors import (
@@ -68,7 +71,19 @@ from ._queue import (
     make_registration,
 )
 
-__all__ = ["Manager", "CollectStats", "manager", "register", "collect", "pending", "managers"]
+__all__ = [
+    "Manager",
+    "CollectStats",
+    "manager",
+    "lookup",
+    "register",
+    "collect",
+    "pending",
+    "managers",
+    "check_timeout",
+    "exit_timeout",
+    "release_freed",
+]
 
 
 class CollectStats(NamedTuple):
@@ -102,17 +117,10 @@ class _Child(Protocol):
     def visit(self, deadline: float | None) -> list[tuple[int, str, BaseException]]: ...
 
 
-_ZEROS = array.array("q", bytes(8 * 64))
 _IN_PLACE = MPI.IN_PLACE
 _MAX = MPI.MAX
-_new_tuple = tuple.__new__
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
-_DESTROY_OF = operator.attrgetter("_destroy")
-_ARGS_OF = operator.attrgetter("_args")
-# Runs an iterator to its end, in C.
-_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
-_repeat = itertools.repeat
 
 
 # Destroy functions that can run a whole run of their calls at once (see
@@ -121,6 +129,11 @@ _repeat = itertools.repeat
 # first, replaced together in one store (a sync point reads them once).
 _Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]  # see set_batch
 _BATCHES: tuple[tuple[Callable[..., object], ...], tuple[_Batch, ...]] = ((), ())
+
+
+def set_timeout_source(source: Callable[[], float | None]) -> None:
+    """Where the first registration on a communicator finds its timeout (seconds or None)."""
+    _TIMEOUT_SOURCE[0] = source
 
 
 def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
@@ -151,63 +164,49 @@ _Taken = tuple[
 def _take_batch_py(
     regs: dict[int, Registration], keys: list[int], state: int, batched: tuple[object, ...]
 ) -> _Taken:
-    """What ``_speedups.take_batch`` does, in C-level passes from Python.
+    """What ``_speedups.take_batch`` does, from Python (tests compare the two).
 
-    Pops first: a finalizer that runs meanwhile (any allocation may start the
-    collector) and destroys a registration of the batch explicitly finds it
-    either still in the dict (then it is gone when its turn comes) or
-    already marked destroyed.
+    A key whose registration is gone from the dict, or has no destroy left,
+    is skipped and stays where it is: it was destroyed or detached explicitly
+    meanwhile, on every rank.
     """
-    before = len(regs)
-    popped = list(map(regs.pop, keys, _repeat(None)))
-    if before - len(regs) != len(popped):  # some destroyed explicitly on every rank meanwhile
-        popped = [r for r in popped if r is not None]
-    taken = cast("list[Registration]", popped)
-    _consume(map(setattr, taken, _repeat("_state"), _repeat(state)))
-    fns = list(map(_DESTROY_OF, taken))
-    argss = list(map(_ARGS_OF, taken))
-    _consume(map(setattr, taken, _repeat("_destroy"), _repeat(None)))
-    _consume(map(setattr, taken, _repeat("_args"), _repeat(())))
-    if not fns:
-        return taken, fns, argss, []
+    taken: list[Registration] = []
+    fns: list[Callable[..., object]] = []
+    argss: list[tuple[Any, ...]] = []
+    for key in keys:
+        reg = regs.get(key)
+        if reg is None or reg._destroy is None:
+            continue
+        del regs[key]
+        reg._state = state
+        fns.append(reg._destroy)
+        argss.append(reg._args)
+        reg._destroy, reg._args = None, ()
+        taken.append(reg)
+    # Runs of consecutive calls with the same batch index (by the destroy's
+    # identity; -1 for a destroy with no batch).
     ids = [id(f) for f in batched]
-    if not ids or set(ids).isdisjoint(map(id, fns)):
-        return taken, fns, argss, [(0, len(fns), -1)]
     segments: list[tuple[int, int, int]] = []
     start = 0
-    for fid, group in itertools.groupby(map(id, fns)):
+    for index, group in itertools.groupby(ids.index(id(f)) if id(f) in ids else -1 for f in fns):
         end = start + sum(1 for _ in group)
-        index = ids.index(fid) if fid in ids else -1
-        if segments and index == -1 and segments[-1][2] == -1:
-            segments[-1] = (segments[-1][0], end, -1)  # one run of unbatched calls
-        else:
-            segments.append((start, end, index))
+        segments.append((start, end, index))
         start = end
     return taken, fns, argss, segments
-
-
-def _call_with(fn: Callable[..., object], args: tuple[Any, ...]) -> object:
-    return fn(*args)
 
 
 def _run_each_py(
     fns: list[Callable[..., object]], argss: list[tuple[Any, ...]]
 ) -> list[tuple[int, BaseException]]:
     """What ``_speedups.run_each`` does: ``fns[i](*argss[i])`` for each i, in order,
-    every call made even if some raise; (index, exception) of those that raised.
-
-    A call that raises stops map(); it resumes after the failed call, whose
-    index the list iterator's remaining length gives.
-    """
+    every call made even if some raise; (index, exception) of those that raised."""
     errors: list[tuple[int, BaseException]] = []
-    todo = iter(fns)
-    rest = iter(argss)
-    while True:
+    for i, (fn, args) in enumerate(zip(fns, argss)):
         try:
-            _consume(map(_call_with, todo, rest))
-            return errors
-        except BaseException as exc:
-            errors.append((len(fns) - operator.length_hint(todo) - 1, exc))
+            fn(*args)
+        except BaseException as exc:  # every call is made; the caller raises after
+            errors.append((i, exc))
+    return errors
 
 
 _take_batch: Callable[..., _Taken] = _take_batch_py if SPEEDUPS is None else SPEEDUPS.take_batch
@@ -222,13 +221,18 @@ class Manager:
     Get it with :func:`collective_gc.manager`; do not construct it.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Intracomm) -> None:
         self._size = comm.Get_size()
         self._rank = comm.Get_rank()
-        # Agreement traffic never shares a communicator with the user's messages.
+        # Agreement traffic never shares a communicator with the user's
+        # messages: a private duplicate, made by the first registration or
+        # sync point (both collective, both with a deadline if they have
+        # one), so that no local call (a lookup, a scope's constructor,
+        # pending()) ever waits for other ranks.
+        self._comm: MPI.Intracomm | None = None
         # Never hold the user's own communicator object: it may be a managed
         # one (cgc.dup) whose death we are waiting for; hold a wrapper of the handle.
-        self._comm = MPI.Intracomm(comm.Dup() if self._size > 1 else comm)
+        self._user_comm = MPI.Intracomm(comm)
         self._next_key = 0
         # Every registration whose destroy has not run (object alive or dead).
         self._regs: dict[int, Registration] = {}
@@ -237,15 +241,29 @@ class Manager:
         self._inbox: list[Registration] = []
         self._cyclic_inbox: list[Registration] = []
         # Keys drained and waiting for agreement, with the sync point at which
-        # each was drained (its age, for view).
+        # each was drained (its age, for view). Changed only by sync points.
         self._pend = _NO_KEYS
         self._pend_seq = _NO_KEYS
         # Set when an explicit destroy or detach may have left a dead key in the
         # inbox or the pending keys: the next drain filters them.
         self._stale = False
         self._seq = 0
+        # Sync points and explicit destroys, one thread at a time.
         self._lock = threading.RLock()
-        self._destroying = False
+        # The registry dict and the key counter: held for a few stores only,
+        # never across a destroy or an MPI call, so registering from another
+        # thread never waits for a sync point's destroys.
+        self._reg_lock = threading.Lock()
+        # Size > 1: held by the thread that is registering. Two threads
+        # registering at once would number the objects in an order that may
+        # differ between ranks, so the second one is refused, never made to wait.
+        self._registrar: threading.RLock | None = threading.RLock() if self._size > 1 else None
+        self._registrar_name = ""
+        # Ident of the thread running this manager's destroys, or 0.
+        self._destroying = 0
+        # True while a sync point is inside its collective part on this rank:
+        # leaving it by an exception then makes the manager unusable.
+        self._collective = False
         self._broken: str | None = None
         self._comm_freed = False
         self._forked = False
@@ -253,35 +271,89 @@ class Manager:
         self.created = 0
         self.destroyed = 0
         self.cyclic = 0
-        self.sync_seconds = 0.0
-        self._user_comm = MPI.Intracomm(comm)
         # Adapter hooks (PETSc's own garbage cleanup, say); see add_sync_hook.
         self._sync_hooks: list[Callable[[Manager], None]] = []
         self._vote: Callable[[Manager], tuple[int, int]] | None = None
         # The hook vote's MAX over every rank at the last sync point (taken
-        # after its destroys, if it ran any), and how many destroys it agreed
-        # on (the same on every rank).
+        # after its destroys, if it ran any).
         self.votes: tuple[int, int] = (0, 0)
-        self.last_agreed = 0
         # Communicators derived from this one with cgc.dup/cgc.split (see _comms),
         # in creation order, which is the same on every rank.
         self._children: list[_Child] = []
+        self.children_made = 0
         # (type, name, key, origin) of the cyclic finalizations drained at the
         # last sync point, for strict mode's diagnostics.
         self.last_cyclic: list[tuple[str, str, int, traceback.StackSummary | None]] = []
         self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
+        self._leak_hooks: list[Callable[[Manager], Iterable[str]]] = []
 
     # -- description ---------------------------------------------------------
 
     @property
     def comm(self) -> MPI.Intracomm:
-        """The user's communicator this manager was made for (not its private duplicate)."""
+        """The user's communicator this manager was made for (not its private duplicate).
+
+        Raises :class:`CollectiveGCError` once that communicator was freed, or
+        MPI finalized: its handle is then dead, and using it would crash.
+        """
+        if self._comm_freed:
+            raise CollectiveGCError(
+                f"the communicator of the {self._describe()} was freed (comm.Free()); "
+                "its manager can no longer give it out"
+            )
+        if MPI.Is_finalized():
+            raise CollectiveGCError(
+                f"MPI is finalized: the communicator of the {self._describe()} is gone"
+            )
         return self._user_comm
 
     @property
     def comm_freed(self) -> bool:
-        """True once the user's communicator was freed (the manager still works)."""
+        """True once the user's communicator was freed."""
         return self._comm_freed
+
+    @property
+    def broken(self) -> str | None:
+        """Why this manager is unusable (a timeout, a disagreement, ...), or None."""
+        return self._broken
+
+    @property
+    def has_sync_hooks(self) -> bool:
+        """Whether sync hooks were added (see :meth:`add_sync_hook`). Local."""
+        return bool(self._sync_hooks)
+
+    def mark_unusable(self, reason: str) -> None:
+        """Refuse every later registration and sync point, saying ``reason``. Local, no MPI.
+
+        Collective in effect: call it on every rank alike (from a sync hook
+        deciding on the agreed :attr:`votes`, say), or the ranks will
+        disagree on whether the next sync point runs. The first reason
+        stays. A :class:`DestroyError` raised by the sync point during which
+        it was called says it too.
+        """
+        if self._broken is None:
+            self._broken = reason
+
+    def add_leak_hook(self, hook: Callable[[Manager], Iterable[str]]) -> None:
+        """Let leak reports explain why objects on this communicator are still alive.
+
+        ``hook(manager)`` returns sentences for this rank (an owner kept alive
+        by its own resource, say). Local; must not make MPI calls.
+        """
+        if hook not in self._leak_hooks:
+            self._leak_hooks.append(hook)
+
+    def leak_reasons(self) -> list[str]:
+        """What the leak hooks say for this rank. Local."""
+        out: list[str] = []
+        for hook in self._leak_hooks:
+            out.extend(hook(self))
+        return out
+
+    @property
+    def registered(self) -> int:
+        """How many registrations have not had their destroy run (objects alive or queued). Local."""
+        return len(self._regs)
 
     def add_sync_hook(
         self,
@@ -294,8 +366,9 @@ class Manager:
         sync point, after the agreed destroys and before any
         :class:`DestroyError` is raised, so it may make collective calls on
         :attr:`comm` (PETSc's garbage cleanup does). Adding the same hook again
-        does nothing. A hook that raises does so on its rank only: keep hooks
-        to calls that succeed or fail on every rank alike.
+        does nothing. A hook that raises does so on its rank only, and leaves
+        the manager unusable there: keep hooks to calls that succeed or fail
+        on every rank alike.
 
         ``vote(manager)`` (local, no MPI) returns two ints that ride in the
         sync point's own header allreduce; their MAX over every rank is in
@@ -310,6 +383,15 @@ class Manager:
         if hook not in self._sync_hooks:
             self._sync_hooks.append(hook)
 
+    def add_child(self, child: _Child) -> None:
+        """Visit ``child``, a derived communicator (see :mod:`._comms`), at each sync point.
+
+        Collective over the child's group: add it on every rank of the child,
+        in the same order.
+        """
+        self._children.append(child)
+        self.children_made += 1
+
     def add_view_hook(self, hook: Callable[[Manager], Iterable[tuple[str, str]]]) -> None:
         """Let :func:`collective_gc.view` show pending entries we do not manage.
 
@@ -318,6 +400,13 @@ class Manager:
         """
         if hook not in self._view_hooks:
             self._view_hooks.append(hook)
+
+    def view_rows(self) -> list[tuple[str, str]]:
+        """What the view hooks report for this rank. Local."""
+        rows: list[tuple[str, str]] = []
+        for hook in self._view_hooks:
+            rows.extend(hook(self))
+        return rows
 
     @property
     def size(self) -> int:
@@ -342,6 +431,10 @@ class Manager:
     def _describe(self) -> str:
         return f"communicator of size {self._size} (rank {self._rank})"
 
+    def describe(self) -> str:
+        """``"communicator of size N (rank r)"``, for messages."""
+        return self._describe()
+
     def __repr__(self) -> str:
         state = " broken" if self._broken else ""
         return (
@@ -353,14 +446,12 @@ class Manager:
     # -- registration --------------------------------------------------------
 
     def _check_usable(self, what: str) -> None:
-        if not (self._forked or self._destroying or self._broken is not None):
-            return
         if self._forked:
             raise CollectiveGCError(
                 f"cannot {what} in a forked child: the {self._describe()} and its "
                 "registrations belong to the parent process"
             )
-        if self._destroying:
+        if self._destroying and self._destroying == threading.get_ident():
             raise CollectiveGCError(
                 f"cannot {what} from inside a destroy running at sync point "
                 f"{self._seq} on the {self._describe()}; do it after the sync point"
@@ -369,6 +460,29 @@ class Manager:
             raise CollectiveGCError(
                 f"cannot {what}: the {self._describe()} is unusable since {self._broken}"
             )
+        if MPI.Is_finalized():
+            raise CollectiveGCError(f"cannot {what} on the {self._describe()}: MPI is finalized")
+
+    def _private(self, deadline: _agree.Deadline) -> MPI.Intracomm:
+        """The private duplicate, made at first use against ``deadline``. Collective."""
+        if self._comm is not None:
+            return self._comm
+        if self._comm_freed:
+            raise CollectiveGCError(
+                f"the communicator of the {self._describe()} was freed before its "
+                "first sync point: its pending destroys cannot be agreed"
+            )
+        # Non-blocking, so that a deadline bounds it, and never left pending
+        # once we return: a duplicate still in progress when the user frees
+        # the communicator would be completed on freed memory.
+        comm, req = _agree.dup(self._user_comm)
+        try:
+            _agree.wait(req, deadline, self._what("duplicating its communicator"))
+        except BaseException as exc:
+            self._broken = f"duplicating its communicator was abandoned ({type(exc).__name__})"
+            raise
+        self._comm = comm
+        return comm
 
     def register(
         self,
@@ -379,29 +493,56 @@ class Manager:
         name: str | None,
     ) -> Registration:
         """Collective. See :func:`collective_gc.register`."""
-        if self._forked or self._destroying or self._broken is not None:
+        if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
             self._check_usable("register an object")
         check_destroy(obj, destroy, args, kwargs)
-        for ref in weakref.getweakrefs(obj):
-            if isinstance(ref, Registration) and ref._owner is self and ref._state == ALIVE:
+        registrar = self._registrar
+        if registrar is not None:
+            if not registrar.acquire(blocking=False):
                 raise RegistrationError(
-                    f"this {type(obj).__name__!r} object is already registered on the "
-                    f"{self._describe()} as key {ref.key} ({ref.name!r}); register one "
-                    "destroy that releases all it owns, or detach the first registration"
+                    f"thread {threading.current_thread().name!r} tried to register an object "
+                    f"on the {self._describe()} while thread {self._registrar_name!r} was "
+                    "registering one: registration on a communicator of size > 1 is "
+                    "collective, and ranks would number objects registered from two "
+                    "threads at once in different orders. Register from one thread."
                 )
-        reg = make_registration(
-            obj, self, self._inbox.append, self._next_key, destroy, args, kwargs, name
-        )
-        self._next_key += 1
-        self._regs[reg.key] = reg
-        self.created += 1
-        return reg
+            self._registrar_name = threading.current_thread().name
+        try:
+            for ref in weakref.getweakrefs(obj):
+                if isinstance(ref, Registration) and ref._owner is self and ref._state == ALIVE:
+                    raise RegistrationError(
+                        f"this {type(obj).__name__!r} object is already registered on the "
+                        f"{self._describe()} as key {ref.key} ({ref.name!r}); register one "
+                        "destroy that releases all it owns, or detach the first registration"
+                    )
+            reg = make_registration(obj, self, self._inbox.append, -1, destroy, args, kwargs, name)
+            # The key is taken and the registration stored with nothing in
+            # between that allocates (so no collector and no finalizer can run
+            # and register meanwhile): every key is given once.
+            with self._reg_lock:
+                key = self._next_key
+                self._next_key = key + 1
+                reg.key = key
+                self._regs[key] = reg
+                self.created += 1
+            if self._comm is None and self._size > 1:
+                # The first registration makes the private duplicate while the
+                # communicator is surely alive (the user may free it before
+                # any sync point), against the innermost scope's timeout.
+                timeout = _TIMEOUT_SOURCE[0]()
+                at = None if timeout is None else time.monotonic() + timeout
+                self._private(_agree.Deadline(at))
+            return reg
+        finally:
+            if registrar is not None:
+                registrar.release()
 
     def _retire(self, reg: Registration, state: int) -> None:
         # State first: a finalizer that runs after it pushes nothing; one that
         # ran before it left the object dead, which marks the queue stale.
         reg._state = state
-        self._regs.pop(reg.key, None)
+        with self._reg_lock:
+            self._regs.pop(reg.key, None)
         if reg() is None:
             self._stale = True
 
@@ -436,7 +577,11 @@ class Manager:
     # -- the queue -------------------------------------------------------------
 
     def _drain(self) -> int:
-        """Take the inbox into the pending keys; count and note cyclic finalizations."""
+        """Take the inbox into the pending keys; count and note cyclic finalizations.
+
+        Only sync points drain (under the manager's lock): what a sync point
+        sees never depends on a diagnostic having run before it.
+        """
         cyc = self._cyclic_inbox
         cyclic = 0
         if cyc:
@@ -468,23 +613,33 @@ class Manager:
         return cyclic
 
     def pending(self) -> list[Registration]:
-        """What this rank has queued, oldest key first. Local."""
-        with self._lock:
-            self._drain()
-            regs = self._regs
-            out = []
-            for key, seq in sorted(zip(self._pend.tolist(), self._pend_seq.tolist())):
-                reg = regs.get(key)
-                if reg is not None:
-                    reg.queued_at = seq
-                    out.append(reg)
-            return out
+        """What this rank has queued, oldest key first. Local, and changes nothing.
+
+        Safe to call at any time, from any thread, inside a destroy too: it
+        reads the pending keys and the inbox without draining them.
+        """
+        regs = self._regs
+        seq = self._seq
+        queued: dict[int, int] = dict(zip(self._pend.tolist(), self._pend_seq.tolist()))
+        for reg in tuple(self._inbox):  # tuple() copies in C: appends cannot interleave
+            if reg._state == ALIVE:
+                queued.setdefault(reg.key, seq)
+        out = []
+        for key in sorted(queued):
+            reg = regs.get(key)
+            if reg is not None and reg._state == ALIVE:
+                reg.queued_at = queued[key]
+                out.append(reg)
+        return out
 
     def alive(self) -> list[Registration]:
-        """Registrations whose objects are still alive on this rank. Local."""
-        with self._lock:
-            self._drain()
-            return sorted((r for r in self._regs.values() if r() is not None), key=_KEY_OF)
+        """Registrations whose objects are still alive on this rank. Local, changes nothing."""
+        regs = list(self._regs.values())  # copied in C: no registration can interleave
+        return sorted((r for r in regs if r() is not None), key=_KEY_OF)
+
+    def cyclic_pending(self) -> int:
+        """Cyclic-GC finalizations not yet seen by a sync point. Local, changes nothing."""
+        return sum(1 for r in tuple(self._cyclic_inbox) if r._state == ALIVE)
 
     # -- sync points -----------------------------------------------------------
 
@@ -503,6 +658,26 @@ class Manager:
 
         return describe
 
+    def allgather(self, value: Any, timeout: float | None = None) -> list[Any]:
+        """Collective: every rank's ``value`` (picklable), over the private duplicate.
+
+        For diagnostics that gather from every rank (``view``). ``timeout``
+        bounds the wait (then :class:`CollectiveTimeoutError`, and the manager
+        is unusable: the abandoned gather could match a later one).
+        """
+        if self._size == 1:
+            return [value]
+        with self._lock:
+            if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
+                self._check_usable("gather from every rank")
+            deadline = _agree.Deadline(None if timeout is None else time.monotonic() + timeout)
+            try:
+                comm = self._private(deadline)
+                return _agree.allgather(comm, value, deadline, self._what("a gather"))
+            except BaseException as exc:
+                self._broken = f"a gather was left by {type(exc).__name__} ({exc})"
+                raise
+
     def sync(
         self,
         *,
@@ -511,31 +686,35 @@ class Manager:
         on_header: Callable[[Sequence[int]], None] | None = None,
         collected: int | None = None,
         t0: float | None = None,
+        at_exit: bool = False,
     ) -> CollectStats:
         """Collective. Agree on the keys pending on every rank and destroy them.
 
-        ``policy`` fills the header's policy slots (from ``H_POLICY`` on) and
-        ``on_header`` sees the reduced header before anything is destroyed (it
-        may raise, and then does so on every rank alike); both are for
-        :mod:`._scope`. ``collected``/``t0`` only feed the returned stats.
+        ``deadline`` is a ``time.monotonic()`` value. ``policy`` fills the
+        header's policy slots (from ``H_POLICY`` on) and ``on_header`` sees the
+        reduced header before anything is destroyed (it may raise, and then
+        does so on every rank alike); both are for :mod:`._scope`.
+        ``collected``/``t0`` only feed the returned stats. ``at_exit`` marks the
+        exit agreement, which never matches a sync point of the program.
         """
         if t0 is None:
             t0 = time.perf_counter()
         with self._lock:
-            if self._forked or self._destroying or self._broken is not None:
+            if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("run a sync point")
-            # Derived communicators first: their resources are newer, and may
-            # have to go before one of ours (the communicator itself) can.
-            child_failures = self._sync_children(deadline) if self._children else []
-            if self.last_cyclic:
-                self.last_cyclic = []
-            if self._inbox or self._cyclic_inbox or self._stale:
-                cyclic = self._drain()
-            else:
-                cyclic = 0
+            dl = _agree.Deadline(deadline)
             try:
+                # Derived communicators first: their resources are newer, and may
+                # have to go before one of ours (the communicator itself) can.
+                child_failures = self._sync_children(dl) if self._children else []
+                if self.last_cyclic:
+                    self.last_cyclic = []
+                if self._inbox or self._cyclic_inbox or self._stale:
+                    cyclic = self._drain()
+                else:
+                    cyclic = 0
                 return self._sync_locked(
-                    deadline, policy, on_header, collected, t0, cyclic, child_failures
+                    dl, policy, on_header, collected, t0, cyclic, child_failures, at_exit
                 )
             except CollectiveTimeoutError as exc:
                 # An abandoned collective could match a later one: never again.
@@ -545,40 +724,52 @@ class Manager:
                 # Every rank saw the same reduced header, so every rank gets here.
                 self._broken = f"the ranks disagreed at sync point {self._seq}"
                 raise
+            except BaseException as exc:
+                if self._collective:
+                    # Left half-way through its collectives on this rank only:
+                    # the other ranks' next collective would match the wrong one.
+                    self._broken = (
+                        f"sync point {self._seq} was left on this rank by "
+                        f"{type(exc).__name__} before its collectives were done"
+                    )
+                raise
+            finally:
+                self._collective = False
 
     def _sync_locked(
         self,
-        deadline: float | None,
+        dl: _agree.Deadline,
         policy: Sequence[int],
         on_header: Callable[[Sequence[int]], None] | None,
         collected: int | None,
         t0: float,
         cyclic: int,
         child_failures: list[tuple[int, str, BaseException]],
+        at_exit: bool,
     ) -> CollectStats:
         """The body of :meth:`sync` after the drain, under the manager's lock."""
         votes = self._votes_now()
         agreed, any_errors = self._agree(
-            deadline, policy, on_header, cyclic, len(child_failures), votes
+            dl, policy, on_header, cyclic, len(child_failures), votes, at_exit
         )
         seq = self._seq
         self._seq += 1
         failures = self._destroy_agreed(agreed) if agreed.size else []
-        self.last_agreed = int(agreed.size)
         failures.extend(child_failures)
         any_failed = bool(failures)
         # Whether anything ran depends only on agreed values, so every rank
         # takes the same branch: then one more small allreduce says whether
-        # a destroy failed anywhere and refreshes the hook's vote (the
-        # destroys may have changed it: PETSc garbage, say).
+        # a destroy failed anywhere (KeyboardInterrupt and SystemExit
+        # included: they are re-raised only after this) and refreshes the
+        # hook's vote (the destroys may have changed it: PETSc garbage, say).
         if agreed.size or any_errors:
             votes = self._votes_now()
             if self._size > 1:
                 post = _agree.allreduce(
-                    self._comm,
+                    self._private(dl),
                     array.array("q", (len(failures), *votes)),
-                    MPI.MAX,
-                    deadline,
+                    _MAX,
+                    dl,
                     self._what("its error check"),
                 )
                 any_failed = post[0] > 0
@@ -590,23 +781,22 @@ class Manager:
         if self._children:
             self._children = [c for c in self._children if not c.released]
         if any_failed:
-            self._raise_failures(failures, seq, deadline)
+            self._raise_failures(failures, seq, dl)
+        self._collective = False
         seconds = time.perf_counter() - t0
-        self.sync_seconds += seconds
-        # tuple.__new__: NamedTuple's own __new__ is a Python function.
-        return _new_tuple(
-            CollectStats,
-            (agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected),
+        return CollectStats(
+            agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
         )
 
     def _agree(
         self,
-        deadline: float | None,
+        dl: _agree.Deadline,
         policy: Sequence[int],
         on_header: Callable[[Sequence[int]], None] | None,
         cyclic: int,
         child_errors: int,
         votes: tuple[int, int],
+        at_exit: bool,
     ) -> tuple[np.ndarray[Any, Any], bool]:
         """Collective. The keys to destroy now, ascending, and whether any rank
         saw a destroy fail on a derived communicator."""
@@ -627,18 +817,52 @@ class Manager:
             lo, neg_hi = NO_KEY, 1
         seq, nk = self._seq, self._next_key
         gen = policy[0] if policy else 0
+        kind = int(at_exit)
         head = array.array(
-            "q", (n, seq, -seq, nk, -nk, lo, neg_hi, cyclic, child_errors, gen, *votes)
+            "q",
+            (
+                n,
+                seq,
+                -seq,
+                nk,
+                -nk,
+                lo,
+                neg_hi,
+                cyclic,
+                child_errors,
+                gen,
+                *votes,
+                kind,
+                -kind,
+                dl.wall_us(),
+            ),
         )
-        if deadline is None:
-            # The common case, inline and in place: this allreduce is most of
-            # an empty sync point's cost.
-            self._comm.Allreduce(_IN_PLACE, head, _MAX)
+        # From here until the sync point's last collective, leaving by an
+        # exception on this rank only makes the manager unusable (see sync).
+        self._collective = True
+        comm = self._private(dl)
+        if dl.at is None:
+            # The common case, in place: this allreduce is most of an empty
+            # sync point's cost. Non-blocking even here: a blocking collective
+            # never matches the non-blocking one of a rank with a deadline.
+            comm.Iallreduce(_IN_PLACE, head, _MAX).Wait()
             red = head
         else:
-            red = _agree.allreduce(self._comm, head, MPI.MAX, deadline, self._what("its header"))
-        if red[H_SEQ] != -red[H_NEG_SEQ] or red[H_NEXT] != -red[H_NEG_NEXT]:
-            raise self._mismatch(red)
+            red = _agree.allreduce(comm, head, _MAX, dl, self._what("its header"))
+        if red[H_NEG_DEADLINE] != NO_DEADLINE:
+            dl.agree(red[H_NEG_DEADLINE])
+            if dl.late_after is not None and time.time() > dl.late_after:
+                raise CollectiveTimeoutError(
+                    self._what("its header")()
+                    + "\n(it completed here only after the deadline of another rank had "
+                    "passed: that rank gave up on this sync point)"
+                )
+        if (
+            red[H_SEQ] != -red[H_NEG_SEQ]
+            or red[H_NEXT] != -red[H_NEG_NEXT]
+            or red[H_KIND] != -red[H_NEG_KIND]
+        ):
+            raise self._mismatch(red, at_exit)
         self.votes = (red[H_VOTE], red[H_VOTE + 1])
         if on_header is not None:
             on_header(red)
@@ -646,26 +870,32 @@ class Manager:
         if red[H_COUNT] == 0:
             return _NO_KEYS, any_errors
         common = _agree.intersect(
-            self._comm,
+            comm,
             np.sort(pend),
             red[H_LO],
             -red[H_NEG_HI],
             red[H_COUNT],
-            deadline,
+            dl,
             self._what("the key agreement"),
         )
         return common, any_errors
 
-    def _sync_children(self, deadline: float | None) -> list[tuple[int, str, BaseException]]:
+    def _sync_children(self, dl: _agree.Deadline) -> list[tuple[int, str, BaseException]]:
         failures: list[tuple[int, str, BaseException]] = []
         for child in list(self._children):
-            failures.extend(child.visit(deadline))
+            failures.extend(child.visit(dl.at))
             if child.released:
                 self._children.remove(child)
         return failures
 
-    def _mismatch(self, red: Sequence[int]) -> CollectiveMismatchError:
+    def _mismatch(self, red: Sequence[int], at_exit: bool) -> CollectiveMismatchError:
         parts = []
+        if red[H_KIND] != -red[H_NEG_KIND]:
+            parts.append(
+                "some ranks were at a sync point of the program and others at the exit "
+                f"agreement (this rank: {'exit' if at_exit else 'a sync point'}); a rank "
+                "ran more sync points than the others, or exited early"
+            )
         if red[H_SEQ] != -red[H_NEG_SEQ]:
             parts.append(
                 f"sync-point numbers range from {-red[H_NEG_SEQ]} to {red[H_SEQ]} across "
@@ -683,105 +913,146 @@ class Manager:
         )
 
     def _destroy_agreed(self, agreed: np.ndarray[Any, Any]) -> list[tuple[int, str, BaseException]]:
-        # Newest first: a resource made from another one (a KSP from a Mat, a
-        # sub-communicator from a communicator) is released before its source.
-        #
-        # The cost per key is the point of this function (a sync point after
-        # dropping 1e4 PETSc Vecs is mostly this loop), so every pass over the
-        # batch runs in C: map() over dict.pop, attrgetter, setattr, then the
-        # destroys themselves (see _run_each and set_batch). Every agreed
-        # destroy runs even if some raise; the errors are raised afterwards.
-        failures: list[tuple[int, str, BaseException]] = []
+        """Run the agreed destroys; return (key, name, exception) of those that raised.
+
+        Newest first: a resource made from another one (a KSP from a Mat, a
+        sub-communicator from a communicator) is released before its source.
+        Every agreed destroy runs, whatever raises (KeyboardInterrupt and
+        SystemExit too: the caller re-raises them once the sync point's
+        collectives are done).
+        """
         # Every registration out of the dict and marked destroyed before any
         # destroy runs (a destroy that reaches for another registration of the
         # batch finds it destroyed), its call taken out (a registration someone
         # still holds lets go of the destroyed objects), registrations
         # destroyed explicitly meanwhile skipped; and the runs of calls to a
-        # batched destroy found.
+        # batched destroy found. The cost per key is the point of this
+        # function, so these passes run in C where the extension is built.
         batched, runs = _BATCHES
-        regs, fns, argss, segments = _take_batch(
-            self._regs, agreed[::-1].tolist(), DESTROYED, batched
-        )
+        with self._reg_lock:
+            regs, fns, argss, segments = _take_batch(
+                self._regs, agreed[::-1].tolist(), DESTROYED, batched
+            )
+            if not self._regs:
+                # A dict never shrinks: give back a large backlog's memory.
+                self._regs = {}
         if segments is None:  # out of memory finding the batches: one by one then
             segments = [(0, len(fns), -1)]
+        # The agreed keys leave the pending set before any destroy runs, so
+        # nothing a destroy calls can see them pending, and nothing it queues
+        # can be mistaken for them.
+        pend = self._pend
+        if agreed.size == pend.size:  # agreed is a subset of pend: they are equal
+            self._pend = self._pend_seq = _NO_KEYS
+        else:
+            keep = ~np.isin(pend, agreed, assume_unique=True)
+            self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
         n = len(regs)
-        self._destroying = True
+        failures: list[tuple[int, str, BaseException]] = []
+        self._destroying = threading.get_ident()
         try:
             for start, end, index in segments:
                 if len(segments) == 1:
                     fchunk, achunk = fns, argss
                 else:
                     fchunk, achunk = fns[start:end], argss[start:end]
-                errors = _run_each(fchunk, achunk) if index < 0 else runs[index](achunk)
+                try:
+                    errors = _run_each(fchunk, achunk) if index < 0 else runs[index](achunk)
+                except BaseException as exc:
+                    # The runner itself failed (out of memory recording a
+                    # failure), after trying every call: which one is unknown.
+                    errors = [(-1, exc)]
                 for i, exc in errors:
-                    failures.append((regs[start + i].key, regs[start + i].name, exc))
+                    if i < 0:
+                        failures.append((-1, f"one of {end - start} destroys", exc))
+                    else:
+                        failures.append((regs[start + i].key, regs[start + i].name, exc))
                 del fchunk, achunk
             del fns, argss  # the destroyed objects go here, unless someone else holds them
         finally:
-            self._destroying = False
+            self._destroying = 0
             self.destroyed += n
             del regs
-            pend = self._pend
-            if agreed.size == pend.size:
-                self._pend = self._pend_seq = _NO_KEYS
-            else:
-                keep = ~np.isin(pend, agreed, assume_unique=True)
-                self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
-            if not self._regs:
-                # A dict never shrinks: give back a large backlog's memory.
-                self._regs = {}
-        for _, _, exc in failures:
-            if not isinstance(exc, Exception):
-                raise exc  # KeyboardInterrupt, SystemExit: after every destroy ran
         return failures
 
     def _raise_failures(
         self,
         failures: list[tuple[int, str, BaseException]],
         seq: int,
-        deadline: float | None,
+        dl: _agree.Deadline,
     ) -> None:
-        """Collective when some rank had a failure (agreed by the caller): raise on all."""
+        """Collective when some rank had a failure (agreed by the caller): raise on all.
+
+        A rank whose destroy raised KeyboardInterrupt or SystemExit re-raises
+        it, with a note; every other rank raises :class:`DestroyError`.
+        """
         mine = [(self._rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]
         if self._size > 1:
-            everyone = _agree.allgather(self._comm, mine, deadline, self._what("its error report"))
+            everyone = _agree.allgather(
+                self._private(dl), mine, dl, self._what("its error report")
+            )
             mine = [f for per_rank in everyone for f in per_rank]
+        self._collective = False
         lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine)
-        raise DestroyError(
+        text = (
             f"{len(mine)} destroy(s) raised at sync point {seq} on the "
-            f"{self._describe()}; every other agreed destroy ran:\n{lines}",
-            mine,
-            [e for _, _, e in failures],
+            f"{self._describe()}; every other agreed destroy ran:\n{lines}"
         )
+        if self._broken is not None:
+            text += f"\nThe {self._describe()} is unusable from now on: {self._broken}"
+        local = [e for _, _, e in failures]
+        interrupt = next((e for e in local if not isinstance(e, Exception)), None)
+        if interrupt is not None:
+            interrupt.add_note(
+                f"collective_gc: raised by a destroy on rank {self._rank}; every agreed "
+                "destroy ran, and the other ranks raised DestroyError. " + text
+            )
+            try:
+                raise interrupt
+            finally:
+                interrupt = None
+        error = DestroyError(text, mine, local)
+        cause = local[0] if local else None
+        try:
+            raise error from cause
+        finally:
+            error = cause = None  # type: ignore[assignment]
 
     # -- exit and fork ---------------------------------------------------------
+
+    def _leak_text(self) -> str:
+        regs = self.pending()
+        names = ", ".join(f"key {r.key} ({r.name!r})" for r in regs[:10])
+        more = f" and {len(regs) - 10} more" if len(regs) > 10 else ""
+        return f"{len(regs)} pending destroy(s) on the {self._describe()}: {names}{more}"
 
     def _exit_sync(self, deadline: float) -> None:
         if self._forked:
             return
-        if self._broken is not None:
-            self._drain()
-            if self._pend.size:
+        if self._broken is None and not (self._size > 1 and self._comm is None):
+            try:
+                self.sync(deadline=deadline, at_exit=True)
+            except CollectiveTimeoutError:
                 warnings.warn(
-                    f"collective_gc: rank {self._rank}: {self._pend.size} pending "
-                    f"destroy(s) on the {self._describe()} were leaked at exit: the "
-                    f"manager is unusable since {self._broken}",
+                    f"collective_gc: rank {self._rank}: the final agreement on the "
+                    f"{self._describe()} timed out at exit (did another rank exit early "
+                    "or hang?)",
                     ExitLeakWarning,
                     stacklevel=1,
                 )
-            return
-        try:
-            self.sync(deadline=deadline)
-        except CollectiveTimeoutError:
+            except Exception as exc:  # reported: exit goes on with the other managers
+                warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
+        if self.pending():
+            why = (
+                f"the manager is unusable since {self._broken}"
+                if self._broken is not None
+                else "they were not queued on every rank"
+            )
             warnings.warn(
-                f"collective_gc: rank {self._rank}: the final agreement on the "
-                f"{self._describe()} timed out at exit; {self._pend.size} pending "
-                "destroy(s) were leaked (did another rank exit early or hang?)",
+                f"collective_gc: rank {self._rank}: leaked at exit ({why}): {self._leak_text()}",
                 ExitLeakWarning,
                 stacklevel=1,
             )
-        except CollectiveGCError as exc:
-            warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
 
     def _after_fork(self) -> None:
         self._forked = True
@@ -795,15 +1066,54 @@ class Manager:
     def _on_comm_freed(self) -> None:
         # Called from an MPI attribute delete callback: record only, no MPI.
         self._comm_freed = True
+        _FREED.append(self)
+
+    def _release(self) -> bool:
+        """After the user freed the communicator: free the private duplicate and
+        leave the registry, once nothing is registered. Local (MPI_Comm_free
+        does not wait for the other ranks). True if released."""
+        with self._lock:
+            if self._collective or self._regs or self._inbox or self._pend.size:
+                return False
+            if self._comm is not None and self._size > 1:
+                self._comm.Free()
+            self._comm = None
+            if self._broken is None:
+                self._broken = "its communicator was freed"
+        with _REGISTRY_LOCK:
+            if self in _MANAGERS:
+                _MANAGERS.remove(self)
+            if _LAST[1] is self:
+                _LAST[0] = _LAST[1] = None
+        return True
 
 
 # -- the registry of managers ------------------------------------------------
 
 _MANAGERS: list[Manager] = []
+_REGISTRY_LOCK = threading.Lock()
 _KEYVAL: list[int] = []
 # A weak reference to the communicator object of the last lookup, and its
 # manager: a cache for the common case of many registrations on one communicator.
 _LAST: list[Any] = [None, None]
+# The timeout of the innermost collective_scope of this thread, for waits
+# outside sync points (the first registration's duplicate); set by _scope.
+_TIMEOUT_SOURCE: list[Callable[[], float | None]] = [lambda: None]
+# Managers whose user communicator was freed (appended by the attribute delete
+# callback, which must not call MPI): released at the next safe point.
+_FREED: list[Manager] = []
+
+
+def release_freed() -> None:
+    """Release the managers of freed communicators that have nothing left. Local.
+
+    A freed communicator's manager that still has registrations stays: its
+    destroys are agreed at exit, over its private duplicate.
+    """
+    if MPI.Is_finalized():
+        return
+    while _FREED:
+        _FREED.pop()._release()
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
@@ -818,6 +1128,8 @@ def _keyval() -> int:
 
 def _check_comm(comm: object) -> MPI.Intracomm:
     """Refuse what is not a usable intracommunicator, with a clear error."""
+    if MPI.Is_finalized():
+        raise CollectiveGCError("MPI is already finalized")
     if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
         raise ValueError("the communicator is MPI.COMM_NULL (freed, or this rank is not in it)")
     if not isinstance(comm, MPI.Intracomm):
@@ -825,39 +1137,60 @@ def _check_comm(comm: object) -> MPI.Intracomm:
             f"expected an mpi4py intracommunicator, got {type(comm).__name__!r} object"
             + (" (use comm=None for a rank-local registration)" if comm is None else "")
         )
-    if MPI.Is_finalized():
-        raise CollectiveGCError("MPI is already finalized")
     return comm
+
+
+def _cached(comm: object) -> Manager | None:
+    last = _LAST
+    mgr = last[1]
+    if mgr is not None and last[0]() is comm and not mgr._comm_freed:
+        # The same Python object as last time, and its handle was not freed
+        # (freeing runs our attribute delete callback): the same manager.
+        return mgr  # type: ignore[no-any-return]
+    return None
+
+
+def lookup(comm: MPI.Comm) -> Manager | None:
+    """The manager of ``comm`` if it has one, else None. Local: no communication."""
+    mgr = _cached(comm)
+    if mgr is not None:
+        return mgr
+    c = _check_comm(comm)
+    if not _KEYVAL:
+        return None
+    found = c.Get_attr(_KEYVAL[0])
+    return found if isinstance(found, Manager) else None
 
 
 def manager(comm: MPI.Comm) -> Manager:
     """The manager of ``comm``: the same object each time for the same communicator.
 
-    Collective the first time it is called for a communicator (it duplicates the
-    communicator for its own traffic); :func:`register` and :func:`collect`
-    call it for you.
+    Local: making a manager sends no message (its private duplicate of the
+    communicator is made by the first registration and sync point, which
+    are collective anyway).
     """
-    last = _LAST
-    if last[0] is not None and last[0]() is comm and not last[1]._comm_freed:
-        # The same Python object as last time, and its handle was not freed
-        # (freeing runs our attribute delete callback): the same manager.
-        return last[1]  # type: ignore[no-any-return]
+    mgr = _cached(comm)
+    if mgr is not None:
+        return mgr
     c = _check_comm(comm)
+    if _FREED:
+        release_freed()
     kv = _keyval()
     mgr = c.Get_attr(kv)
     if mgr is None:
         mgr = Manager(c)
         c.Set_attr(kv, mgr)
-        _MANAGERS.append(mgr)
+        with _REGISTRY_LOCK:
+            _MANAGERS.append(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
-    last[0], last[1] = weakref.ref(comm), mgr
+    _LAST[0], _LAST[1] = weakref.ref(comm), mgr
     assert isinstance(mgr, Manager)
     return mgr
 
 
 def managers() -> list[Manager]:
-    """Every manager made so far in this process, oldest first."""
+    """Every manager in use in this process, oldest first."""
     return list(_MANAGERS)
 
 
@@ -874,7 +1207,11 @@ def register(
     Every rank registers the same objects in the same order, so the
     registration gets the same key on every rank; a rank that registers in a
     different order makes the next sync point raise
-    :class:`CollectiveMismatchError` on every rank.
+    :class:`CollectiveMismatchError` on every rank. On a communicator of size
+    > 1, register from one thread at a time: a registration that starts while
+    another thread is registering on the same communicator raises
+    :class:`RegistrationError`. On ``COMM_SELF`` (and any communicator of
+    size 1) and with ``comm=None``, any thread may register at any time.
 
     When ``obj`` dies (by refcounting or in the cyclic collector, on any
     thread) the destroy is only queued: it runs at the next sync point on
@@ -898,6 +1235,24 @@ def register(
     return manager(comm).register(obj, destroy, args, kwargs, name)
 
 
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` as seconds (None: no deadline), or ValueError/TypeError. Local."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if not timeout > 0:  # also refuses nan
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return None if timeout == float("inf") else float(timeout)
+
+
+def _check_generation(generation: object) -> None:
+    if generation is not None and (
+        isinstance(generation, bool) or generation not in (0, 1, 2)
+    ):
+        raise ValueError(f"generation must be 0, 1, 2 or None, not {generation!r}")
+
+
 def collect(
     comm: MPI.Comm, *, generation: int | None = 2, timeout: float | None = None
 ) -> CollectStats:
@@ -911,28 +1266,41 @@ def collect(
     Every rank of ``comm`` must call it: a rank that skips it leaves the others
     waiting in the agreement (for ever, or until ``timeout`` seconds pass, when
     :class:`CollectiveTimeoutError` is raised and the manager becomes
-    unusable). If any destroy raises, on any rank, every agreed destroy still
-    runs and then :class:`DestroyError` is raised on every rank.
+    unusable, on every rank: a rank that arrives after the others gave up
+    raises it too). If any destroy raises, on any rank, every agreed destroy
+    still runs and then :class:`DestroyError` is raised on every rank (a
+    KeyboardInterrupt or SystemExit raised by a destroy is re-raised on its
+    rank instead, after the same collectives). A bad ``timeout`` or
+    ``generation`` raises ValueError before any collective.
     """
     t0 = time.perf_counter()
+    seconds = check_timeout(timeout)
+    _check_generation(generation)
     mgr = manager(comm)
     collected = None if generation is None else gc.collect(generation)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if seconds is None else time.monotonic() + seconds
     return mgr.sync(deadline=deadline, collected=collected, t0=t0)
 
 
 def pending(comm: MPI.Comm | None) -> list[Registration]:
-    """The destroy requests this rank has queued on ``comm``, oldest first. Local."""
+    """The destroy requests this rank has queued on ``comm``, oldest first.
+
+    Local: no communication, and it changes nothing (a communicator with no
+    manager yet has nothing pending).
+    """
     if comm is None:
         return []
-    return manager(comm).pending()
+    mgr = lookup(comm)
+    return [] if mgr is None else mgr.pending()
 
 
-def _exit_timeout() -> float:
+def exit_timeout() -> float:
+    """Seconds the exit agreement may wait (``COLLECTIVE_GC_EXIT_TIMEOUT``, default 10)."""
     try:
-        return float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
+        value = float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
     except ValueError:
         return 10.0
+    return value if value > 0 else 10.0
 
 
 def _at_exit() -> None:
@@ -951,7 +1319,7 @@ def _at_exit() -> None:
             # rank only: the others may never reach an exit agreement, and
             # under `python -m mpi4py` the job is about to be aborted. Waiting
             # for them would only delay that; leak instead, and say so.
-            left = sum(m._pend.size + len(m._inbox) for m in _MANAGERS)
+            left = sum(len(m.pending()) for m in _MANAGERS)
             if left:
                 warnings.warn(
                     f"collective_gc: exiting on an uncaught exception: {left} pending "
@@ -960,12 +1328,26 @@ def _at_exit() -> None:
                     stacklevel=1,
                 )
             return
-        if MPI.Is_initialized() and not MPI.Is_finalized() and _MANAGERS:
-            gc.collect()
-            deadline = time.monotonic() + _exit_timeout()
-            # Newest first: sub-communicators before the communicators they came from.
-            for mgr in reversed(_MANAGERS):
-                mgr._exit_sync(deadline)
+        if not MPI.Is_initialized() or not _MANAGERS:
+            return
+        if MPI.Is_finalized():
+            # MPI was finalized by hand: nothing can be agreed any more.
+            for mgr in list(_MANAGERS):
+                mgr._drain()
+                if mgr.pending():
+                    warnings.warn(
+                        f"collective_gc: rank {mgr.rank}: leaked at exit (MPI was finalized "
+                        f"before them): {mgr._leak_text()}",
+                        ExitLeakWarning,
+                        stacklevel=1,
+                    )
+            return
+        gc.collect()
+        release_freed()
+        deadline = time.monotonic() + exit_timeout()
+        # Newest first: sub-communicators before the communicators they came from.
+        for mgr in reversed(list(_MANAGERS)):
+            mgr._exit_sync(deadline)
     finally:
         _FLAGS[1] = 1  # finalizers from now on do nothing
         _reaper.shutdown()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import gc as _gc
-import os
 import threading
 import time
 import traceback
@@ -29,7 +28,15 @@ from ._errors import (
     CyclicFinalizationError,
     CyclicFinalizationWarning,
 )
-from ._manager import CollectStats, Manager, manager
+from ._manager import (
+    CollectStats,
+    Manager,
+    check_timeout,
+    exit_timeout,
+    lookup,
+    manager,
+    set_timeout_source,
+)
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
 
@@ -48,12 +55,75 @@ def _stack() -> list[collective_scope]:
 
 
 def current_scope(comm: MPI.Comm | None = None) -> collective_scope | None:
-    """The innermost open scope of this thread (on ``comm``, if given), or None."""
-    mgr = None if comm is None else manager(comm)
-    for scope in reversed(_stack()):
+    """The innermost open scope of this thread (on ``comm``, if given), or None.
+
+    Local: no communication (a communicator with no manager has no scope).
+    """
+    stack = _stack()
+    if not stack:
+        return None
+    mgr = None if comm is None else lookup(comm)
+    if comm is not None and mgr is None:
+        return None
+    for scope in reversed(stack):
         if mgr is None or scope.manager is mgr:
             return scope
     return None
+
+
+def _innermost_timeout() -> float | None:
+    stack = _stack()
+    return stack[-1].timeout if stack else None
+
+
+set_timeout_source(_innermost_timeout)
+
+
+class _GcPolicy:
+    """Whether Python's automatic collector runs, for every open scope of every thread.
+
+    The collector is process-wide, so scopes on several threads must not each
+    save and restore it: the last one out would restore what the first one
+    found (or what another thread's scope had set). Instead, while any
+    ``gc="managed"``/``"off"`` scope is open, anywhere, it is off; else while
+    any ``gc="auto"`` scope is open it is on; and when the last scope closes,
+    it is put back as it was when the first one opened.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.off = 0
+        self.auto = 0
+        self.saved = True
+
+    def enter(self, mode: str) -> None:
+        with self.lock:
+            if not (self.off or self.auto):
+                self.saved = _gc.isenabled()
+            if mode == "auto":
+                self.auto += 1
+            else:
+                self.off += 1
+            self._apply()
+
+    def leave(self, mode: str) -> None:
+        with self.lock:
+            if mode == "auto":
+                self.auto = max(0, self.auto - 1)
+            else:
+                self.off = max(0, self.off - 1)
+            self._apply()
+
+    def _apply(self) -> None:
+        if self.off:
+            _gc.disable()
+        elif self.auto or self.saved:
+            _gc.enable()
+        else:
+            _gc.disable()
+
+
+_GC = _GcPolicy()
 
 
 # CPython runs a full collection only when the objects promoted to the oldest
@@ -160,8 +230,7 @@ class collective_scope:
             raise ValueError(f"gc must be 'managed', 'auto' or 'off', not {gc!r}")
         if strict not in (False, True, "warn"):
             raise ValueError(f"strict must be False, True or 'warn', not {strict!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        timeout = check_timeout(timeout)
         self.comm = comm
         self.gc = gc
         self.strict = strict
@@ -177,13 +246,13 @@ class collective_scope:
         self.collections = 0
         self.seconds = 0.0
         self._state = "new"
-        self._gc_was_enabled = False
         self._origins_were = False
         self._thread = 0
+        self._owner_stack: list[collective_scope] | None = None
 
     def __repr__(self) -> str:
         return (
-            f"<collective_scope {self._state} on a {self.manager._describe()}: gc={self.gc!r}, "
+            f"<collective_scope {self._state} on a {self.manager.describe()}: gc={self.gc!r}, "
             f"strict={self.strict!r}, {self.syncs} syncs, {self.destroyed} destroyed, "
             f"{self.cyclic} cyclic>"
         )
@@ -197,15 +266,13 @@ class collective_scope:
             )
         self._state = "open"
         self._thread = threading.get_ident()
-        self._gc_was_enabled = _gc.isenabled()
-        if self.gc in ("managed", "off"):
-            _gc.disable()
-        elif not self._gc_was_enabled:
-            _gc.enable()
         self._origins_were = _queue.TRACK_ORIGINS[0]
+        _GC.enter(self.gc)
         if self.track_origins:
             _queue.TRACK_ORIGINS[0] = True
-        _stack().append(self)
+        stack = _stack()
+        stack.append(self)
+        self._owner_stack = stack
         return self
 
     def __exit__(
@@ -214,37 +281,45 @@ class collective_scope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        stack = _stack()
-        if self._state != "open" or threading.get_ident() != self._thread:
-            raise CollectiveGCError(f"attempted to exit {self!r}, which is not open in this thread")
-        if stack[-1] is not self:
-            raise CollectiveGCError(
-                f"attempted to exit {self!r} while an inner scope, {stack[-1]!r}, is still "
-                "open; scopes must be exited innermost first"
+        if self._state != "open":
+            raise CollectiveGCError(f"attempted to exit {self!r}, which is not open")
+        stack = self._owner_stack
+        assert stack is not None
+        misuse = None
+        if threading.get_ident() != self._thread:
+            misuse = (
+                f"attempted to exit {self!r} from a thread other than the one that "
+                "entered it; it is closed now, without its exit sync point"
+            )
+        elif not stack or stack[-1] is not self:
+            inner = stack[-1] if stack else None
+            misuse = (
+                f"attempted to exit {self!r} while an inner scope, {inner!r}, is still "
+                "open; scopes must be exited innermost first. It is closed now, "
+                "without its exit sync point"
             )
         try:
-            if exc is None:
-                self._sync(collect=True, deadline_s=self.timeout)
-            else:
-                self._sync_after_error(exc)
+            if misuse is None:
+                if exc is None:
+                    self._sync(collect=True, deadline_s=self.timeout)
+                else:
+                    self._sync_after_error(exc)
         finally:
-            stack.pop()
+            # Whichever way we leave, the state this scope changed is put back
+            # (trio's CancelScope._close does the same on misuse).
+            if self in stack:
+                stack.remove(self)
             self._state = "exited"
             _queue.TRACK_ORIGINS[0] = self._origins_were
-            if self._gc_was_enabled:
-                _gc.enable()
-            else:
-                _gc.disable()
+            _GC.leave(self.gc)
+        if misuse is not None:
+            raise CollectiveGCError(misuse)
 
     def _sync_after_error(self, exc: BaseException) -> None:
-        if self.manager._broken is not None:
+        if self.manager.broken is not None:
             return
         try:
-            limit = float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
-        except ValueError:
-            limit = 10.0
-        try:
-            self._sync(collect=True, deadline_s=self.timeout or limit)
+            self._sync(collect=True, deadline_s=self.timeout or exit_timeout())
         except CollectiveGCError as sync_exc:
             # The body's exception is the one that matters; say why the
             # scope could not clean up, and let it propagate.
@@ -293,10 +368,11 @@ class collective_scope:
     def _report_cyclic(self) -> None:
         mine = list(self.manager.last_cyclic)
         rank = self.manager.rank
+        seq = self.manager.sync_count - 1
         if self.strict == "warn":
             if mine:
                 warnings.warn(
-                    CyclicFinalizationWarning(_describe_cyclic(rank, mine, self.manager._seq - 1)),
+                    CyclicFinalizationWarning(_describe_cyclic(rank, mine, seq)),
                     stacklevel=4,
                 )
             return
@@ -304,14 +380,15 @@ class collective_scope:
         # one, so every rank raises, with the whole list.
         rows = [(rank, t, n, k, _origin(o)) for t, n, k, o in mine]
         if self.manager.size > 1:
-            rows = [row for per in self.manager._comm.allgather(rows) for row in per]
+            gathered = self.manager.allgather(rows, self.timeout)
+            rows = [row for per in gathered for row in per]
         lines = "\n".join(
             f"  rank {r}: {t} {n!r} (key {k})" + (f", registered at\n{o}" if o else "")
             for r, t, n, k, o in rows
         )
         raise CyclicFinalizationError(
             f"{len(rows)} managed object(s) were finalized by the cyclic collector before sync "
-            f"point {self.manager._seq - 1} of {self!r} (strict mode); their destroys ran, "
+            f"point {seq} of {self!r} (strict mode); their destroys ran, "
             "but when they die depends on each rank's allocations. Break the reference "
             "cycles (cgc.find_cycles(obj) on a live instance shows them):\n" + lines
         )

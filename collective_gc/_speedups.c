@@ -63,6 +63,21 @@ record_failure(PyObject *failures, Py_ssize_t index)
     return rc;
 }
 
+/* After the loop: every call was made. If some failures could not be
+ * recorded (out of memory), say so by raising MemoryError, which the caller
+ * counts as a failure of the batch: no rank may believe its destroys all
+ * succeeded when one did not. */
+static PyObject *
+finish(PyObject *failures, Py_ssize_t unrecorded)
+{
+    if (unrecorded == 0) {
+        return failures;
+    }
+    Py_DECREF(failures);
+    PyErr_Format(PyExc_MemoryError, "%zd destroy failure(s) could not be recorded", unrecorded);
+    return NULL;
+}
+
 static int
 is_fast(PyObject *obj, PyObject *fast_types)
 {
@@ -82,7 +97,9 @@ PyDoc_STRVAR(destroy_each_doc,
 "``pos`` of the tuple, in list order: with PETSc's PetscObjectDestroy when\n"
 "its exact type is in the tuple ``fast_types``, else with its destroy()\n"
 "method. Every object is tried, whatever raises (KeyboardInterrupt too);\n"
-"returns a list of (index, exception) for those that raised. ``getptr``, ``destroy`` and ``seterr`` are the addresses\n"
+"returns a list of (index, exception) for those that raised, or raises\n"
+"MemoryError after trying them all if a failure could not be recorded.\n"
+"``getptr``, ``destroy`` and ``seterr`` are the addresses\n"
 "of petsc4py's PyPetscObject_GetPtr, PETSc's PetscObjectDestroy and\n"
 "petsc4py's PyPetscError_Set.");
 
@@ -109,6 +126,7 @@ destroy_each(PyObject *module, PyObject *args)
     if (failures == NULL) {
         return NULL;
     }
+    Py_ssize_t unrecorded = 0;
     /* The list is ours (the caller built it), but a destroy runs arbitrary
      * code: hold each item while we use it and re-read the size every turn. */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(calls); i++) {
@@ -156,11 +174,11 @@ destroy_each(PyObject *module, PyObject *args)
         }
         Py_DECREF(call);
         if (failed && record_failure(failures, i) < 0) {
-            Py_DECREF(failures);
-            return NULL;
+            PyErr_Clear(); /* go on: every object must be tried */
+            unrecorded++;
         }
     }
-    return failures;
+    return finish(failures, unrecorded);
 }
 
 /* -- on_finalize ---------------------------------------------------------- */
@@ -446,7 +464,8 @@ take_batch(PyObject *module, PyObject *args)
 PyDoc_STRVAR(run_each_doc,
 "run_each(fns, argss) -> failures\n\n"
 "Call fns[i](*argss[i]) for each i, in order, whatever raises (KeyboardInterrupt\n"
-"too); returns (index, exception) for the calls that raised.");
+"too); returns (index, exception) for the calls that raised, or raises\n"
+"MemoryError after making them all if a failure could not be recorded.");
 
 static PyObject *
 run_each(PyObject *module, PyObject *args)
@@ -460,6 +479,7 @@ run_each(PyObject *module, PyObject *args)
     if (failures == NULL) {
         return NULL;
     }
+    Py_ssize_t unrecorded = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(fns) && i < PyList_GET_SIZE(argss); i++) {
         PyObject *fn = PyList_GET_ITEM(fns, i);
         PyObject *a = PyList_GET_ITEM(argss, i);
@@ -479,11 +499,11 @@ run_each(PyObject *module, PyObject *args)
             Py_DECREF(res);
         }
         else if (record_failure(failures, i) < 0) {
-            Py_DECREF(failures);
-            return NULL;
+            PyErr_Clear(); /* go on: every call must be made */
+            unrecorded++;
         }
     }
-    return failures;
+    return finish(failures, unrecorded);
 }
 
 static PyMethodDef methods[] = {

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 
 from _util import CheckedLog, Obj
-from conftest import mpiexec_env
+from conftest import mpiexec_cmd, mpiexec_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -130,7 +130,7 @@ def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -
 
 def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        ["mpiexec", "-n", "4", "--timeout", "100", *args],
+        [*mpiexec_cmd(4, 100), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from collective_gc.pytest_plugin import parallel_assert
 
-from conftest import mpiexec_env
+from conftest import mpiexec_cmd, mpiexec_env
 
 SUITE = Path(__file__).parent / "plugin_suite"
 
@@ -104,7 +104,7 @@ def run_suite(
     """Run the sample suite; return the process and its (outcome, test) summary lines."""
     pytest_args = ["-m", "pytest", "-p", "collective_gc.pytest_plugin", "-rA", "--color=no", *args]
     if ranks > 1:
-        cmd = ["mpiexec", "-n", str(ranks), "--timeout", "120", sys.executable, "-m", "mpi4py"]
+        cmd = [*mpiexec_cmd(ranks, 120), sys.executable, "-m", "mpi4py"]
         cmd += [*pytest_args, "--with-mpi"]
     else:
         cmd = [sys.executable, *pytest_args]

@@ -69,8 +69,14 @@ class ScopeTests:
         inner.__enter__()
         with pytest.raises(cgc.CollectiveGCError, match="innermost first"):
             outer.__exit__(None, None, None)
+        # The misnested exit still closed the outer scope (state restored, as
+        # trio's CancelScope does); the inner one closes normally.
+        assert "exited" in repr(outer)
+        assert cgc.current_scope(comm) is inner
         inner.__exit__(None, None, None)
-        outer.__exit__(None, None, None)
+        assert cgc.current_scope(comm) is None
+        with pytest.raises(cgc.CollectiveGCError, match="not open"):
+            outer.__exit__(None, None, None)
         assert gc.isenabled()
 
     def test_bad_arguments(self, comm: MPI.Intracomm) -> None:
