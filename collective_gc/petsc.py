@@ -44,7 +44,7 @@ import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
-from ._errors import CollectiveGCError, ExitLeakWarning, RegistrationError, call_each
+from ._errors import ExitLeakWarning, RegistrationError, call_each
 from ._manager import Manager, manager, register, set_batch
 from ._queue import SPEEDUPS, Registration
 from ._scope import sync_point
@@ -149,7 +149,7 @@ class _Internals:
 
     def inner(self, comm: MPI.Comm) -> int | None:
         """The handle of PETSc's inner communicator of ``comm``, or None if PETSc has none."""
-        handle = MPI._handleof(comm)
+        handle: int = MPI._handleof(comm)
         if self._attr(handle, self._counter_kv) is not None:
             return handle  # comm is itself a PETSc inner communicator
         raw = self._attr(handle, self._inner_kv)
@@ -239,16 +239,14 @@ def garbage(comm: MPI.Comm) -> list[tuple[int, str]]:
 class _CommState:
     """This rank's record of the PETSc objects managed on one communicator.
 
-    ``failed`` counts this rank's PETSc destroys that raised (the wrecks are
-    leaked, see :func:`_forget`); ``unusable`` is the reason the ranks agreed
-    that PETSc's state of the communicator differs between them.
+    ``failed`` counts this rank's managed PETSc destroys that raised (the
+    wrecks are leaked, see :func:`_forget`).
     """
 
-    __slots__ = ("failed", "unusable", "__weakref__")
+    __slots__ = ("failed", "__weakref__")
 
     def __init__(self) -> None:
         self.failed = 0
-        self.unusable: str | None = None
 
 
 # One per installed manager. Registrations of serial objects get _SERIAL: a
@@ -288,7 +286,7 @@ def _sync_hook(mgr: Manager) -> None:
     comm = mgr.comm
     state = _STATES.get(mgr)
     if mgr.size > 1 and mgr.votes[1] >= 2:
-        _refuse(mgr, state)
+        _refuse(mgr)
     elif _PETSC is None:
         # Cannot look: clean unconditionally (every rank alike).
         PETSc.garbage_cleanup(comm)
@@ -327,14 +325,8 @@ def _vote(mgr: Manager) -> tuple[int, int]:
     communicator). Slot 1: 2 if a managed PETSc destroy raised on this rank,
     else 1 if this rank lacks the inner communicator (MAX: whether any
     destroy failed anywhere, else whether all have it).
-
-    Raises on every rank alike once the ranks agreed that the communicator's
-    PETSc state differs (see :func:`_refuse`): that makes every later sync
-    point refuse before it agrees on anything.
     """
     state = _STATES.get(mgr)
-    if state is not None and state.unusable is not None:
-        raise CollectiveGCError(f"cannot run a sync point on the {mgr!r}: {state.unusable}")
     failed = state is not None and state.failed > 0
     if _PETSC is None:
         return (0, 2 if failed else 0)
@@ -344,20 +336,15 @@ def _vote(mgr: Manager) -> tuple[int, int]:
     return (1 + _count(inner), 2 if failed else 0)
 
 
-def _refuse(mgr: Manager, state: _CommState | None) -> None:
+def _refuse(mgr: Manager) -> None:
     """No more sync points on ``mgr``; on every rank alike, since the vote is agreed."""
-    reason = (
+    mgr.mark_unusable(
         f"a PETSc destroy raised on some rank (seen at sync point {mgr.sync_count - 1}), so "
         f"the PETSc objects of this communicator of size {mgr.size} now differ between "
         "ranks (the failed object, and PETSc's inner communicator with it, survive "
         "where it failed) and further collective use of PETSc on it may hang; no "
         "later sync point runs on it: finish with it, or go on with a fresh communicator"
     )
-    mark = getattr(mgr, "mark_unusable", None)
-    if mark is not None:
-        mark(reason)
-    elif state is not None and state.unusable is None:
-        state.unusable = reason  # see _vote
 
 
 _WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
@@ -404,9 +391,9 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     for a ``cgc.dup``/``cgc.split`` communicator) ends with
     ``PETSc.garbage_cleanup(comm)`` when any rank holds PETSc garbage on
     ``comm``, and cleans this rank's ``COMM_SELF`` garbage; ``cgc.view(comm)``
-    lists PETSc's entries, and managed owners that can never die (see
-    :func:`immortal`). ``comm`` defaults to ``COMM_WORLD``. :func:`manage`
-    calls it for you. Idempotent.
+    lists PETSc's entries, and it and the pytest plugin's leak check name
+    managed owners that can never die (see :func:`immortal`). ``comm``
+    defaults to ``COMM_WORLD``. :func:`manage` calls it for you. Idempotent.
 
     Call it on every rank of ``comm``: the cleanup is collective, so a rank
     without the hook would skip it while the others wait for it.
@@ -416,6 +403,7 @@ def install(comm: MPI.Comm | None = None) -> Manager:
         _STATES[mgr] = _CommState()
         mgr.add_sync_hook(_sync_hook, vote=_vote)
         mgr.add_view_hook(_view_hook)
+        mgr.add_leak_hook(_immortal)
     return mgr
 
 
@@ -548,7 +536,8 @@ def immortal(comm: MPI.Comm) -> list[str]:
     such a cycle; here the registration is what keeps it. One line per such
     owner, naming it and the path from its destroy call back to it; break
     that path (a ``weakref.proxy`` of the owner, say). ``cgc.view(comm)``
-    shows the same lines, and a warning says them at exit. Only managers
+    and the pytest plugin's leak check show the same lines, and a warning
+    says them at exit. Only managers
     :func:`install` (or :func:`manage`) ran on are looked at.
     """
     mgr = manager(comm)

@@ -379,6 +379,8 @@ class PetscTests:
         ]
         text = cgc.view(comm, file=None)
         assert all(line in text for line in lines), text
+        # What the pytest plugin's leak check adds to its report.
+        assert cgc.manager(comm).leak_reasons() == lines
         # Breaking the path lets the owner die and its destroy run.
         for r in refs:
             owner = r()
