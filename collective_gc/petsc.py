@@ -468,8 +468,9 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
                 yield f".<{type(ref).__name__}>", ref
 
 
-def _keeper(reg: Registration, owner: object, max_objects: int = 5000) -> str | None:
-    """How ``reg``'s own destroy call reaches its owner, or None. Local.
+def _keeper(reg: Registration, owner: object, max_objects: int) -> tuple[str | None, int]:
+    """How ``reg``'s own destroy call reaches its owner, or None; and how many
+    objects were looked at (at most about ``max_objects``). Local.
 
     The registration holds its destroy and arguments strongly, and is held
     by its manager, so an owner reachable from them can never die. Breadth
@@ -486,7 +487,7 @@ def _keeper(reg: Registration, owner: object, max_objects: int = 5000) -> str | 
             continue  # the manager, and its inbox's bound append
         name = "destroy args" if isinstance(ref, tuple) else "destroy"
         if ref is owner:
-            return f"{name} -> {type(owner).__name__}"
+            return f"{name} -> {type(owner).__name__}", 1
         parent[id(ref)] = (start, "")
         names[id(ref)] = name
         queue.append((ref, 0))
@@ -507,17 +508,27 @@ def _keeper(reg: Registration, owner: object, max_objects: int = 5000) -> str | 
                     up, lab = parent[node]
                     steps.append(f"{names[up]}{lab}")
                     node = up
-                return " -> ".join(steps[::-1]) + f" -> {type(owner).__name__}"
+                return " -> ".join(steps[::-1]) + f" -> {type(owner).__name__}", len(parent)
             queue.append((ref, depth + 1))
-    return None
+    return None, len(parent)
 
 
-def _immortal(mgr: Manager) -> list[str]:
+def _immortal(mgr: Manager, budget: int = 200_000) -> list[str]:
+    # The budget bounds the whole walk (a view or the exit of a program with
+    # many live owners must stay quick); what it leaves unchecked is said.
     out = []
-    for reg in mgr.alive():
+    regs = mgr.alive()
+    for i, reg in enumerate(regs):
+        if budget <= 0:
+            out.append(
+                f"{len(regs) - i} more live registrations not checked for owners "
+                "their own destroy call keeps alive (too many objects to walk)"
+            )
+            break
         owner = reg()
-        path = None if owner is None else _keeper(reg, owner)
+        path, seen = (None, 0) if owner is None else _keeper(reg, owner, min(budget, 5000))
         del owner
+        budget -= max(seen, 1)
         if path is not None:
             out.append(
                 f"{reg.typename} {reg.name!r} (key {reg.key}) is kept alive by its own "
