@@ -109,12 +109,14 @@ def judge(
     label: str,
     expect: Callable[[int, list[Any]], set[str]] | None = None,
     extra: Any = None,
+    same_logs: bool = True,
 ) -> list[Any]:
     """Compare one sync point's outcome across ranks (a checkpoint); rank 0 records.
 
     ``expect(rank, gathered)`` gives the outcome kinds acceptable on ``rank``
     (default: only "ok"). The destroy logs and in-destroy events of ``label``
-    must be equal on every rank. Returns what every rank sent.
+    must be equal on every rank (unless ``same_logs`` is False: the program
+    itself was erroneous). Returns what every rank sent.
     """
     L = ctx.ledger
     mine = (res, list(L.log.get(label, ())), list(L.events.get(label, ())), extra)
@@ -139,7 +141,7 @@ def judge(
     oks = {g[0].destroyed for g in got if g[0].kind == "ok"}
     if len(oks) > 1:
         L.defect("disagree", f"{what}: ranks report different destroy counts {sorted(oks)}")
-    if any(g[1] != got[0][1] for g in got):
+    if same_logs and any(g[1] != got[0][1] for g in got):
         lens = [len(g[1]) for g in got]
         L.defect("disagree", f"{what}: destroy logs of {label} differ (lengths {lens})")
     if any(g[2] != got[0][2] for g in got):
@@ -516,8 +518,14 @@ def late(ctx: Ctx) -> None:
     comm = ctx.world.Dup()
     first_use = sh.random() < 0.4  # the late sync point is the communicator's first use
     holders = Holders()
+    child: MPI.Comm | None = None
     if not first_use:
         holders.extend(L.make(comm, label)[0] for _ in range(sh.randrange(1, 6)))
+        if sh.random() < 0.5:
+            # Something registered on a derived communicator: the parent's sync
+            # point syncs it first, so the timeout happens inside the child's.
+            child = cgc.dup(comm)
+            holders.extend(L.make(child, label)[0] for _ in range(sh.randrange(1, 4)))
         res = sync(comm, ctx.hang_timeout)
         judge(ctx, "sync before the late one", res, label)
         _drop_some(holders, ctx.mine, 0.5)
@@ -531,8 +539,9 @@ def late(ctx: Ctx) -> None:
         time.sleep(lateness)
     res = sync(comm, timeout, None)
     what = f"rank {slow} {lateness:.2f} s late at a sync point with timeout {timeout}" + (
-        " (first use)" if first_use else ""
+        " (first use)" if first_use else " (with a derived communicator)" if child else ""
     )
+    child = None
     if not beyond:
         judge(ctx, what, res, label)
     else:
@@ -609,15 +618,79 @@ def freed(ctx: Ctx) -> None:
     gc.collect()
 
 
+# -- two threads registering at once on a communicator of size > 1 (erroneous) ---
+
+
+def racing(ctx: Ctx) -> None:
+    """The expected-error scenario of defect 1: two threads register on a
+    communicator of size > 1 at once. Erroneous (ranks would number the
+    objects differently), so the library may refuse (``RegistrationError``
+    naming both threads) or, where the calls did not overlap, accept; keys may
+    then differ between ranks. Checked: no hang, no double or live destroy,
+    no other error, and every rank leaves the next sync point alike."""
+    L = ctx.ledger
+    L.episode = "racing"
+    label = "racing"
+    ctx.arm("racing", ctx.ck_timeout * 10)
+    comm = ctx.world.Dup()
+    holders = Holders()
+    errors: list[str] = []
+    refused: list[str] = []
+
+    def worker(w: int) -> None:
+        for _ in range(ctx.mine.randrange(5, 40)):
+            try:
+                holders.append(L.make(comm, label, local=True)[0])
+            except cgc.RegistrationError as exc:
+                refused.append(str(exc))
+            except Exception as exc:  # anything else is a defect
+                errors.append(f"thread {w}: {type(exc).__name__}: {exc}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=worker, args=(w,), name=f"racer-{w}") for w in (0, 1)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(ctx.hang_timeout)
+            if t.is_alive():
+                L.defect("hang", f"a registering thread did not finish in {ctx.hang_timeout} s")
+    finally:
+        sys.setswitchinterval(old)
+    if errors:
+        L.defect("error", f"{len(errors)} unexpected error(s), first: {errors[0]}")
+    unnamed = [m for m in refused if "racer-0" not in m or "racer-1" not in m]
+    if unnamed:
+        L.defect("error", f"a refusal does not name both threads: {unnamed[0][:300]}")
+    L.exempt.update(L.tokens(label))  # erroneous program: no promise of destroys
+    holders.clear()
+    gc.collect()
+
+    def mismatch_or_ok(q: int, got: list[Any]) -> set[str]:
+        return {"ok", "CollectiveMismatchError"}
+
+    res = sync(comm, ctx.hang_timeout)
+    judge(ctx, "sync after racing registrations", res, label, mismatch_or_ok, same_logs=False)
+
+
 EPISODES: dict[str, Callable[[Ctx], None]] = {
     "threads": threads,
     "interrupt": interrupt,
     "meddle": meddle,
     "late": late,
     "freed": freed,
+    "racing": racing,
 }
 # How often each episode runs (per seed, decided by the shared RNG).
-WEIGHTS = {"threads": 0.5, "interrupt": 0.5, "meddle": 0.6, "late": 0.2, "freed": 0.2}
+WEIGHTS = {
+    "threads": 0.5,
+    "interrupt": 0.5,
+    "meddle": 0.6,
+    "late": 0.2,
+    "freed": 0.2,
+    "racing": 0.15,
+}
 
 
 def run_faults(
@@ -633,8 +706,9 @@ def run_faults(
     pick = random.Random(seed ^ 0x5EED)
     draws = {name: pick.random() for name in EPISODES}
     chosen = [n for n in EPISODES if (n in only if only else draws[n] < WEIGHTS[n])]
-    if ctx.size == 1 and "late" in chosen:
-        chosen.remove("late")  # no other rank to be late for
+    if ctx.size == 1:
+        # No other rank to be late for, no numbering to differ between ranks.
+        chosen = [n for n in chosen if n not in ("late", "racing")]
     try:
         for name in chosen:
             EPISODES[name](ctx)
