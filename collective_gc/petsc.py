@@ -278,42 +278,43 @@ def _sync_hook(mgr: Manager) -> None:
     have made garbage), so this costs no message of its own.
 
     The same vote says whether a managed PETSc destroy raised on any rank.
-    Then PETSc's objects of the communicator differ between ranks (the wreck,
+    Then PETSc's objects of the communicator may differ between ranks (the wreck,
     and PETSc's inner communicator with it, survive where it failed), and any
     later collective PETSc call on it may hang: the manager is made unusable
     on every rank, with that explanation, and nothing is cleaned there.
     """
     comm = mgr.comm
-    state = _STATES.get(mgr)
-    if mgr.size > 1 and mgr.votes[1] >= 2:
-        _refuse(mgr)
+    votes = mgr.votes  # agreed in the sync point's own allreduces: no extra message
+    if mgr.size > 1 and votes[1] >= 2:
+        _refuse(mgr)  # nothing collective on comm any more
     elif _PETSC is None:
-        # Cannot look: clean unconditionally (every rank alike).
-        PETSc.garbage_cleanup(comm)
-        if mgr.size > 1:
-            PETSc.garbage_cleanup(MPI.COMM_SELF)
-        return
+        PETSc.garbage_cleanup(comm)  # cannot look: clean unconditionally (every rank alike)
     elif mgr.size > 1:
-        votes = mgr.votes  # agreed in the sync point's own allreduces: no extra message
         most, some_have, all_have = votes[0] - 1, votes[0] >= 1, votes[1] == 0
         if most > 0 and all_have:
             PETSc.garbage_cleanup(comm)
         elif most > 0 and some_have:
             _warn_split_state(mgr)
     else:
+        state = _STATES.get(mgr)
         if state is not None:
             state.failed = 0  # one rank: nothing can differ between ranks
         inner = _PETSC.inner(comm)
         if inner is not None and _count(inner):
             PETSc.garbage_cleanup(comm)
+    if _PETSC is not None or mgr.size > 1:  # unlooked, a second cleanup of a serial comm
+        _clean_self()
+
+
+def _clean_self() -> None:
+    """Clean this rank's COMM_SELF garbage: rank-local, so any sync point may."""
     if _PETSC is None:
-        PETSc.garbage_cleanup(MPI.COMM_SELF)  # rank-local: safe whatever the vote said
+        PETSc.garbage_cleanup(MPI.COMM_SELF)
         return
-    # COMM_SELF's garbage is rank-local, so any sync point may clean it; look
-    # first (an empty cleanup of COMM_SELF costs ~0.1 ms here: PETSc
+    # Look first: an empty cleanup of COMM_SELF costs ~0.1 ms here (PETSc
     # duplicates and frees an inner communicator to find nothing).
     self_inner = _PETSC.inner(MPI.COMM_SELF)
-    if self_inner is not None and self_inner != _PETSC.inner(comm) and _count(self_inner):
+    if self_inner is not None and _count(self_inner):
         PETSc.garbage_cleanup(MPI.COMM_SELF)
 
 
@@ -340,7 +341,7 @@ def _refuse(mgr: Manager) -> None:
     """No more sync points on ``mgr``; on every rank alike, since the vote is agreed."""
     mgr.mark_unusable(
         f"a PETSc destroy raised on some rank (seen at sync point {mgr.sync_count - 1}), so "
-        f"the PETSc objects of this communicator of size {mgr.size} now differ between "
+        f"the PETSc objects of this communicator of size {mgr.size} may now differ between "
         "ranks (the failed object, and PETSc's inner communicator with it, survive "
         "where it failed) and further collective use of PETSc on it may hang; no "
         "later sync point runs on it: finish with it, or go on with a fresh communicator"
