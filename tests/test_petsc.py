@@ -629,6 +629,46 @@ def test_owner_kept_alive_is_reported_at_exit() -> None:
     ) in proc.stderr, proc.stderr
 
 
+SELF_KEPT_TEST = """
+from mpi4py import MPI
+from petsc4py import PETSc
+from collective_gc import petsc as cp
+
+class Owner:
+    pass
+
+def test_self_kept():
+    owner = Owner()
+    owner.ksp = PETSc.KSP().create(MPI.COMM_WORLD)
+    owner.ksp.setAppCtx(owner)
+    cp.manage(owner, owner.ksp, comm=MPI.COMM_WORLD, name="stuck")
+"""
+
+
+@pytest.mark.launcher
+def test_owner_kept_alive_is_named_by_the_leak_check(tmp_path: Path) -> None:
+    # Issue 11, defect 16, in the pytest plugin's leak check: not only "alive",
+    # but why, with the path.
+    (tmp_path / "test_self_kept.py").write_text(SELF_KEPT_TEST)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_", "PMIX_", "PMI_"))}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cgc-leak-check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert (
+        "Owner 'stuck' (key 0) is kept alive by its own destroy call, so it never dies and "
+        "its destroy never runs: destroy args[0] -> KSP.<PETSc attributes> -> "
+        "dict['__appctx__'] -> Owner"
+    ) in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.mpi(min_size=2)
 def test_wrong_communicator_refused(comm: MPI.Intracomm) -> None:
     other = comm.Dup()
