@@ -226,7 +226,10 @@ def threads(ctx: Ctx) -> None:
     L = ctx.ledger
     L.episode = "threads"
     ctx.arm("threads", ctx.hang_timeout * 3 + 30)
-    sc = MPI.COMM_SELF.Dup()  # COMM_SELF semantics, a fresh manager per seed
+    # COMM_SELF itself (one manager for the whole run), or a fresh duplicate
+    # (a fresh manager, whose first use comes from several threads at once).
+    own = ctx.mine.random() < 0.7
+    sc = MPI.COMM_SELF.Dup() if own else MPI.COMM_SELF
     label, rl = "self", "reaper"
     nthreads = ctx.mine.randrange(2, 5)
     per = ctx.mine.randrange(40, 150)
@@ -251,10 +254,12 @@ def threads(ctx: Ctx) -> None:
             while keep and rng.random() < 0.5:
                 keep.pop(rng.randrange(len(keep)))
             if rng.random() < 0.05:
-                try:
+                try:  # diagnostics while the main thread may be inside a sync point
                     cgc.pending(sc)
+                    if rng.random() < 0.3:
+                        cgc.view(sc, file=None)
                 except Exception as exc:
-                    errors.append(f"thread {w}: pending: {type(exc).__name__}: {exc}")
+                    errors.append(f"thread {w}: diagnostics: {type(exc).__name__}: {exc}")
         keep.clear()
 
     holders = Holders()
@@ -319,7 +324,8 @@ def threads(ctx: Ctx) -> None:
     L.wait_local((rl,), 5.0)
     L.check_keys(label)
     L.check_lost(*((label, rl) if ok else (rl,)))
-    sc.Free()
+    if own:
+        sc.Free()
 
 
 # -- interrupts raised inside destroys (issue 11, defect 3) ----------------------

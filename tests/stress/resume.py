@@ -92,7 +92,7 @@ def main() -> int:
             "episodes": [],
             "killed": reason,
             "counts": {reason: 1},
-            "lines": [f"seed {killed}: the job died ({reason}): {why.strip()[:400]}"],
+            "lines": [f"seed {killed} job: {reason}: the job died: {why.strip()[:400]}"],
         }
         with open(args.report, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -107,6 +107,16 @@ def main() -> int:
                     classes.setdefault(cls, []).append(s)
     for cls, seeds in sorted(classes.items()):
         print(f"{cls}: {len(seeds)} seed(s): {seeds}")
+    # The same by episode (each line reads "seed N EPISODE: CLASS: ...").
+    by_episode: dict[str, set[int]] = {}
+    for s in sorted(done):
+        if args.first <= s < end:
+            for line in done[s]["lines"]:
+                head = line.split(": ")
+                if len(head) > 2 and " " in head[0]:
+                    by_episode.setdefault(f"{head[0].split()[-1]}: {head[1]}", set()).add(s)
+    for what, seeds_ in sorted(by_episode.items()):
+        print(f"  {what}: {len(seeds_)} seed(s): {sorted(seeds_)}")
     ran = sum(1 for s in done if args.first <= s < end)
     print(f"{ran} of {args.seeds} seeds reported; log in {log}")
     return 1 if classes else 0
