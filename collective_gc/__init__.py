@@ -20,7 +20,7 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
-from ._manager import CollectStats, Manager, collect, manager, pending, register
+from ._manager import CollectStats, Manager, collect, manager, managers, pending, register
 from ._queue import Registration
 from ._scope import collective_scope, current_scope, sync_point
 
@@ -55,6 +55,7 @@ __all__ = [
     "dup",
     "find_cycles",
     "manager",
+    "managers",
     "pending",
     "register",
     "split",

@@ -637,9 +637,10 @@ class Manager:
         regs = list(self._regs.values())  # copied in C: no registration can interleave
         return sorted((r for r in regs if r() is not None), key=_KEY_OF)
 
-    def cyclic_pending(self) -> int:
-        """Cyclic-GC finalizations not yet seen by a sync point. Local, changes nothing."""
-        return sum(1 for r in tuple(self._cyclic_inbox) if r._state == ALIVE)
+    def cyclic_pending(self) -> list[Registration]:
+        """Registrations finalized by the cyclic collector and not yet seen by a
+        sync point. Local, changes nothing."""
+        return [r for r in tuple(self._cyclic_inbox) if r._state == ALIVE]
 
     # -- sync points -----------------------------------------------------------
 
@@ -668,7 +669,9 @@ class Manager:
         if self._size == 1:
             return [value]
         with self._lock:
-            if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
+            # Allowed inside a destroy: every rank runs the same destroys in
+            # the same order, so a gather there is in step.
+            if self._forked or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("gather from every rank")
             deadline = _agree.Deadline(None if timeout is None else time.monotonic() + timeout)
             try:
@@ -718,7 +721,7 @@ class Manager:
                 )
             except CollectiveTimeoutError as exc:
                 # An abandoned collective could match a later one: never again.
-                self._broken = f"sync point {self._seq} timed out ({exc})"
+                self._broken = f"sync point {self._seq} timed out on this rank"
                 raise
             except CollectiveMismatchError:
                 # Every rank saw the same reduced header, so every rank gets here.
@@ -1112,8 +1115,9 @@ def release_freed() -> None:
     """
     if MPI.Is_finalized():
         return
-    while _FREED:
-        _FREED.pop()._release()
+    # One still holding registrations is kept in the list (its destroys are
+    # agreed at exit, or at a sync point someone runs on it) and tried again.
+    _FREED[:] = [m for m in list(_FREED) if not m._release() and m.registered]
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:

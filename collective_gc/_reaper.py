@@ -25,7 +25,7 @@ from typing import Any
 
 from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy, make_registration
 
-__all__ = ["register", "flush", "shutdown", "stats"]
+__all__ = ["register", "flush", "shutdown", "stats", "live"]
 
 
 class _Reaper:
@@ -189,6 +189,11 @@ def flush(timeout: float | None = None) -> bool:
 def stats() -> tuple[int, int, int]:
     """(live registrations, destroys run, destroys that raised)."""
     return len(_REAPER.live), _REAPER.destroyed, _REAPER.errors
+
+
+def live() -> dict[int, Registration]:
+    """The rank-local registrations whose destroy has not run, by key (a copy)."""
+    return dict(_REAPER.live)
 
 
 def shutdown(timeout: float = 5.0) -> None:

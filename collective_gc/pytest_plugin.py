@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ._errors import CollectiveGCError, CollectiveTimeoutError
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -271,19 +273,11 @@ class _CyclicRecorder:
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase != "stop":
             return
-        from ._manager import _MANAGERS
+        from ._manager import managers
 
-        for mgr in _MANAGERS:
-            if not mgr._inbox:
-                continue
-            try:
-                # tuple() copies in C without running Python code, so a
-                # finalizer on another thread cannot append mid-copy.
-                regs = tuple(mgr._inbox)
-            except RuntimeError:
-                continue
-            for reg in regs:
-                if reg.cyclic and reg not in self.seen:
+        for mgr in managers():
+            for reg in mgr.cyclic_pending():
+                if reg not in self.seen:
                     self.seen.add(reg)
                     self.rows.append((reg, mgr))
 
@@ -346,8 +340,28 @@ def _begin(leak: bool, strict: bool) -> _Watch:
         _queue.TRACK_ORIGINS[0] = True
     if leak:
         watch.keys = {mgr: mgr.next_key for mgr in managers()}
-        watch.local = set(_reaper._REAPER.live)
+        watch.local = set(_reaper.live())
     return watch
+
+
+def _checks_comm(state: _State, deadline: float) -> Any:
+    """The checks' private duplicate of COMM_WORLD, made at the first check
+    (at the same test on every rank) against the checks' deadline; None when
+    serial or when it could not be made."""
+    from mpi4py import MPI
+
+    from . import _agree
+
+    world = MPI.COMM_WORLD
+    if state.comm is None and state.broken is None and world.Get_size() > 1:
+        comm, req = _agree.dup(world)
+        try:
+            _agree.wait(req, _agree.Deadline(deadline), lambda: "")
+        except CollectiveTimeoutError:
+            state.broken = "making its own communicator timed out"
+            return None
+        state.comm = comm
+    return state.comm
 
 
 def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
@@ -358,31 +372,123 @@ def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
     leak_rows: list[tuple[str, str]] = []
     errors: list[str] = []
     world = MPI.COMM_WORLD
-    if state.comm is None and world.Get_size() > 1:
-        state.comm = world.Dup()
-    if watch.leak:
-        errors = _final_syncs(watch, state, deadline)
-        leak_rows = _leaks(watch)
+    comm = _checks_comm(state, deadline)
+    if watch.leak and state.broken is None:
+        used, errors = _agree_used(watch, comm, deadline)
+        if state.broken is None:
+            errors += _final_syncs(used, state, deadline)
+            leak_rows = _leaks(watch)
     failed_here = item.nodeid in _FAILED_CALLS
     _FAILED_CALLS.discard(item.nodeid)
     mine: _Report = (strict_rows, leak_rows, errors, failed_here)
     everyone = [mine]
-    if state.comm is not None and state.broken is None:
+    if comm is not None and state.broken is None:
         flags = [int(bool(strict_rows or leak_rows or errors)), int(failed_here)]
-        agreed = _reduce(state.comm, flags, MPI.MAX, deadline)
+        agreed = _reduce(comm, flags, MPI.MAX, deadline)
         if agreed is None:
             state.broken = "its agreement timed out"
         elif agreed[0]:
             # Something to report somewhere: every rank is here, gather it all.
-            everyone = state.comm.allgather(mine)
+            from . import _agree
+
+            try:
+                everyone = _agree.allgather(comm, mine, _agree.Deadline(deadline), lambda: "")
+            except CollectiveTimeoutError:
+                state.broken = "gathering its report timed out"
     if state.broken is not None:
         pytest.fail(
             f"collective_gc checks: rank {world.Get_rank()} waited {state.timeout:g} s for "
-            "the other ranks at the end of this test (did a rank stop, or hang in the "
-            "test?); the checks are off for the rest of the session",
+            f"the other ranks at the end of this test ({state.broken}: did a rank stop, or "
+            "hang in the test?); the checks are off for the rest of the session",
             pytrace=False,
         )
     _raise(everyone, item)
+
+
+def _identity(mgr: Manager) -> tuple[tuple[int, ...], int] | None:
+    """The same on every rank for the same communicator: its ranks in
+    COMM_WORLD, and its position among the managers of that group. Local."""
+    from mpi4py import MPI
+
+    from ._manager import managers
+
+    def group_of(m: Manager) -> tuple[int, ...] | None:
+        if m.comm_freed or m.broken is not None:
+            return None
+        group = m.comm.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(m.size)), MPI.COMM_WORLD.Get_group())
+        finally:
+            group.Free()
+        return tuple(int(r) for r in ranks)
+
+    mine = group_of(mgr)
+    if mine is None:
+        return None
+    ordinal = 0
+    for other in managers():
+        if other is mgr:
+            break
+        if other.size == mgr.size and group_of(other) == mine:
+            ordinal += 1
+    return mine, ordinal
+
+
+def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager], list[str]]:
+    """Collective over COMM_WORLD: which managers to sync for this test.
+
+    Those the test registered objects on (their next key moved), once the
+    ranks agree that every rank of each such communicator registered the same
+    number of objects on it; a communicator where they did not is reported
+    (what was registered where) and left alone: syncing it would wait for
+    ranks that will never come.
+    """
+    from . import _agree
+    from ._manager import managers
+
+    used = [m for m in managers() if m.next_key > watch.keys.get(m, 0) and m.broken is None]
+    if comm is None:
+        return used, []
+    rank = comm.Get_rank()
+    manifest = []
+    for mgr in used:
+        ident = _identity(mgr)
+        if ident is not None:
+            start = watch.keys.get(mgr, 0)
+            names = sorted({r.name for r in mgr.alive() + mgr.pending() if r.key >= start})
+            manifest.append((ident, mgr.next_key - start, names[:3]))
+    try:
+        everyone = _agree.allgather(comm, manifest, _agree.Deadline(deadline), lambda: "")
+    except CollectiveTimeoutError:
+        return [], ["the leak check's own agreement timed out"]
+    counts: dict[tuple[tuple[int, ...], int], dict[int, tuple[int, list[str]]]] = {}
+    for r, rows in enumerate(everyone):
+        for ident, count, names in rows:
+            counts.setdefault(ident, {})[r] = (count, names)
+    bad: set[tuple[tuple[int, ...], int]] = set()
+    errors = []
+    for ident, per_rank in counts.items():
+        members = ident[0]
+        if set(per_rank) == set(members) and len({c for c, _ in per_rank.values()}) == 1:
+            continue
+        bad.add(ident)
+        if rank != min(per_rank):
+            continue  # one rank words it; every rank fails the test alike
+        said = "; ".join(
+            f"rank {r} registered {c} ({', '.join(map(repr, n))})"
+            for r, (c, n) in sorted(per_rank.items())
+        )
+        silent = sorted(set(members) - set(per_rank))
+        if silent:
+            said += f"; rank(s) {', '.join(map(str, silent))} registered none"
+        errors.append(
+            f"the ranks of a communicator of size {len(members)} (COMM_WORLD ranks "
+            f"{', '.join(map(str, members))}) registered different numbers of objects on "
+            f"it during this test (register is collective): {said}. Its final sync point "
+            "was skipped; its next one will raise CollectiveMismatchError"
+        )
+    keep = [m for m in used if _identity(m) not in bad]
+    return keep, errors
 
 
 def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
@@ -419,23 +525,18 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
     return rows
 
 
-def _final_syncs(watch: _Watch, state: _State, deadline: float) -> list[str]:
+def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[str]:
     """Collective over COMM_WORLD (through the plugin's duplicate): sync the
-    managers the test registered objects on, until no more destroys run.
+    managers the test registered objects on (agreed by :func:`_agree_used`),
+    until no more destroys run.
 
-    Which managers: those whose next key moved during the test. Registration
-    is collective, so every rank of a communicator picks its manager, and ranks
-    outside it have no manager to pick; managers are visited in creation order,
-    which is the same on every rank that shares them, so no two ranks wait for
-    each other in opposite orders.
+    Managers are visited in creation order, which is the same on every rank
+    that shares them, so no two ranks wait for each other in opposite orders.
     """
     from mpi4py import MPI
 
     from . import _reaper
-    from ._errors import CollectiveGCError
-    from ._manager import managers
 
-    used = [m for m in managers() if m.next_key > watch.keys.get(m, 0) and m._broken is None]
     errors: list[str] = []
     for round_ in range(_ROUNDS):
         if round_ == 0:
@@ -446,7 +547,7 @@ def _final_syncs(watch: _Watch, state: _State, deadline: float) -> list[str]:
         _reaper.flush(max(0.0, deadline - time.monotonic()))
         destroyed = 0
         for mgr in used:
-            if mgr._broken is not None:
+            if mgr.broken is not None:
                 continue
             try:
                 destroyed += mgr.sync(deadline=deadline).destroyed
@@ -481,10 +582,14 @@ def _leaks(watch: _Watch) -> list[tuple[str, str]]:
         start = watch.keys.get(mgr, 0)
         if mgr.next_key <= start:
             continue
-        for reg in mgr.alive() + mgr.pending():
-            if reg.key >= start:
-                rows.append((str(rank), _describe(reg, f"a communicator of size {mgr.size}")))
-    live = dict(_reaper._REAPER.live)
+        found = [r for r in mgr.alive() + mgr.pending() if r.key >= start]
+        for reg in found:
+            rows.append((str(rank), _describe(reg, f"a communicator of size {mgr.size}")))
+        if found:
+            # Why they live, where an adapter can tell (an owner kept alive
+            # by its own resource, say).
+            rows.extend((str(rank), f"  why: {why}") for why in mgr.leak_reasons())
+    live = _reaper.live()
     for key in sorted(set(live) - watch.local):
         rows.append((str(rank), _describe(live[key], "the rank-local reaper (comm=None)")))
     return rows

@@ -152,6 +152,16 @@ def check_failing_run(
     # Nothing else failed, and the tests after the failures ran in step.
     expected_bad = {"suite_fail.py::test_leaks", "suite_fail.py::test_marked_leak"}
     expected_bad |= {"suite_fail.py::test_strict_cycle", "suite_fail.py::test_assert_on_last_rank"}
+    if ranks > 1:
+        # A registration on one rank only: reported, naming what was registered
+        # where, within the checks' timeout, and the checks stay on (the leak
+        # tests after it still fail).
+        assert ("ERROR", "suite_fail.py::test_registered_on_one_rank_only") in outcomes, out
+        assert "registered different numbers of objects" in out, out
+        assert "rank 0 registered 2 ('everywhere', 'rank-0-only')" in out, out
+        assert "rank 1 registered 1 ('everywhere')" in out, out
+        assert "checks are off" not in out, out
+        expected_bad.add("suite_fail.py::test_registered_on_one_rank_only")
     # Only known test ids: mpiexec may splice two ranks' lines into one.
     known = expected_bad | set(PASSING)
     bad = {t for o, t in outcomes if o in ("FAILED", "ERROR") and t in known}

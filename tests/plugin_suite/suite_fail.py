@@ -20,6 +20,15 @@ WORLD = MPI.COMM_WORLD
 _KEEP: list[object] = []
 
 
+@pytest.mark.mpi(min_size=2)
+def test_registered_on_one_rank_only() -> None:
+    comm = WORLD.Dup()
+    _KEEP.append(comm)  # never freed: its manager's keys now differ between ranks
+    _KEEP.append(Resource(comm, "everywhere"))
+    if comm.Get_rank() == 0:
+        _KEEP.append(Resource(comm, "rank-0-only"))  # a registration on one rank only
+
+
 def test_leaks() -> None:
     _KEEP.append(Resource(WORLD, "leaky-solver"))  # a reference kept in a global
 
