@@ -201,6 +201,12 @@ def check_lost_everywhere(ctx: Ctx, *labels: str) -> None:
         ctx.ledger.report_lost(sorted(common), " on any rank")
 
 
+def _self_loops(holders: list[Any]) -> None:
+    # A function of its own, so that no loop variable of the caller keeps an object alive.
+    for obj in holders:
+        obj.refs.append(obj)
+
+
 def _drop_some(holders: list[Any], rng: random.Random, share: float) -> None:
     for j in range(len(holders)):
         if holders[j] is not None and rng.random() < share:
@@ -680,6 +686,52 @@ def racing(ctx: Ctx) -> None:
     judge(ctx, "sync after racing registrations", res, label, mismatch_or_ok, same_logs=False)
 
 
+# -- strict mode against diagnostics (issue 11, defect 9) ------------------------
+
+
+def strict(ctx: Ctx) -> None:
+    """Managed objects die in the cyclic collector inside a strict scope; then
+    (or not) diagnostics run before the scope's sync point, which must raise
+    ``CyclicFinalizationError`` on every rank either way (and destroy them)."""
+    L = ctx.ledger
+    L.episode = "strict"
+    label = "strict"
+    sh = ctx.shared
+    ctx.arm("strict", ctx.ck_timeout * 6)
+    comm = ctx.world.Dup()
+    diagnostics = [d for d in ("pending", "view", "find_cycles") if sh.random() < 0.5]
+    res = Res("ok", "", 0, 0.0)
+    try:
+        with cgc.collective_scope(comm, strict=True, timeout=ctx.hang_timeout) as scope:
+            holders = Holders(L.make(comm, label)[0] for _ in range(sh.randrange(2, 8)))
+            _link(holders, sh, 2)
+            _self_loops(holders)  # at least one cycle through every object
+            holders.clear()
+            gc.collect()  # on every rank: the managed objects die in the cyclic collector
+            if "pending" in diagnostics:
+                cgc.pending(comm)
+            if "view" in diagnostics:
+                cgc.view(comm, file=None)
+            if "find_cycles" in diagnostics:
+                cgc.find_cycles(scope)
+            t0 = time.monotonic()
+            try:
+                stats = scope.sync()
+                res = Res("ok", "", stats.destroyed, time.monotonic() - t0)
+            except BaseException as exc:
+                res = Res(type(exc).__name__, str(exc)[:600], -1, time.monotonic() - t0)
+    except BaseException as exc:  # leaving the scope must not raise here
+        L.defect("error", f"leaving a strict scope: {type(exc).__name__}: {exc}"[:400])
+
+    def cyclic_error(q: int, got: list[Any]) -> set[str]:
+        return {"CyclicFinalizationError"}
+
+    judge(ctx, f"strict sync after diagnostics {diagnostics}", res, label, cyclic_error)
+    if final_collects(ctx, comm, label, "strict"):
+        check_lost_everywhere(ctx, label)
+    comm.Free()
+
+
 EPISODES: dict[str, Callable[[Ctx], None]] = {
     "threads": threads,
     "interrupt": interrupt,
@@ -687,6 +739,7 @@ EPISODES: dict[str, Callable[[Ctx], None]] = {
     "late": late,
     "freed": freed,
     "racing": racing,
+    "strict": strict,
 }
 # How often each episode runs (per seed, decided by the shared RNG).
 WEIGHTS = {
@@ -696,6 +749,7 @@ WEIGHTS = {
     "late": 0.2,
     "freed": 0.2,
     "racing": 0.15,
+    "strict": 0.3,
 }
 
 
