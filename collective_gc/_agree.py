@@ -38,7 +38,7 @@ from __future__ import annotations
 import array
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -103,6 +103,7 @@ class Deadline:
         if neg_wall_us != NO_DEADLINE:
             self.late_after = -neg_wall_us / 1e6
 
+
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
 
@@ -138,8 +139,7 @@ def _wait(
     if deadline is not None and deadline.late_after is not None:
         if time.time() > deadline.late_after:
             raise CollectiveTimeoutError(
-                what()
-                + "\n(it completed here only after the deadline of another rank had "
+                what() + "\n(it completed here only after the deadline of another rank had "
                 "passed: that rank gave up on this sync point)"
             )
 
@@ -162,7 +162,7 @@ def dup(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, MPI.Request]:
     about it) before the request completes.
     """
     new, req = comm.Idup()
-    return new, req
+    return cast(MPI.Intracomm, new), req
 
 
 def allreduce(

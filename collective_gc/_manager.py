@@ -352,7 +352,7 @@ class Manager:
 
     @property
     def registered(self) -> int:
-        """How many registrations have not had their destroy run (objects alive or queued). Local."""
+        """Registrations whose destroy has not run (objects alive or queued). Local."""
         return len(self._regs)
 
     def add_sync_hook(
@@ -626,10 +626,10 @@ class Manager:
                 queued.setdefault(reg.key, seq)
         out = []
         for key in sorted(queued):
-            reg = regs.get(key)
-            if reg is not None and reg._state == ALIVE:
-                reg.queued_at = queued[key]
-                out.append(reg)
+            found = regs.get(key)
+            if found is not None and found._state == ALIVE:
+                found.queued_at = queued[key]
+                out.append(found)
         return out
 
     def alive(self) -> list[Registration]:
@@ -719,7 +719,7 @@ class Manager:
                 return self._sync_locked(
                     dl, policy, on_header, collected, t0, cyclic, child_failures, at_exit
                 )
-            except CollectiveTimeoutError as exc:
+            except CollectiveTimeoutError:
                 # An abandoned collective could match a later one: never again.
                 self._broken = f"sync point {self._seq} timed out on this rank"
                 raise
@@ -752,7 +752,7 @@ class Manager:
     ) -> CollectStats:
         """The body of :meth:`sync` after the drain, under the manager's lock."""
         votes = self._votes_now()
-        agreed, any_errors = self._agree(
+        agreed, any_errors = self._agreement(
             dl, policy, on_header, cyclic, len(child_failures), votes, at_exit
         )
         seq = self._seq
@@ -791,7 +791,7 @@ class Manager:
             agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
         )
 
-    def _agree(
+    def _agreement(
         self,
         dl: _agree.Deadline,
         policy: Sequence[int],
@@ -961,10 +961,10 @@ class Manager:
                     fchunk, achunk = fns[start:end], argss[start:end]
                 try:
                     errors = _run_each(fchunk, achunk) if index < 0 else runs[index](achunk)
-                except BaseException as exc:
+                except BaseException as runner_exc:
                     # The runner itself failed (out of memory recording a
                     # failure), after trying every call: which one is unknown.
-                    errors = [(-1, exc)]
+                    errors = [(-1, runner_exc)]
                 for i, exc in errors:
                     if i < 0:
                         failures.append((-1, f"one of {end - start} destroys", exc))
@@ -991,9 +991,7 @@ class Manager:
         """
         mine = [(self._rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]
         if self._size > 1:
-            everyone = _agree.allgather(
-                self._private(dl), mine, dl, self._what("its error report")
-            )
+            everyone = _agree.allgather(self._private(dl), mine, dl, self._what("its error report"))
             mine = [f for per_rank in everyone for f in per_rank]
         self._collective = False
         lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in mine)
@@ -1180,8 +1178,10 @@ def manager(comm: MPI.Comm) -> Manager:
     if _FREED:
         release_freed()
     kv = _keyval()
-    mgr = c.Get_attr(kv)
-    if mgr is None:
+    found = c.Get_attr(kv)
+    if isinstance(found, Manager):
+        mgr = found
+    else:
         mgr = Manager(c)
         c.Set_attr(kv, mgr)
         with _REGISTRY_LOCK:
@@ -1251,9 +1251,7 @@ def check_timeout(timeout: object) -> float | None:
 
 
 def _check_generation(generation: object) -> None:
-    if generation is not None and (
-        isinstance(generation, bool) or generation not in (0, 1, 2)
-    ):
+    if generation is not None and (isinstance(generation, bool) or generation not in (0, 1, 2)):
         raise ValueError(f"generation must be 0, 1, 2 or None, not {generation!r}")
 
 

@@ -415,11 +415,12 @@ def _identity(mgr: Manager) -> tuple[tuple[int, ...], int] | None:
     def group_of(m: Manager) -> tuple[int, ...] | None:
         if m.comm_freed or m.broken is not None:
             return None
-        group = m.comm.Get_group()
+        group, world = m.comm.Get_group(), MPI.COMM_WORLD.Get_group()
         try:
-            ranks = MPI.Group.Translate_ranks(group, list(range(m.size)), MPI.COMM_WORLD.Get_group())
+            ranks = MPI.Group.Translate_ranks(group, list(range(m.size)), world)
         finally:
             group.Free()
+            world.Free()
         return tuple(int(r) for r in ranks)
 
     mine = group_of(mgr)

@@ -200,7 +200,7 @@ def test_manager_of_a_freed_communicator() -> None:
 
 def test_freed_communicators_do_not_accumulate() -> None:
     before = len(_manager.managers())
-    for i in range(300):
+    for _ in range(300):
         comm = WORLD.Dup()
         o = Obj()
         cgc.register(o, noop, comm=comm)
@@ -362,9 +362,7 @@ def test_misnested_exit_restores_the_collector_and_the_stack() -> None:
 
 
 @pytest.mark.parametrize("timeout", [-1, 0, float("nan")])
-def test_bad_timeouts_refused_before_any_collective(
-    comm: MPI.Intracomm, timeout: float
-) -> None:
+def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout: float) -> None:
     with pytest.raises(ValueError, match="timeout"):
         cgc.collect(comm, timeout=timeout)
     with pytest.raises(ValueError, match="generation"):
@@ -406,7 +404,7 @@ def test_run_each_tries_every_call_in_both_versions() -> None:
     for run in (_manager.SPEEDUPS.run_each, _manager._run_each_py):
         calls: list[int] = []
 
-        def f(i: int) -> None:
+        def f(i: int, calls: list[int] = calls) -> None:
             calls.append(i)
             if i % 2:
                 raise (KeyboardInterrupt if i == 1 else ValueError)(i)
