@@ -298,12 +298,12 @@ class Manager:
         """
         if self._comm_freed:
             raise CollectiveGCError(
-                f"the communicator of the {self._describe()} was freed (comm.Free()); "
-                "its manager can no longer give it out"
+                f"the {self._describe()} was freed (comm.Free()); its manager can no "
+                "longer give it out"
             )
         if MPI.Is_finalized():
             raise CollectiveGCError(
-                f"MPI is finalized: the communicator of the {self._describe()} is gone"
+                f"MPI is finalized: the {self._describe()} is gone"
             )
         return self._user_comm
 
@@ -469,8 +469,8 @@ class Manager:
             return self._comm
         if self._comm_freed:
             raise CollectiveGCError(
-                f"the communicator of the {self._describe()} was freed before its "
-                "first sync point: its pending destroys cannot be agreed"
+                f"the {self._describe()} was freed before its first sync point: "
+                "its pending destroys cannot be agreed"
             )
         # Non-blocking, so that a deadline bounds it, and never left pending
         # once we return: a duplicate still in progress when the user frees
@@ -1092,7 +1092,7 @@ class Manager:
 # -- the registry of managers ------------------------------------------------
 
 _MANAGERS: list[Manager] = []
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_LOCK = threading.RLock()
 _KEYVAL: list[int] = []
 # A weak reference to the communicator object of the last lookup, and its
 # manager: a cache for the common case of many registrations on one communicator.
@@ -1178,13 +1178,16 @@ def manager(comm: MPI.Comm) -> Manager:
     if _FREED:
         release_freed()
     kv = _keyval()
-    found = c.Get_attr(kv)
-    if isinstance(found, Manager):
-        mgr = found
-    else:
-        mgr = Manager(c)
-        c.Set_attr(kv, mgr)
-        with _REGISTRY_LOCK:
+    # Get or create under the lock: two threads making the first lookup of one
+    # communicator must get one manager (a second Set_attr would replace the
+    # first, and MPI would run the delete callback on it).
+    with _REGISTRY_LOCK:
+        found = c.Get_attr(kv)
+        if isinstance(found, Manager):
+            mgr = found
+        else:
+            mgr = Manager(c)
+            c.Set_attr(kv, mgr)
             _MANAGERS.append(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.

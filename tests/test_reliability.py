@@ -92,6 +92,33 @@ def test_threads_register_and_drop_on_comm_self_while_syncing() -> None:
         comm.Free()
 
 
+def test_first_lookup_from_several_threads_makes_one_manager() -> None:
+    # Found by the stress harness: two managers for one communicator, each
+    # numbering its registrations from 0.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(50):
+            comm = MPI.COMM_SELF.Dup()
+            start = threading.Barrier(4)
+            found: list[object] = []
+
+            def lookup(comm: MPI.Intracomm = comm, start: threading.Barrier = start) -> None:
+                start.wait()
+                found.append(cgc.manager(comm))
+
+            threads = [threading.Thread(target=lookup) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len({id(m) for m in found}) == 1, found
+            assert not cgc.manager(comm).comm_freed
+            comm.Free()
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_other_threads_may_register_while_a_destroy_runs() -> None:
     comm = MPI.COMM_SELF.Dup()
     started, release = threading.Event(), threading.Event()
