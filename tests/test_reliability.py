@@ -103,7 +103,11 @@ def test_first_lookup_from_several_threads_makes_one_manager() -> None:
             start = threading.Barrier(4)
             found: list[object] = []
 
-            def lookup(comm: MPI.Intracomm = comm, start: threading.Barrier = start) -> None:
+            def lookup(
+                comm: MPI.Intracomm = comm,
+                start: threading.Barrier = start,
+                found: list[object] = found,
+            ) -> None:
                 start.wait()
                 found.append(cgc.manager(comm))
 
