@@ -49,19 +49,18 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
             yield "{...}", v
         return
     inst_dict = getattr(obj, "__dict__", None) if not isinstance(obj, types.FunctionType) else None
-    seen_dict = False
-    for ref in gc.get_referents(obj):
-        if ref is inst_dict and isinstance(ref, dict):
-            seen_dict = True
-            for k, v in ref.items():
-                yield f".{k}", v
-        elif isinstance(ref, type) and ref is type(obj):
-            continue
-        else:
-            yield _label(obj, ref), ref
-    if not seen_dict and isinstance(inst_dict, dict):
+    # The instance dict's items first, by name. Whether gc.get_referents
+    # returns the dict or (Python 3.13: values kept inline) the values
+    # themselves varies, so those are skipped below, not labelled twice.
+    named: set[int] = set()
+    if isinstance(inst_dict, dict):
         for k, v in inst_dict.items():
+            named.add(id(v))
             yield f".{k}", v
+    for ref in gc.get_referents(obj):
+        if ref is inst_dict or id(ref) in named or ref is type(obj):
+            continue
+        yield _label(obj, ref), ref
 
 
 def _label(owner: object, ref: object) -> str:

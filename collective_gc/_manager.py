@@ -499,9 +499,13 @@ class Manager:
         registrar = self._registrar
         if registrar is not None:
             if not registrar.acquire(blocking=False):
+                holder = self._registrar_name
+                if not holder:  # it has the lock, and is about to write its name
+                    time.sleep(0.001)
+                    holder = self._registrar_name or "(unnamed)"
                 raise RegistrationError(
                     f"thread {threading.current_thread().name!r} tried to register an object "
-                    f"on the {self._describe()} while thread {self._registrar_name!r} was "
+                    f"on the {self._describe()} while thread {holder!r} was "
                     "registering one: registration on a communicator of size > 1 is "
                     "collective, and ranks would number objects registered from two "
                     "threads at once in different orders. Register from one thread."
