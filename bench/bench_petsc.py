@@ -16,7 +16,7 @@ built; ``--python-destroys`` measures the pure-Python fallback instead (each
 Vec's ``.destroy()`` called from Python).
 
 Run: mpiexec -n 4 python bench/bench_petsc.py   (make bench)
-``--no-save`` prints without writing bench/results.
+``--no-save`` prints without writing bench/results; ``--repeats N`` (default 9).
 """
 
 from __future__ import annotations
@@ -135,7 +135,11 @@ def breakdown(comm: MPI.Comm, make: Any, box: list[Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    python_path = "--python-destroys" in sys.argv[1:]
+    global REPEATS
+    args = sys.argv[1:]
+    if "--repeats" in args:
+        REPEATS = int(args[args.index("--repeats") + 1])
+    python_path = "--python-destroys" in args
     if python_path or cp._BATCH is None:
         set_batch(cp._destroy_one, None)
     how = "from Python" if python_path or cp._BATCH is None else "from C"

@@ -11,12 +11,19 @@ Two kinds of PETSc object need a collective destroy in a Python program:
   calls ``PETSc.garbage_cleanup(comm)``. Nothing calls it for the user, so
   memory and communicators pile up. :func:`install` makes every sync point on a
   communicator also clean PETSc's garbage of that communicator and of
-  ``COMM_SELF`` (in PETSc 3.18 even serial objects are delayed).
+  ``COMM_SELF`` (before PETSc 3.20 even serial objects are delayed).
 
 ``collective_gc.view(comm)`` shows PETSc's garbage entries beside ours. They are
 read from PETSc's own hash map through ``ctypes`` (a local attribute lookup,
-no communication); if this PETSc build does not export what that needs, the
-view omits them and every sync point calls ``garbage_cleanup`` unconditionally.
+no communication), for the PETSc releases whose layout was read (see
+``_CHECKED``); with another release, or a build that does not export what
+that needs, the view omits them and every sync point calls
+``garbage_cleanup`` unconditionally.
+
+A destroy that fails on some ranks leaves PETSc's objects of the
+communicator different between ranks: later sync points there refuse, saying
+so. An owner that one of its own managed objects refers back to can never
+die: :func:`immortal`, the view, the leak check and a warning at exit name it.
 
 petsc4py 3.18 has no KSP/SNES post-solve hooks (``KSP.setPostSolve`` came to
 petsc4py in 2024), and a sync point inside one would run while PETSc is in the
@@ -150,10 +157,12 @@ class _Internals:
     def inner(self, comm: MPI.Comm) -> int | None:
         """The handle of PETSc's inner communicator of ``comm``, or None if PETSc has none."""
         handle: int = MPI._handleof(comm)
+        raw = self._attr(handle, self._inner_kv)  # the common case first: one lookup
+        if raw is not None:
+            return self._to_handle(raw)
         if self._attr(handle, self._counter_kv) is not None:
             return handle  # comm is itself a PETSc inner communicator
-        raw = self._attr(handle, self._inner_kv)
-        return None if raw is None else self._to_handle(raw)
+        return None
 
     def _table(self, inner: int) -> _KHash | None:
         """The garbage map of an inner communicator, if it has one and it looks whole."""
