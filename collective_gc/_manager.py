@@ -118,6 +118,16 @@ class _Child(Protocol):
 
 
 _IN_PLACE = MPI.IN_PLACE
+_get_ident = threading.get_ident
+
+
+def _thread_name(ident: int) -> str:
+    # Only for error messages: a registration records the cheap ident.
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"(thread {ident})"
+
 _MAX = MPI.MAX
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
@@ -258,7 +268,7 @@ class Manager:
         # registering at once would number the objects in an order that may
         # differ between ranks, so the second one is refused, never made to wait.
         self._registrar: threading.RLock | None = threading.RLock() if self._size > 1 else None
-        self._registrar_name = ""
+        self._registrar_ident = 0
         # Ident of the thread running this manager's destroys, or 0.
         self._destroying = 0
         # True while a sync point is inside its collective part on this rank:
@@ -498,19 +508,19 @@ class Manager:
         check_destroy(obj, destroy, args, kwargs)
         registrar = self._registrar
         if registrar is not None:
-            if not registrar.acquire(blocking=False):
-                holder = self._registrar_name
-                if not holder:  # it has the lock, and is about to write its name
+            if not registrar.acquire(False):
+                holder = self._registrar_ident
+                if not holder:  # it has the lock, and is about to write its ident
                     time.sleep(0.001)
-                    holder = self._registrar_name or "(unnamed)"
+                    holder = self._registrar_ident
                 raise RegistrationError(
                     f"thread {threading.current_thread().name!r} tried to register an object "
-                    f"on the {self._describe()} while thread {holder!r} was "
+                    f"on the {self._describe()} while thread {_thread_name(holder)!r} was "
                     "registering one: registration on a communicator of size > 1 is "
                     "collective, and ranks would number objects registered from two "
                     "threads at once in different orders. Register from one thread."
                 )
-            self._registrar_name = threading.current_thread().name
+            self._registrar_ident = _get_ident()
         try:
             for ref in weakref.getweakrefs(obj):
                 if isinstance(ref, Registration) and ref._owner is self and ref._state == ALIVE:
