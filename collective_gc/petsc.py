@@ -311,7 +311,7 @@ def _sync_hook(mgr: Manager) -> None:
         inner = _PETSC.inner(comm)
         if inner is not None and _count(inner):
             PETSc.garbage_cleanup(comm)
-    if _PETSC is not None or mgr.size > 1:  # unlooked, a second cleanup of a serial comm
+    if _PETSC is not None or comm != MPI.COMM_SELF:  # unlooked: not the same one twice
         _clean_self()
 
 

@@ -343,13 +343,15 @@ class PetscTests:
         monkeypatch.setattr(cp, "_PETSC", None)
         cp.install(comm)
         v = PETSc.Vec().createMPI(2, comm=comm)
-        del v
+        w = PETSc.Vec().createSeq(2, comm=PETSc.COMM_SELF)
+        del v, w
         assert "PETSc garbage" not in cgc.view(comm, file=None)
         with pytest.raises(RuntimeError, match="cannot read PETSc's garbage maps"):
             cp.garbage(comm)
         cgc.collect(comm)
-        inner = real.inner(comm)
-        assert inner is None or real.entries(inner) == []
+        for c in (comm, MPI.COMM_SELF):
+            inner = real.inner(c)
+            assert inner is None or real.entries(inner) == []
 
     def test_owner_kept_alive_by_its_own_objects_is_reported(self, comm: MPI.Intracomm) -> None:
         # Issue 11, defect 16: the registration holds the objects, and each of
