@@ -5,7 +5,8 @@ Per seed, on a fresh duplicate of COMM_WORLD:
 - every rank builds the same managed objects in the same order (a shared RNG):
   checking resources (their destroy verifies, with a collective, that every
   rank destroys the same key at the same position), MPI windows, duplicated
-  communicators, PETSc Vecs, and resources made from another one (a window on
+  communicators, PETSc Vecs (when petsc4py is installed: it is optional here),
+  and resources made from another one (a window on
   a managed communicator, which holds its source alive);
 - random reference graphs between them: cycles of random sizes and
   cross-references;
@@ -16,14 +17,18 @@ Per seed, on a fresh duplicate of COMM_WORLD:
   order on every rank, nothing pending, no hang (a watchdog ends the job if a
   seed overruns its deadline).
 
-Then the fault episodes of :mod:`stress.episodes` (issue 11): registrations
-and drops from several threads on COMM_SELF and rank-local, KeyboardInterrupt
-and SystemExit raised inside destroys on one rank, destroys that detach,
-register, drop and call diagnostics, late ranks against deadlines,
-communicators freed with destroys pending. Per seed it reports hangs, double
-destroys, destroys of live objects, lost destroys and ranks that disagree on
-how a sync point ended (plus duplicate keys and errors a correct library
-would not raise); see :mod:`stress.ledger`.
+Then the fault episodes the seed draws from :mod:`stress.episodes` (issue 11):
+registrations and drops from several threads on COMM_SELF and rank-local,
+KeyboardInterrupt and SystemExit raised inside destroys on one rank, destroys
+that detach, register, drop and call diagnostics, late ranks against
+deadlines, communicators freed with destroys pending, diagnostics before a
+strict scope's sync point, and (expected to be refused) two threads
+registering at once on a communicator of size > 1. Per seed it reports hangs,
+double destroys, destroys of live objects, lost destroys and ranks that
+disagree on how a sync point ended (plus duplicate keys and errors a correct
+library would not raise); see :mod:`stress.ledger`. ``--only EPISODE,...``
+runs chosen episodes on every seed, ``--report FILE`` writes a JSON line per
+seed.
 
 ``--naive`` runs the same graphs with the destroys called from ``__del__``:
 that is the deadlock the library exists to remove, and the watchdog (or

@@ -20,7 +20,14 @@ What a correct library must do here (issue 11):
   register, dropping other objects);
 - registration from several threads on a size-1 communicator and rank-local
   (``comm=None``) is safe: unique keys, no lost or early destroy, and no
-  refusal because another thread is running destroys.
+  refusal because another thread is running destroys; on a communicator of
+  size > 1 two threads registering at once is erroneous, and may be refused
+  (``RegistrationError`` naming both threads), never hang;
+- diagnostics never change what a sync point sees (strict mode still raises).
+
+Episodes: threads (defect 1), interrupt (3), meddle (8), late (4), freed (2),
+strict (9), racing (the erroneous case of 1). ``run_faults`` draws which of
+them a seed runs.
 """
 
 from __future__ import annotations
