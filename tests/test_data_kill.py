@@ -16,7 +16,7 @@ import time
 import pytest
 
 from _util import process_alive
-from conftest import mpiexec_env
+from conftest import mpiexec_cmd, mpiexec_env
 
 pytestmark = pytest.mark.launcher
 
@@ -76,15 +76,7 @@ def test_a_users_mpi_script_under_mpiexec() -> None:
     # A spawn-context Pool in such a script brought the whole job down here
     # (mpiexec itself segfaulted); loader workers must not even initialize MPI.
     proc = subprocess.run(
-        [
-            "mpiexec",
-            "-n",
-            "2",
-            "--timeout",
-            "120",
-            sys.executable,
-            os.path.join(SCRIPTS, "mpi_main.py"),
-        ],
+        [*mpiexec_cmd(2, 120), sys.executable, os.path.join(SCRIPTS, "mpi_main.py")],
         capture_output=True,
         text=True,
         env=mpiexec_env(),

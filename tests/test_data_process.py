@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import types
 import weakref
 from collections.abc import Iterator
@@ -24,9 +25,11 @@ from typing import Any
 import numpy as np
 import pytest
 from data_scripts.fns import (
+    LockedError,
     N,
     crash_at_2,
     fail_at_3,
+    locked_fail,
     make,
     make_nested,
     make_sized,
@@ -36,7 +39,7 @@ from data_scripts.fns import (
 )
 
 from collective_gc import _reaper
-from collective_gc.data import ProcessPrefetch, WorkerError, _pool, _shm
+from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _pool, _shm
 
 from _util import GcDisabled as GcOff
 from _util import process_alive
@@ -162,17 +165,30 @@ def test_error_in_fn_is_reraised_with_worker_traceback() -> None:
     assert got == [0, 1, 2]
     with pytest.raises(ValueError) as info:
         next(it)
-    text = str(info.value)
-    assert "cannot load 3" in text and "in fail_at_3" in text and "worker 1" in text
-    assert "Traceback (most recent call last)" in text
+    # The worker's own exception (it pickles), its traceback chained as the cause,
+    # as concurrent.futures does.
+    assert info.value.args == ("cannot load 3",)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "in fail_at_3" in str(cause) and "worker 1" in str(cause)
+    assert "Traceback (most recent call last)" in str(cause) and "key 3" in str(cause)
+    assert cause.__traceback__ is None  # text only: no frame of ours or the worker's
+    printed = "".join(traceback.format_exception(info.value))
+    assert printed.index("in fail_at_3") < printed.index("direct cause")
     assert it.closed
     with pytest.raises(StopIteration):  # the error ended the iteration
         next(it)
 
 
-def test_unbuildable_error_type_becomes_worker_error() -> None:
-    with pytest.raises(WorkerError, match="OddError"):
+def test_unpicklable_error_crosses_as_its_type_or_worker_error() -> None:
+    # OddError pickles but cannot be rebuilt from its args, nor from one message.
+    with pytest.raises(WorkerError, match="OddError") as info:
         list(ProcessPrefetch(odd_fail, range(3), num_workers=1))
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    # Not picklable at all (a lock inside), but its type is importable: rebuilt as that type.
+    with pytest.raises(LockedError, match="LockedError raised in worker 0") as info2:
+        list(ProcessPrefetch(locked_fail, range(3), num_workers=1))
+    assert "in locked_fail" in str(info2.value.__cause__)
 
 
 def test_worker_crash_reports_exit_code() -> None:
@@ -192,7 +208,7 @@ def test_unpicklable_fn_is_refused_before_any_worker_starts() -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_workers"):
-        ProcessPrefetch(plain, range(3), num_workers=0)
+        ProcessPrefetch(plain, range(3), num_workers=-1)
     with pytest.raises(ValueError, match="buffer_size"):
         ProcessPrefetch(plain, range(3), num_workers=1, buffer_size=0)
 
@@ -201,7 +217,7 @@ def test_bad_arguments() -> None:
 
 
 def _pids(it: ProcessPrefetch[Any]) -> list[int]:
-    return [w.proc.pid for w in it._pool.workers]
+    return [w.proc.pid for w in it._holder.pool.workers]
 
 
 def test_close_while_workers_block_on_a_full_buffer() -> None:
@@ -226,8 +242,9 @@ def test_close_while_a_worker_is_inside_fn() -> None:
     time.sleep(0.2)  # both workers are now sleeping inside fn
     t0 = time.monotonic()
     it.close()
-    assert time.monotonic() - t0 < 1.0  # the watch thread ends them; no SIGKILL wait
-    assert [w.proc.returncode for w in it._pool.workers] == [0, 0]
+    assert time.monotonic() - t0 < 1.0  # the watch thread ends them; no 5 s wait
+    # Their watch thread killed their process group (them and anything fn started).
+    assert [w.proc.returncode for w in it._holder.pool.workers] == [-signal.SIGKILL] * 2
 
 
 def test_dropping_the_loader_stops_its_workers() -> None:
@@ -418,7 +435,7 @@ if __name__ == "__main__":
     kept = next(it)
     other = ProcessPrefetch(make, range(100), num_workers=2, buffer_size=2)
     held = [next(other) for _ in range(3)]                           # open, elements held
-    print("pids", *[w.proc.pid for x in (it, other) for w in x._pool.workers])
+    print("pids", *[w.proc.pid for x in (it, other) for w in x._holder.pool.workers])
 """
 
 

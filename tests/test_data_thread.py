@@ -81,7 +81,7 @@ def test_close_while_the_producer_waits_for_room() -> None:
     t0 = time.monotonic()
     it.close()
     assert time.monotonic() - t0 < 1.0
-    assert produced[-1] == -1 and not it._thread.is_alive()
+    assert produced[-1] == -1 and not it._holder.state.finished.locked()  # the thread returned
     with pytest.raises(StopIteration):
         next(it)
 
@@ -89,16 +89,15 @@ def test_close_while_the_producer_waits_for_room() -> None:
 def test_dropping_the_loader_stops_its_thread() -> None:
     it = ThreadPrefetch(arrays(10**9), buffer_size=2)
     next(it)
-    thread = it._thread
+    finished = it._holder.state.finished  # released when the thread returns
     del it
     assert _reaper.flush(10)
-    thread.join(5)
-    assert not thread.is_alive()
+    assert finished.acquire(timeout=5)
 
 
-def test_buffer_size_must_be_positive() -> None:
+def test_buffer_size_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="buffer_size"):
-        ThreadPrefetch([1], buffer_size=0)
+        ThreadPrefetch([1], buffer_size=-1)
 
 
 def test_thread_prefetch_of_a_thread_unsafe_consumer_is_not_our_business() -> None:

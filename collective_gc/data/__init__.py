@@ -19,16 +19,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._prefetch import ProcessPrefetch
-    from ._protocol import WorkerError
+    from ._protocol import LoaderError, RemoteTraceback, WorkerError
     from ._shard import shard_indices
     from ._thread import ThreadPrefetch
 
-__all__ = ["ProcessPrefetch", "ThreadPrefetch", "WorkerError", "shard_indices"]
+__all__ = [
+    "LoaderError",
+    "ProcessPrefetch",
+    "RemoteTraceback",
+    "ThreadPrefetch",
+    "WorkerError",
+    "shard_indices",
+]
 
 _HOME = {
     "ProcessPrefetch": "._prefetch",
     "ThreadPrefetch": "._thread",
     "WorkerError": "._protocol",
+    "LoaderError": "._protocol",
+    "RemoteTraceback": "._protocol",
     "shard_indices": "._shard",
 }
 

@@ -2,28 +2,49 @@
 
 One :class:`WorkerHandle` per worker process. The consumer thread
 (``ProcessPrefetch.__next__``) does all the talking: it receives elements,
-attaches new segments, and sends what the worker is owed (credits, the slot
-allowance, freed slots) batched in one message per few elements, since every
-message wakes a process and wake-ups, not bytes, cost time on a busy machine.
+attaches new segments, and sends what the worker is owed (the count of its
+elements consumed, the slot allowance, freed slots) batched in one message
+per few elements, since every message wakes a process and wake-ups, not
+bytes, cost time on a busy machine.
 
-Leases: every array of an element views one uint8 ``base`` array over its
-slot. A :class:`_Lease`, a weak reference to ``base`` kept alive by a
-module-level set (as ``weakref.finalize`` keeps its finalizers, so a lease is
-never part of a user's garbage cycle), pins the slot's :class:`Segment`. Its
-callback, on whatever thread ``base`` dies and inside the cyclic collector
-too, only records the slot as freed and lets the lease go; the consumer sends
-the slot back to the worker, and the worker may only then write into it. When
-the last holder of a Segment lets go, its registration on the rank-local
-reaper unmaps it, on the reaper thread, exactly once.
+Receiving survives an interrupt: a message is received into the handle's own
+``inbox`` (a buffer that outlives the call), and the inbox counts as full
+until the consumer has delivered the element, so an interrupt anywhere in
+between leaves the message there for the next call. Only the receive itself
+(an interrupt raised as the call returns) can lose one; the element numbers
+in the messages show it, and the loader then fails loudly.
 
-Slot reuse does not go through the reaper: a reaper hop per element cost ~40
-us of this process's CPU and a thread wake-up per element here (about a third
-of the throughput); the callback alone is a list append.
+Leases: every array of an element views one ``base`` array over its slot. A
+:class:`_Lease`, a weak reference to ``base`` kept alive by a module-level
+set (as ``weakref.finalize`` keeps its finalizers, so a lease is never part
+of a user's garbage cycle), pins the slot's :class:`Segment`. Its callback,
+on whatever thread ``base`` dies and inside the cyclic collector too, is a
+C-level list append (no Python code runs, so no interrupt can strike there);
+the consumer looks at the dead leases when it next talks to a worker
+(:func:`collect_dead`) and sends their slots back, and the worker may only
+then write into them. A lease of an element that was built but never
+delivered (an interrupt struck first) frees nothing: the element is rebuilt
+from the same slot by the next call. When a loader closes, its leases are let
+go: an element that outlives the loader releases its memory with its last
+array.
+
+Workers are started from one thread that lives as long as the process, so
+``PR_SET_PDEATHSIG`` means the parent's death whichever thread made the
+loader. Each worker leads its own process group (whatever its function
+starts is killed with it), and the parent watches the worker process itself
+(a pidfd), not only the socket: a child the function forked may hold the
+socket open after the worker died.
 
 Sends never block (what does not fit the socket stays owed and goes out when
 there is room); the consumer's waits wake up every ``_POLL`` seconds to send
 slots freed meanwhile on other threads, so a worker waiting for a slot is
-never forgotten. The socket is closed under the same lock as sends.
+never forgotten. :meth:`WorkerHandle.stop` may come from any thread: it shuts
+the socket down (which wakes a consumer waiting on it) and the descriptors
+are closed by whichever of the two comes last, never under a waiting call.
+
+Segment release is bounded: when the rank-local reaper falls behind (a slow
+or blocked destroy ahead of ours), the consumer unmaps dead segments itself
+once more than ``_BACKLOG`` wait (:func:`release_backlog`).
 
 Nothing here refers to a ProcessPrefetch, an element or an exception, so the
 pool can join no reference cycle with them.
@@ -31,10 +52,14 @@ pool can join no reference cycle with them.
 
 from __future__ import annotations
 
+import _thread
 import array
 import atexit
+import collections
 import fcntl
+import mmap
 import os
+import queue
 import select
 import signal
 import socket
@@ -42,17 +67,28 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from .._queue import Registration
 from . import _protocol as P
 from ._shm import Segment
 from ._worker import BOOT, STRIP_PREFIXES
 
-__all__ = ["Pool", "WorkerHandle", "child_environment", "shutdown", "track"]
+__all__ = [
+    "END",
+    "EMPTY",
+    "Pool",
+    "WorkerHandle",
+    "child_environment",
+    "collect_dead",
+    "release_backlog",
+    "shutdown",
+    "start_workers",
+    "track",
+]
 
-Message = tuple[int, int, int, int, int, memoryview, int]
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 # Plain ints: flag arithmetic on the enum members costs microseconds per element.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
@@ -60,6 +96,10 @@ _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 # How often a consumer waiting for a worker wakes up to send it slots freed
 # meanwhile on other threads (the only case where nobody else would).
 _POLL = 0.05
+# Dead segments allowed to wait for the reaper before the consumer unmaps them itself.
+_BACKLOG = 32
+EMPTY = bytes(4)  # written over an inbox's kind: the inbox is empty
+END = 256  # the inbox's kind once the worker's end is seen (no message has it)
 
 
 def child_environment() -> dict[str, str]:
@@ -70,10 +110,12 @@ def child_environment() -> dict[str, str]:
 class _Lease(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to an element's ``base`` that pins its slot's segment."""
 
-    __slots__ = ("handle", "segment", "slot")
+    __slots__ = ("delivered", "handle", "segment", "seq", "slot")
     handle: WorkerHandle
     slot: int
+    seq: int
     segment: Segment
+    delivered: bool
 
     # By identity: weakref.ref's own would hash and compare the (unhashable) array.
     __eq__ = object.__eq__
@@ -85,16 +127,103 @@ class _Lease(weakref.ref):  # type: ignore[type-arg]
 # and never trash itself: its callback runs even when the element dies in a
 # garbage cycle together with its loader.
 _LEASES: set[_Lease] = set()
+# Leases whose element died, not yet looked at. The callback of every lease is
+# this list's C-level append: no Python frame runs when an element dies, so
+# no interrupt (KeyboardInterrupt) can strike, and be swallowed, there.
+_DEAD: list[_Lease] = []
 
 
-def _lease_died(lease: _Lease, _leases: set[_Lease] = _LEASES) -> None:
-    # Any thread, possibly inside the cyclic collector: record only. Dropping
-    # the lease unpins its segment; if that was the last holder, the segment's
-    # own finalizer queues the unmap on the reaper.
-    _leases.discard(lease)
-    handle = lease.handle
-    handle.live.discard(lease.slot)
-    handle.freed.append(lease.slot)
+def collect_dead() -> None:
+    """Hand the slots of dead elements back to their handles (consumer thread)."""
+    dead, leases = _DEAD, _LEASES
+    while dead:
+        # Taken with bytecodes that call nothing, then recorded before it is let go.
+        lease = dead[-1]
+        del dead[-1]
+        if lease.delivered:
+            handle = lease.handle
+            handle.live.discard(lease.slot)
+            if not handle.closed:
+                handle.freed.append((lease.slot, lease.seq))
+        # Unpins the segment; if that was its last holder, the segment's own
+        # finalizer queues the unmap on the reaper.
+        leases.discard(lease)
+
+
+# -- the spawner thread ---------------------------------------------------------------
+
+
+class _Spawner:
+    """One daemon thread that starts every worker of this process.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that started a process exits;
+    this one lives as long as the process, so for workers started here the
+    signal means the parent's death, whichever thread made the loader.
+    """
+
+    def __init__(self) -> None:
+        self.requests: queue.SimpleQueue[Launch] = queue.SimpleQueue()
+        self.launched = False
+
+    def _run(self) -> None:
+        while True:
+            self.requests.get().run()
+
+    def submit(self, launch: Launch) -> None:
+        self.requests.put(launch)
+        if not self.launched:
+            # A store, then one C call: no interrupt can fall between them, so
+            # the thread exists exactly when `launched` says so.
+            self.launched = True
+            _thread.start_new_thread(self._run, ())
+
+
+_SPAWNER = [_Spawner()]
+
+
+class Launch:
+    """Starting the workers of one pool, on the spawner thread.
+
+    The loader keeps it until ``done`` is set, so a ``next()`` interrupted
+    while it waits resumes the same start-up instead of beginning another.
+    """
+
+    def __init__(
+        self, pool: Pool, count: int, window: int, env: dict[str, str], boots: list[bytes]
+    ) -> None:
+        self.pool, self.count, self.window, self.env, self.boots = pool, count, window, env, boots
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        pool = self.pool
+        try:
+            for w in range(self.count):
+                handle = WorkerHandle.spawn(w, self.window, True, self.env)
+                with pool.lock:
+                    if not pool.closed:
+                        pool.workers.append(handle)
+                        continue
+                # The loader gave up on this pool: never leave a worker behind.
+                handle.stop()
+                handle.join(pool.close_timeout)
+                return
+            for handle, boot in zip(pool.workers, self.boots):
+                handle.send_boot(boot)
+        except BaseException as exc:  # noqa: BLE001 (handed to the loader)
+            self.error = exc
+        finally:
+            self.boots = []
+            self.done.set()
+
+
+def start_workers(
+    pool: Pool, count: int, window: int, env: dict[str, str], boots: list[bytes]
+) -> Launch:
+    """Start ``count`` workers into ``pool`` on the spawner thread (wait on ``done``)."""
+    launch = Launch(pool, count, window, env, boots)
+    _SPAWNER[0].submit(launch)
+    return launch
 
 
 class WorkerHandle:
@@ -114,15 +243,26 @@ class WorkerHandle:
         self.sock = sock
         self.sentinel = sentinel  # write end of the worker's parent-watch pipe; never written
         self.boot = boot  # write end of the boot pipe, until the boot data is sent
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)  # readable once the worker has exited
+        except (AttributeError, OSError):  # no pidfd here: poll the process every _POLL
+            self.pidfd = -1
         self.window = window
         self.lock = threading.Lock()
         self.closed = False
+        self.waiting = False  # a consumer is inside a socket call: it closes the descriptors
+        # The message being delivered: received, its element not yet handed out.
+        self.inbox = bytearray(P.MAX_MESSAGE)
+        self.inview = memoryview(self.inbox)
+        self.inbox_fd = -1  # a descriptor that came with it, not yet mapped
+        self.attached = -1  # the element whose new segment was mapped last
         # Owed to the worker (see "sending" below). `freed` and `live` are also
         # touched by lease callbacks, on any thread: appends and discards only.
-        self.owed = 0
+        self.consumed = 0
+        self.sent_consumed = 0
         self.batch = max(1, window // 2)
         self.sent_allowance = window
-        self.freed: list[int] = []
+        self.freed: list[tuple[int, int]] = []
         self.live: set[int] = set()
         self.slots: dict[int, Segment] = {}
 
@@ -144,6 +284,8 @@ class WorkerHandle:
                 pass_fds=(boot_r, child_sock.fileno(), sentinel_r),
                 env=env,
                 stdin=subprocess.DEVNULL,
+                # Its own process group, which its watch thread kills on the way out.
+                start_new_session=True,
             )
         except BaseException:
             parent_sock.close()
@@ -156,13 +298,15 @@ class WorkerHandle:
             os.close(boot_r)
         return cls(wid, proc, parent_sock, sentinel_w, boot_w, window)
 
-    def send_boot(self, prep: bytes, config: bytes) -> None:
+    def send_boot(self, data: bytes) -> None:
         """Write the boot data (blocks only while the worker starts, for a big pickle)."""
-        fd, self.boot = self.boot, -1
+        with self.lock:
+            fd, self.boot = self.boot, -1
+        if fd < 0:  # stopped meanwhile
+            return
         try:
             with open(fd, "wb") as f:
-                f.write(prep)
-                f.write(config)
+                f.write(data)
         except BrokenPipeError:  # it died starting up: recv() reports how
             pass
 
@@ -181,97 +325,170 @@ class WorkerHandle:
         """
         return self.window + self.batch + len(self.live)
 
-    def grant(self) -> None:
-        """Owe the worker one credit; send what is owed once a batch is due."""
-        self.owed += 1
-        if self.owed >= self.batch:
+    def grant(self, consumed: int) -> None:
+        """``consumed`` of the worker's elements are taken; send what is owed if a batch is due."""
+        self.consumed = consumed
+        if consumed - self.sent_consumed >= self.batch:
             self.flush()
 
     def flush(self) -> None:
-        """Send everything owed that fits; never blocks."""
+        """Send everything owed that fits; never blocks. Repeating it is harmless."""
+        if _DEAD:
+            collect_dead()
         with self.lock:
             if self.closed:
                 return
             while True:
                 allowance = self.allowance()
                 freed = self.freed[: P.MAX_RECORDS]
-                if not (self.owed or freed or allowance != self.sent_allowance):
+                consumed = self.consumed
+                if not (
+                    consumed != self.sent_consumed or freed or allowance != self.sent_allowance
+                ):
                     return
-                records = [P.CTRL.pack(P.ALLOW, allowance)]
-                if self.owed:
-                    records.append(P.CTRL.pack(P.CREDIT, self.owed))
-                records.extend(P.CTRL.pack(P.FREE, slot) for slot in freed)
+                pack = P.CTRL.pack
+                records = [pack(P.ALLOW, 0, allowance), pack(P.CONSUMED, 0, consumed)]
+                records.extend([pack(P.FREE, slot, seq) for slot, seq in freed])
                 try:
                     self.sock.send(b"".join(records), _DONTWAIT)
                 except BlockingIOError:
-                    return  # still owed; recv() waits for room and sends it then
+                    return  # still owed; the consumer's wait sends it when there is room
                 except OSError:  # the worker is gone; it needs nothing more from us
-                    self.owed, self.freed = 0, []
+                    self.freed = []
                     return
-                self.owed, self.sent_allowance = 0, allowance
+                self.sent_consumed, self.sent_allowance = consumed, allowance
                 del self.freed[: len(freed)]  # only those: a callback may append meanwhile
 
     def _owes(self) -> bool:
-        return bool(self.owed or self.freed)
+        return bool(self.consumed != self.sent_consumed or self.freed)
 
     # -- receiving --------------------------------------------------------------
 
-    def recv(self, block: bool) -> Message | None | Literal[False]:
-        """The worker's next message; None if it closed its end (it died).
+    def has_message(self) -> bool:
+        """Whether the inbox holds a message not yet delivered (or the worker's end)."""
+        return self.inbox[0] != 0 or self.inbox[1] != 0
 
-        ``block=False``: False if no message is there yet. ``block=True``:
-        waits, sending what is owed whenever there is room, and waking every
-        ``_POLL`` seconds to send slots freed meanwhile by other threads.
+    def poll(self) -> bool:
+        """Receive a message into the inbox if one is there; never blocks."""
+        return self._recv(_DONTWAIT)
+
+    def wait(self) -> None:
+        """Wait until the inbox holds a message, or the worker's end.
+
+        Sends what is owed whenever there is room, and wakes every ``_POLL``
+        seconds to send slots freed meanwhile by other threads. The worker's
+        end is a header of kind ``END``: its socket reached EOF, the worker
+        exited, or the handle was stopped.
         """
-        if not block:
-            try:
-                return self._recv(_DONTWAIT)
-            except BlockingIOError:
-                return False
         while True:
             self.flush()
-            owes = [self.sock] if self._owes() else []
-            readable, _, _ = select.select([self.sock], owes, [], _POLL)
-            if readable:
-                return self._recv(0)
-
-    def _recv(self, flags: int) -> Message | None:
-        while True:
+            with self.lock:
+                if self.closed:
+                    self._mark_end()
+                    return
+                self.waiting = True
             try:
-                data, ancillary, msg_flags, _ = self.sock.recvmsg(P.MAX_MESSAGE, _FD_SPACE, flags)
-                break
-            except ConnectionResetError:
-                # A worker that exits with control records unread makes Linux
-                # report ECONNRESET, once, *before* the messages it sent us,
-                # which are still queued: read on (EOF comes after them).
-                continue
-        fd = -1
+                owes = [self.sock] if self._owes() else []
+                watch: list[Any] = [self.sock] if self.pidfd < 0 else [self.sock, self.pidfd]
+                readable, _, _ = select.select(watch, owes, [], _POLL)
+            finally:
+                self._leave()
+            if self.sock in readable:
+                if self._recv(_DONTWAIT):
+                    return
+            elif readable or (self.pidfd < 0 and self.proc.poll() is not None):
+                # The worker has exited: what it sent before is queued; after that, the end.
+                if not self._recv(_DONTWAIT):
+                    self._mark_end()
+                return
+
+    def _leave(self) -> None:
+        with self.lock:
+            self.waiting = False
+            if self.closed:
+                self._close_fds()
+
+    def _mark_end(self) -> None:
+        P.HEAD.pack_into(self.inbox, 0, END, -1, -1, 0, 0, 0)
+
+    def _recv(self, flags: int) -> bool:
+        with self.lock:
+            if self.closed:
+                self._mark_end()
+                return True
+            self.waiting = True
+        try:
+            while True:
+                try:
+                    n, ancillary, msg_flags, _ = self.sock.recvmsg_into(
+                        [self.inview], _FD_SPACE, flags
+                    )
+                    break
+                except BlockingIOError:
+                    return False
+                except ConnectionResetError:
+                    # A worker that exits with control records unread makes Linux
+                    # report ECONNRESET, once, *before* the messages it sent us,
+                    # which are still queued: read on (EOF comes after them).
+                    continue
+                except OSError:  # shut down under us by stop(): the end
+                    n, ancillary, msg_flags = 0, [], 0
+                    break
+        finally:
+            self._leave()
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 for extra in fds[1:]:
                     os.close(extra)
-                fd = fds[0] if fds else -1
-        if msg_flags & _TRUNCATED or 0 < len(data) < P.HEAD.size:
-            if fd >= 0:
-                os.close(fd)
+                if fds:
+                    self.inbox_fd = fds[0]
+        if msg_flags & _TRUNCATED or 0 < n < P.HEAD.size:
+            self._close_inbox_fd()
+            self._mark_end()
             raise P.WorkerError(f"{self.describe()} sent a malformed message")
-        if not data:
-            return None
-        kind, slot, capacity, pickle_len, nbuf = P.HEAD.unpack_from(data)
-        return kind, slot, capacity, pickle_len, nbuf, memoryview(data)[P.HEAD.size :], fd
+        if n == 0:
+            self._mark_end()
+        return True
 
-    def attach(self, slot: int, fd: int, capacity: int) -> None:
-        """Map a segment the worker just made for ``slot`` (replacing its old one)."""
-        self.slots[slot] = Segment(fd, capacity, f"ProcessPrefetch {self.describe()} slot {slot}")
+    def _close_inbox_fd(self) -> None:
+        fd, self.inbox_fd = self.inbox_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
-    def lease(self, slot: int, base: np.ndarray[Any, Any]) -> None:
+    def done_with_inbox(self) -> None:
+        """The inbox's message is delivered: mark it empty."""
+        self.inview[:4] = EMPTY
+
+    def attach(self, slot: int, capacity: int, seq: int) -> bool:
+        """Map the segment that came with the inbox's message (element ``seq``) for ``slot``.
+
+        False if its descriptor is gone (an interrupt took it: the loader must
+        fail). The descriptor is closed only after the mapping is stored: an
+        interrupt before that leaves it for the next call (a mapping made and
+        dropped meanwhile unmaps itself).
+        """
+        fd = self.inbox_fd
+        if fd < 0:
+            return False
+        mapping = mmap.mmap(fd, capacity)
+        segment = Segment(mapping, capacity, f"ProcessPrefetch {self.describe()} slot {slot}")
+        _watch_segment(segment)
+        self.slots[slot] = segment
+        self.attached = seq
+        self.inbox_fd = -1
+        os.close(fd)
+        return True
+
+    def lease(self, slot: int, seq: int, base: np.ndarray[Any, Any]) -> _Lease:
         """Pin ``slot`` until ``base`` (which every array of the element views) dies."""
-        lease = _Lease(base, _lease_died)
-        lease.handle, lease.slot, lease.segment = self, slot, self.slots[slot]
+        lease = _Lease(base, _DEAD.append)
+        lease.handle, lease.slot, lease.seq, lease.segment = self, slot, seq, self.slots[slot]
+        lease.delivered = False
         self.live.add(slot)
         _LEASES.add(lease)
+        return lease
 
     def exit_status(self) -> tuple[str, int | None]:
         """How the worker ended, for an error message: ``(text, exit code)``."""
@@ -290,7 +507,7 @@ class WorkerHandle:
     # -- stopping ---------------------------------------------------------------
 
     def stop(self) -> None:
-        """Tell the worker to exit now and drop our mappings. Never blocks; idempotent."""
+        """Tell the worker to exit now; drop our mappings. Never blocks; idempotent; any thread."""
         with self.lock:
             if self.closed:
                 return
@@ -298,13 +515,32 @@ class WorkerHandle:
             # EOF on its watch pipe: the worker's watch thread exits the process at
             # once, even in the middle of the user's function.
             os.close(self.sentinel)
-            self.sock.close()
-            self.owed = 0
+            try:
+                # Wakes a consumer waiting on the socket (it reads EOF).
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected any more: nothing to wake
+                pass
+            if not self.waiting:
+                self._close_fds()
+            self.consumed = self.sent_consumed = 0
             # Segments no lease holds are unmapped now (on the reaper); the others
             # when their last element dies.
             self.slots.clear()
-        if self.boot >= 0:
             fd, self.boot = self.boot, -1
+        if fd >= 0:
+            os.close(fd)
+        # Nobody will hand our slots back any more: let our leases go, so that
+        # a segment viewed by an element that outlives the loader is unmapped
+        # with that element's last array (mmap's own release), not pinned.
+        for lease in [x for x in list(_LEASES) if x.handle is self]:
+            _LEASES.discard(lease)
+
+    def _close_fds(self) -> None:
+        # Under self.lock, once closed and nobody waits on them.
+        self.sock.close()
+        self._close_inbox_fd()
+        if self.pidfd >= 0:
+            fd, self.pidfd = self.pidfd, -1
             os.close(fd)
 
     def join(self, timeout: float) -> None:
@@ -347,6 +583,51 @@ def shutdown(pool: Pool) -> None:
     for w in pool.workers:
         w.join(pool.close_timeout)
     _LIVE.discard(pool)
+    if _DEAD:
+        collect_dead()
+    release_backlog()
+
+
+# -- bounded segment release ------------------------------------------------------------
+
+# Registrations of dead segments whose unmap may still wait on the reaper, oldest first.
+_DUE: collections.deque[Registration] = collections.deque()
+
+
+class _SegmentWatch(weakref.ref):  # type: ignore[type-arg]
+    __slots__ = ("reg",)
+    reg: Registration
+
+
+# Watches of live segments, and of segments that died (their callback is this
+# list's C-level append, for the same reason as the leases').
+_WATCHES: set[_SegmentWatch] = set()
+_DIED: list[_SegmentWatch] = []
+
+
+def _watch_segment(segment: Segment) -> None:
+    watch = _SegmentWatch(segment, _DIED.append)
+    watch.reg = segment.reg
+    _WATCHES.add(watch)
+
+
+def release_backlog(limit: int = _BACKLOG) -> None:
+    """Unmap dead segments on this thread while more than ``limit`` wait for the reaper.
+
+    The reaper runs every rank-local destroy of the process, in order: one slow
+    or blocked destroy ahead of ours would let unmapped memory pile up. The
+    registration runs each unmap exactly once, whoever gets there first.
+    """
+    due, died = _DUE, _DIED
+    while died:
+        watch = died[-1]
+        del died[-1]
+        due.append(watch.reg)
+        _WATCHES.discard(watch)
+    while due and not due[0].alive:
+        due.popleft()
+    while len(due) > limit:
+        due.popleft().destroy()
 
 
 def _at_exit() -> None:
@@ -356,7 +637,15 @@ def _at_exit() -> None:
         shutdown(pool)
 
 
+def _after_fork_in_child() -> None:
+    # A forked child shares the parent's descriptors but not its workers: it
+    # must never stop (or wait for) them; nor has it the spawner thread.
+    _LIVE.clear()
+    _SPAWNER[0] = _Spawner()
+    _DUE.clear()
+    _DIED.clear()
+    _WATCHES.clear()
+
+
 atexit.register(_at_exit)
-# A forked child shares the parent's descriptors but not its workers: it must
-# never stop (or wait for) them.
-os.register_at_fork(after_in_child=_LIVE.clear)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,28 +1,38 @@
 """ProcessPrefetch: ``fn(index)`` in worker processes, arrays through a reusable slot ring.
 
-Worker ``w`` of ``W`` makes the elements at positions ``w, w + W, ...`` and
-the consumer reads them round-robin, so elements come in the order of
-``indices``. Each element is pickled (protocol 5) with its large contiguous
-buffers (numpy arrays) out of band: the worker copies them into one of its
-slots, a shared-memory segment it reuses, and sends only a small header; the
-parent rebuilds the element with arrays that *view* the slot (no copy).
+Worker ``w`` of ``W`` makes the elements at positions ``start + w, start + w +
+W, ...`` (``start``: where the loader resumes, 0 unless :meth:`set_state` said
+otherwise) and the consumer reads them round-robin, so elements come in the
+order of ``indices``. A plain numpy array goes straight into one of the
+worker's slots, a shared-memory segment it reuses; any other element is
+pickled (protocol 5) with its large contiguous buffers out of band, copied
+into a slot. Only a small header crosses the socket; the parent rebuilds the
+element with arrays that *view* the slot (no copy).
 
 A slot is reused only after every array built on it is dead: all arrays of an
-element view one uint8 ``base`` array over the slot, and a weak reference to
+element view one ``base`` array over the slot, and a weak reference to
 ``base`` (a lease, see ``_pool``) hands the slot back when it dies; the
 mapping itself is unmapped by the rank-local reaper once no slot table and no
-lease hold it. Credits bound how far a worker runs ahead (``buffer_size``);
-the slot allowance lets a worker grow its ring when the consumer keeps
-elements alive (``list(loader)`` works), never for freed slots on their way.
+lease hold it. ``buffer_size`` bounds how far a worker runs ahead; the slot
+allowance lets a worker grow its ring when the consumer keeps elements alive
+(``list(loader)`` works), never for freed slots on their way.
+
+Interrupts: KeyboardInterrupt or SystemExit can strike at almost any bytecode
+of ``__next__``. Everything it needs to go on lives on the loader and its
+handles, never only in a local: the received message stays in the worker's
+inbox until its element is handed out, an element made but not returned is
+kept in ``_ready``, an error found but not raised in ``_raise_next``. The
+moves from one to the next are plain stores (no call, so no interrupt between
+them). See ``_pool`` for the one place an interrupt can still lose a message,
+which then makes every later call raise :class:`LoaderError`.
 """
 
 from __future__ import annotations
 
 import pickle
 import struct
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 
@@ -37,6 +47,23 @@ __all__ = ["ProcessPrefetch"]
 K = TypeVar("K")
 T = TypeVar("T")
 
+_NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
+_STATE_VERSION = 1
+
+
+class _Holder:
+    """What the loader's finalizer stops: the pool, once started. Refers to no loader."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self) -> None:
+        self.pool: _pool.Pool | None = None
+
+
+def _stop(holder: _Holder) -> None:
+    if holder.pool is not None:
+        _pool.shutdown(holder.pool)
+
 
 class ProcessPrefetch(Generic[T]):
     """Iterate ``fn(i) for i in indices``, computed ahead by ``num_workers`` processes.
@@ -49,29 +76,46 @@ class ProcessPrefetch(Generic[T]):
     ``indices``. Arrays of 4 KiB and more view shared memory, valid for as long
     as you keep them: keeping elements costs memory, never correctness.
 
-    Workers are started at construction (spawned fresh, never forked; they
-    never initialize MPI, even under ``mpiexec``), and stopped when the
-    iteration ends, on :meth:`close`, when the loader is garbage collected, at
-    interpreter exit, or when this process dies by any signal.
+    Nothing starts at construction: the workers are spawned (fresh, never
+    forked; they never initialize MPI, even under ``mpiexec``) by the first
+    ``next()``, and stopped when the iteration ends, on :meth:`close`, when the
+    loader is garbage collected, at interpreter exit, or when this process
+    dies by any signal, whichever thread made the loader. Whatever ``fn``
+    starts in a worker is stopped with it. ``num_workers=0`` runs ``fn`` in
+    this process, inside ``next()``: no worker, the same API.
 
-    A single-use iterator. After the last element, an error, or :meth:`close`,
-    ``next()`` raises StopIteration. An exception in ``fn`` is re-raised here,
-    as its own type when possible, with the worker's traceback text in the
-    message; a worker that dies raises :class:`WorkerError` with its exit code.
-    Either error ends the iteration.
+    A single-use iterator. After the last element, an error, or :meth:`close`
+    (from any thread, even while another waits in ``next()``), ``next()``
+    raises StopIteration. An exception in ``fn`` (or ``worker_init_fn``) is
+    re-raised here, as itself when it pickles, else as its own type or
+    :class:`WorkerError`, with the worker's traceback as its ``__cause__``; a
+    worker that dies raises :class:`WorkerError` with its exit code. Either
+    error ends the iteration.
 
-    Raises at construction: ValueError (``num_workers`` or ``buffer_size`` < 1),
-    TypeError (``fn`` or ``indices`` cannot be pickled), RuntimeError (not
-    Linux, or called while a worker is importing the main module: put the
-    loader under ``if __name__ == "__main__":``).
+    KeyboardInterrupt or SystemExit inside ``next()`` loses nothing: the next
+    call delivers the next element in order. In the one case where that cannot
+    be (the interrupt struck as a message was being received), that call and
+    every later one raise :class:`LoaderError`; an epoch is never silently cut
+    short.
+
+    :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
+    new loader over the same ``indices`` (before its first ``next()``), makes
+    it deliver element ``k`` onwards.
+
+    Raises at construction: ValueError (``num_workers`` < 0, ``buffer_size``
+    < 1), TypeError (``fn``, ``worker_init_fn`` or ``indices`` cannot be
+    pickled), RuntimeError (not Linux, or called while a worker is importing
+    the main module: put the loader under ``if __name__ == "__main__":``).
 
     Args:
         fn: called as ``fn(index)`` in a worker, once per index.
         indices: a sequence (list, range, array) of picklable keys.
-        num_workers: worker processes (at most one per element).
+        num_workers: worker processes (at most one per element); 0: in-process.
         buffer_size: elements made but not yet consumed, over all workers
             (default: 4 per worker).
         close_timeout: seconds to wait for a worker to exit before SIGKILL.
+        worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker
+            before its first element (not in-process, as in PyTorch).
     """
 
     def __init__(
@@ -82,49 +126,48 @@ class ProcessPrefetch(Generic[T]):
         num_workers: int,
         buffer_size: int | None = None,
         close_timeout: float = 2.0,
+        worker_init_fn: Callable[[int], object] | None = None,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be at least 0, got {num_workers}")
         if buffer_size is None:
-            buffer_size = 4 * num_workers
+            buffer_size = 4 * max(1, num_workers)
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be at least 1, got {buffer_size}")
-        if not supported():
+        if num_workers and not supported():
             raise RuntimeError("ProcessPrefetch needs Linux (memfd_create); use ThreadPrefetch")
-        if bootstrapping():
+        if num_workers and bootstrapping():
             raise RuntimeError(
                 "a ProcessPrefetch was created while a worker imports the main module; "
                 "create loaders under `if __name__ == '__main__':`"
             )
         self._name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        self._fn = fn
+        self._indices = indices
         self._n = len(indices)
-        self._pos = 0
-        num_workers = max(1, min(num_workers, self._n))
-        window = -(-buffer_size // num_workers)
-        try:
-            configs = [
-                pickle.dumps((fn, indices[w::num_workers], w, window), protocol=5)
-                for w in range(num_workers)
-            ]
-        except Exception as exc:
-            raise TypeError(f"ProcessPrefetch needs a picklable fn and indices: {exc}") from exc
-        prep = pickle.dumps(preparation())
-        env = _pool.child_environment()
-        # PR_SET_PDEATHSIG fires when the *thread* that started a worker exits:
-        # only the main thread lives as long as the process.
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        workers: list[_pool.WorkerHandle] = []
-        self._pool = _pool.Pool(workers, close_timeout)
-        try:
-            for w in range(num_workers if self._n else 0):
-                workers.append(_pool.WorkerHandle.spawn(w, window, pdeathsig, env))
-            for handle, config in zip(workers, configs):
-                handle.send_boot(prep, config)
-        except BaseException:
-            _pool.shutdown(self._pool)
-            raise
-        _pool.track(self._pool)
-        self._reg = register(self, _pool.shutdown, (self._pool,), {}, "ProcessPrefetch")
+        self._pos = 0  # elements delivered (or kept in _ready to be)
+        self._start = 0  # the position the workers started from
+        self._num_workers = num_workers
+        self._buffer_size = buffer_size
+        self._close_timeout = close_timeout
+        self._ready: Any = _NOTHING
+        self._raise_next: BaseException | None = None
+        self._fault: str | None = None
+        self._started = False
+        self._launching: _pool.Launch | None = None
+        self._closed = False
+        self._blob = b""
+        if num_workers:
+            try:
+                # Checked now, so that a bad argument fails here, not in a worker.
+                self._blob = pickle.dumps((fn, worker_init_fn), protocol=5)
+                pickle.dumps(indices[:1], protocol=5)
+            except Exception as exc:
+                raise TypeError(
+                    f"ProcessPrefetch needs a picklable fn, worker_init_fn and indices: {exc}"
+                ) from exc
+        self._holder = _Holder()
+        self._reg = register(self, _stop, (self._holder,), {}, "ProcessPrefetch")
 
     def __iter__(self) -> ProcessPrefetch[T]:
         return self
@@ -138,81 +181,232 @@ class ProcessPrefetch(Generic[T]):
     def close(self) -> None:
         """Stop the workers and wait for them (SIGKILL after ``close_timeout``). Idempotent.
 
+        Any thread: a ``next()`` waiting meanwhile raises StopIteration.
         Elements already handed out stay valid; their memory is released when
         they die.
         """
+        self._closed = True
         self._reg.destroy()
 
     @property
     def closed(self) -> bool:
-        """True once the workers are stopped (end, error, :meth:`close`)."""
-        return self._pool.closed
+        """True once the loader is done: end, error, :meth:`close`."""
+        return self._closed
+
+    def get_state(self) -> dict[str, int]:
+        """The loader's position, for :meth:`set_state` of a new loader: a dict of ints.
+
+        ``{"version": 1, "position": k, "length": len(indices)}`` after ``k``
+        elements were delivered.
+        """
+        position = self._pos - (self._ready is not _NOTHING)
+        return {"version": _STATE_VERSION, "position": position, "length": self._n}
+
+    def set_state(self, state: Mapping[str, int]) -> None:
+        """Resume at the position saved by :meth:`get_state`, before the first ``next()``.
+
+        Raises RuntimeError once iteration has started or the loader is closed,
+        ValueError for a state of another version or of indices of another length.
+        """
+        if self._started or self._closed or self._pos or self._launching is not None:
+            raise RuntimeError(f"set_state() must come before the first next() of {self!r}")
+        if state.get("version") != _STATE_VERSION or state.get("length") != self._n:
+            raise ValueError(
+                f"{self!r} cannot resume from state {dict(state)!r}: it needs version "
+                f"{_STATE_VERSION} and length {self._n}"
+            )
+        position = int(state["position"])
+        if not 0 <= position <= self._n:
+            raise ValueError(f"position {position} is outside 0..{self._n} in {dict(state)!r}")
+        self._pos = self._start = position
 
     def __repr__(self) -> str:
-        state = "closed" if self._pool.closed else "open"
+        if self._closed:
+            state = "closed"
+        elif not self._num_workers:
+            state = "in-process"
+        elif self._started:
+            state = "running"
+        else:
+            state = "not started"
+        pool = self._holder.pool
+        workers = len(pool.workers) if pool is not None else 0
         return (
             f"<ProcessPrefetch {self._name} {self._pos}/{self._n} elements, "
-            f"{len(self._pool.workers)} workers, {state}>"
+            f"{workers} workers, {state}>"
         )
 
-    def __next__(self) -> T:
-        pool = self._pool
-        if self._pos >= self._n or pool.closed:
-            self.close()
-            raise StopIteration
-        worker = pool.workers[self._pos % len(pool.workers)]
-        message = worker.recv(block=False)
-        if message is False:
-            # About to wait: every worker gets what it is owed first, so none
-            # idles for want of a credit or a slot while we wait.
-            for w in pool.workers:
-                w.flush()
-            message = worker.recv(block=True)
-        assert message is not False  # recv(block=True) never returns False
-        if message is None or message[0] != P.ITEM:
-            error = self._error(worker, message)
-            self.close()
-            # The traceback keeps this frame: let it keep neither the loader nor
-            # the error itself (that would be a cycle).
-            del self, pool, worker, message
+    # -- starting -----------------------------------------------------------------------
+
+    def _launch(self) -> None:
+        """Spawn the workers for positions ``_start`` onwards (the first ``next()``).
+
+        Resumable: an interrupt while waiting leaves ``_launching`` for the
+        next call to wait on, so start-up is never begun twice.
+        """
+        launch = self._launching
+        if launch is None:
+            remaining = self._n - self._start
+            count = max(1, min(self._num_workers, remaining))
+            window = -(-self._buffer_size // count)
+            start, indices = self._start, self._indices
+            fn, init_fn = pickle.loads(self._blob)
+            try:
+                prep = pickle.dumps(preparation())
+                boots = [
+                    prep
+                    + pickle.dumps(
+                        (fn, init_fn, indices[start + w :: count], w, window), protocol=5
+                    )
+                    for w in range(count)
+                ]
+            except Exception as exc:
+                raise TypeError(f"ProcessPrefetch needs picklable indices: {exc}") from exc
+            pool = _pool.Pool([], self._close_timeout)
+            _pool.track(pool)
+            launch = _pool.start_workers(pool, count, window, _pool.child_environment(), boots)
+            self._holder.pool = pool
+            self._launching = launch
+        launch.done.wait()
+        self._launching = None
+        if launch.error is not None:
+            self._holder.pool = None
+            _pool.shutdown(launch.pool)
+            error, launch.error = launch.error, None
             try:
                 raise error
             finally:
                 del error
-        try:
-            element: T = _build(worker, message)
-        except BaseException:
+        self._started = True
+
+    # -- iterating ----------------------------------------------------------------------
+
+    def __next__(self) -> T:
+        ready = self._ready
+        if ready is not _NOTHING:  # made by a call an interrupt cut short
+            self._ready = _NOTHING
+            return ready  # type: ignore[no-any-return]
+        if self._raise_next is not None:
+            error, self._raise_next = self._raise_next, None
+            del self
+            try:
+                raise error
+            finally:
+                del error
+        if self._fault is not None:
+            raise P.LoaderError(self._fault)
+        pos = self._pos
+        if pos >= self._n or self._closed:
             self.close()
-            del self, pool, worker, message
+            raise StopIteration
+        if not self._num_workers:
+            return self._next_in_process(pos)
+        if not self._started:
+            self._launch()
+        pool = self._holder.pool
+        assert pool is not None
+        workers = pool.workers
+        count = len(workers)
+        offset = pos - self._start
+        worker = workers[offset % count]
+        if not worker.has_message() and not worker.poll():
+            # About to wait: every worker gets what it is owed first, so none
+            # idles for want of a credit or a slot while we wait.
+            for w in workers:
+                w.flush()
+            _pool.release_backlog()
+            worker.wait()
+        kind, slot, seq, capacity, size, nbuf = P.HEAD.unpack_from(worker.inbox)
+        if kind == P.ITEM or kind == P.ARRAY:
+            if seq != offset // count:
+                self._lost(worker, pos)
+            element, lease = _build(worker, kind, slot, seq, capacity, size, nbuf)
+            if lease is None and slot >= 0:
+                self._lost(worker, pos)
+            # Delivered: no call from here to the return, so no interrupt between
+            # these stores; an interrupt in grant() leaves the element in _ready.
+            if lease is not None:
+                lease.delivered = True
+            worker.inview[:4] = _pool.EMPTY
+            self._pos = pos + 1
+            self._ready = element
+            worker.grant(offset // count + 1)
+            self._ready = _NOTHING
+            return element  # type: ignore[no-any-return]
+        if pool.closed or self._closed:  # closed meanwhile, maybe from another thread
+            self._closed = True
+            raise StopIteration
+        error = self._error(worker, kind, seq, size)
+        self._raise_next = error
+        self.close()
+        error, self._raise_next = self._raise_next, None
+        # The traceback keeps this frame: let it keep neither the loader nor
+        # the error itself (that would be a cycle).
+        del self, pool, workers, worker
+        try:
+            raise error
+        finally:
+            del error
+
+    def _next_in_process(self, pos: int) -> T:
+        # An interrupt anywhere here leaves _pos alone: the next call makes the
+        # same element again.
+        self._started = True
+        try:
+            element = self._fn(self._indices[pos])
+        except Exception:  # as with workers, an error of fn ends the iteration
+            self.close()
             raise
-        self._pos += 1
-        worker.grant()
+        self._pos = pos + 1
         return element
 
-    def _error(self, worker: _pool.WorkerHandle, message: _pool.Message | None) -> BaseException:
+    def _lost(self, worker: _pool.WorkerHandle, pos: int) -> NoReturn:
+        self._fault = (
+            f"{self!r} lost element {pos}: an interrupt (KeyboardInterrupt, SystemExit) "
+            f"struck inside next() just as it received the element from {worker.describe()}; "
+            "the loader cannot go on in order"
+        )
+        self.close()
+        raise P.LoaderError(self._fault)
+
+    def _error(self, worker: _pool.WorkerHandle, kind: int, seq: int, size: int) -> BaseException:
         where = f"{worker.describe()} of {self!r}"
-        if message is None:
+        if kind == P.ERROR:
+            return P.rebuild_error(bytes(worker.inview[P.HEAD.size : P.HEAD.size + size]), where)
+        if kind == _pool.END:  # the worker's end: it died
             text, code = worker.exit_status()
             return P.WorkerError(
                 f"{where} {text} before sending element {self._pos}", exitcode=code
             )
-        if message[0] == P.ERROR:
-            return P.rebuild_error(bytes(message[5]), where)
-        return P.WorkerError(f"{where} sent message kind {message[0]} for element {self._pos}")
+        return P.WorkerError(f"{where} sent message kind {kind} for element {self._pos}")
 
 
-def _build(worker: _pool.WorkerHandle, message: _pool.Message) -> Any:
-    _, slot, capacity, pickle_len, nbuf, inline, fd = message
-    if fd >= 0:
-        worker.attach(slot, fd, capacity)
+def _build(
+    worker: _pool.WorkerHandle, kind: int, slot: int, seq: int, capacity: int, size: int, nbuf: int
+) -> tuple[Any, _pool._Lease | None]:
+    """The element in the worker's inbox, and the lease of its slot (None if inline).
+
+    ``(None, None)`` with ``slot >= 0``: the segment's descriptor is gone.
+    """
+    inview = worker.inview
+    start = P.HEAD.size
     if slot < 0:
-        return pickle.loads(inline)
+        return pickle.loads(inview[start : start + size]), None
+    if capacity and worker.attached != seq and not worker.attach(slot, capacity, seq):
+        return None, None
     view = worker.slots[slot].view
-    lengths = struct.unpack_from(f"<{nbuf}q", view, P.lengths_offset(pickle_len))
-    _, offsets, total = P.layout(pickle_len, lengths)
+    if kind == P.ARRAY:
+        dtype, order = P.ARRAY_META.unpack_from(inview, start)
+        shape = struct.unpack_from(f"<{nbuf}q", inview, start + P.ARRAY_META.size)
+        # The element's only array views `base`, which views the slot.
+        base: np.ndarray[Any, Any] = np.frombuffer(view[:size], dtype.rstrip(b"\0").decode())
+        lease = worker.lease(slot, seq, base)
+        return base.reshape(shape, order=order.decode()), lease
+    lengths = struct.unpack_from(f"<{nbuf}q", view, P.lengths_offset(size))
+    _, offsets, total = P.layout(size, lengths)
     # Every array of the element views `base` (numpy keeps the first non-owning
     # ndarray as the base of views), so `base` dies with the element's last array.
-    base: np.ndarray[Any, Any] = np.frombuffer(view, np.uint8, total)
-    worker.lease(slot, base)
+    base = np.frombuffer(view, np.uint8, total)
+    lease = worker.lease(slot, seq, base)
     buffers = [base[o : o + n] for o, n in zip(offsets, lengths)]
-    return pickle.loads(view[:pickle_len], buffers=buffers)
+    return pickle.loads(view[:size], buffers=buffers), lease

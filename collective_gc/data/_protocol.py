@@ -7,19 +7,30 @@ Messages travel over one ``SOCK_SEQPACKET`` socket pair per worker, so every
 ``send`` is one message and a segment's file descriptor rides on the message
 that first uses it (``SCM_RIGHTS``):
 
-* worker -> parent: a fixed header (``HEAD``), then, for an element that fits,
-  its pickle inline. ``ITEM`` with ``slot >= 0`` says the element is in that
-  slot: its pickle, the lengths of its out-of-band buffers, then the buffers,
-  laid out by :func:`layout`. ``ERROR`` carries a pickled :func:`pack_error`
-  tuple; ``DONE`` says the worker's share is finished.
-* parent -> worker: a message of ``CTRL`` records. ``CREDIT n`` lets the
-  worker send ``n`` more elements; ``ALLOW n`` says how many slots it may own;
-  ``FREE s`` hands slot ``s`` back once every array built on it has died.
+* worker -> parent: a fixed header (``HEAD``) whose ``seq`` counts the
+  worker's elements (0, 1, 2, ...), so the parent notices a message it failed
+  to take in (an interrupt can strike just as a receive returns), then, for an
+  element that fits, its pickle inline. ``ITEM`` with ``slot >= 0`` says the
+  element is in that slot: its pickle, the lengths of its out-of-band buffers,
+  then the buffers, laid out by :func:`layout`. ``ARRAY`` is a plain numpy
+  array at the start of its slot, described by an :data:`ARRAY_META` record
+  and its shape (no pickle on either side). ``ERROR`` carries a pickled
+  :func:`pack_error` tuple; ``DONE`` says the worker's share is finished.
+* parent -> worker: a message of ``CTRL`` records. ``CONSUMED n`` says the
+  parent has taken ``n`` of the worker's elements in all (the worker may run
+  ``window`` elements ahead of that); ``ALLOW n`` says how many slots it may
+  own; ``FREE s q`` hands slot ``s`` back once every array built on element
+  ``q`` (which used it) has died. Every record can be sent twice without harm
+  (counts are absolute, a FREE for a slot not leased under that element is
+  ignored), so a send interrupted before its bookkeeping is simply repeated.
   Records are batched (one message per few elements), because every message
   wakes a process, and wake-ups, not bytes, cost time on a busy machine.
 
-Exceptions cross as type + traceback text, never as objects: an exception
-object carries frames, and frames keep elements alive (see :func:`pack_error`).
+Exceptions cross pickled when they can be (the worker's exception object, its
+traceback left behind) and as type + text otherwise; the worker's formatted
+traceback always crosses as text, and becomes the ``__cause__`` of the error
+raised in the parent, as ``concurrent.futures`` does (see :func:`rebuild_error`).
+Frames never cross: they would keep elements alive.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ from .._errors import CollectiveGCError
 
 __all__ = [
     "ALLOW",
-    "CREDIT",
+    "ARRAY",
+    "ARRAY_META",
+    "CONSUMED",
     "CTRL",
     "DONE",
     "ERROR",
@@ -41,9 +54,11 @@ __all__ = [
     "HEAD",
     "INLINE_MAX",
     "ITEM",
+    "LoaderError",
     "MAX_MESSAGE",
     "MAX_RECORDS",
     "OUT_OF_BAND_MIN",
+    "RemoteTraceback",
     "WorkerError",
     "layout",
     "lengths_offset",
@@ -52,14 +67,19 @@ __all__ = [
     "rebuild_error",
 ]
 
-# worker -> parent: kind, slot (-1: inline), new segment capacity (0: none),
-# pickle length, number of out-of-band buffers.
-HEAD = struct.Struct("<iiqqq")
-ITEM, ERROR, DONE = 1, 2, 3
+# worker -> parent: kind, slot (-1: inline), element number in this worker's
+# share, new segment capacity (0: none), pickle length (ITEM, ERROR: the
+# blob's; ARRAY: the array's bytes), number of out-of-band buffers (ARRAY: ndim).
+# A kind of 0 never travels: the parent marks its inbox empty with it.
+HEAD = struct.Struct("<iiqqqq")
+ITEM, ERROR, DONE, ARRAY = 1, 2, 3, 4
+# After the header of an ARRAY: dtype.str (8 bytes, NUL-padded), order (b"C" or
+# b"F"), then ndim int64 dimensions.
+ARRAY_META = struct.Struct("<8sc")
 
-# parent -> worker, repeated: kind, value.
-CTRL = struct.Struct("<ii")
-CREDIT, ALLOW, FREE = 1, 2, 3
+# parent -> worker, repeated: kind, slot, value.
+CTRL = struct.Struct("<iiq")
+CONSUMED, ALLOW, FREE = 1, 2, 3
 # Records per message: bounded so a message always fits the socket buffer.
 MAX_RECORDS = 2048
 
@@ -110,12 +130,39 @@ def layout(pickle_len: int, lengths: tuple[int, ...] | list[int]) -> tuple[int, 
     return start, offsets, offset
 
 
-class WorkerError(CollectiveGCError, RuntimeError):
+class LoaderError(CollectiveGCError, RuntimeError):
+    """A loader cannot deliver its next element in order.
+
+    Raised by ``next()`` after an interrupt (KeyboardInterrupt, SystemExit)
+    struck inside an earlier ``next()`` at the one moment where the element
+    could not be kept (as the message carrying it was being received); the
+    loader then raises it on every later call, so an epoch is never silently
+    cut short. :class:`WorkerError` is a subclass.
+    """
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, as text.
+
+    Set as the ``__cause__`` of the exception ``next()`` re-raises, so the
+    worker's frames print above it, as ``concurrent.futures`` does.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class WorkerError(LoaderError):
     """A prefetch worker failed: it died, or an element could not be made or sent.
 
-    An exception raised by the user's function is re-raised as its own type when
-    that type can be rebuilt from a message, else as ``WorkerError``; either
-    way the message holds the worker's traceback text.
+    An exception raised by the user's function (or ``worker_init_fn``) is
+    re-raised as itself when it can be pickled, else as its own type built
+    from a message, else as ``WorkerError``; in every case its ``__cause__`` is
+    a :class:`RemoteTraceback` holding the worker's traceback.
 
     Attributes:
         exitcode: the worker's exit code if it died (negative: killed by that
@@ -128,39 +175,68 @@ class WorkerError(CollectiveGCError, RuntimeError):
 
 
 _TEXT_MAX = INLINE_MAX // 2 - 1024
+_OBJECT_MAX = INLINE_MAX // 4
 
 
 def pack_error(exc: BaseException, where: str) -> bytes:
-    """Pickle ``exc`` as (type or None, type name, where, traceback text).
+    """Pickle ``exc`` as (exception or None, type or None, type name, where, traceback text).
 
-    The type crosses by reference when it can (a class importable by name) so
-    the parent can raise the same type; the text is cut to fit one message,
-    keeping its end, where the error is.
+    The exception itself crosses when it pickles small (its traceback is not
+    pickled); else its type crosses by reference when it can (a class
+    importable by name) so the parent can raise the same type. The text is cut
+    to fit one message, keeping its end, where the error is.
     """
-    try:
-        type_blob: bytes | None = pickle.dumps(type(exc))
-    except (pickle.PicklingError, AttributeError, TypeError):  # cannot be named: text only
-        type_blob = None
     text = "".join(traceback.format_exception(exc))
     if len(text) > _TEXT_MAX:
         text = "[... traceback cut ...]\n" + text[-_TEXT_MAX:]
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return pickle.dumps((type_blob, name, where, text))
+    obj_blob: bytes | None
+    try:
+        blob = pickle.dumps(exc)
+        obj_blob = blob if len(blob) <= _OBJECT_MAX else None
+    except Exception:  # noqa: BLE001 (any object may refuse to pickle: the text still crosses)
+        obj_blob = None
+    try:
+        type_blob: bytes | None = pickle.dumps(type(exc))
+    except (pickle.PicklingError, AttributeError, TypeError):  # cannot be named: text only
+        type_blob = None
+    return pickle.dumps((obj_blob, type_blob, name, where, text))
 
 
 def rebuild_error(blob: bytes, worker: str) -> BaseException:
-    """A fresh exception from a :func:`pack_error` message (no frames attached)."""
-    type_blob, name, where, text = pickle.loads(blob)
-    message = f"{name} raised in {worker} {where}; the worker's traceback:\n\n{text}"
-    exc_type: object = None
-    if type_blob is not None:
+    """A fresh exception from a :func:`pack_error` message, its cause the remote traceback.
+
+    No frame of the worker is attached (only text), so keeping the error keeps
+    no element alive.
+    """
+    obj_blob, type_blob, name, where, text = pickle.loads(blob)
+    context = f"{name} raised in {worker} {where}"
+    cause = RemoteTraceback(f'\n"""\n{context}; the worker\'s traceback:\n\n{text}"""')
+    exc: BaseException | None = None
+    if obj_blob is not None:
         try:
-            exc_type = pickle.loads(type_blob)
-        except (AttributeError, ImportError, pickle.UnpicklingError):  # not importable here
-            exc_type = None
-    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-        try:
-            return exc_type(message)
-        except Exception:  # noqa: BLE001 (an __init__ that wants other arguments)
-            return WorkerError(message)
-    return WorkerError(message)
+            loaded = pickle.loads(obj_blob)
+        except Exception:  # noqa: BLE001 (its class may not unpickle here: fall back on the type)
+            loaded = None
+        if isinstance(loaded, Exception):
+            exc = loaded
+    if exc is None:
+        message = f"{context}; the worker's traceback:\n\n{text}"
+        exc_type: object = None
+        if type_blob is not None:
+            try:
+                exc_type = pickle.loads(type_blob)
+            except (AttributeError, ImportError, pickle.UnpicklingError):  # not importable here
+                exc_type = None
+        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+            try:
+                exc = exc_type(message)
+            except Exception:  # noqa: BLE001 (an __init__ that wants other arguments)
+                exc = None
+        if exc is None:
+            exc = WorkerError(message)
+    exc.__cause__ = cause
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:  # Python 3.11+: say where it came from under the message
+        add_note(f"(raised in {worker} {where})")
+    return exc

@@ -6,7 +6,8 @@ abrupt, can leak one: the kernel frees the memory when the last mapping and
 the last descriptor are gone. Its descriptor crosses to the parent once, on
 the first message that uses the segment (``SCM_RIGHTS``); both sides close
 their descriptor right after mapping it (``mmap`` keeps a duplicate of its
-own, closed when the mapping is closed).
+own, closed when the mapping is closed). The parent closes its copy only once
+the mapping is stored, so an interrupt in between leaves it there to map again.
 
 On the parent side each mapping is owned by a :class:`Segment`, registered on
 the rank-local reaper: when the last reference to it goes (the ring dropped
@@ -21,7 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["Segment", "attach", "create", "round_capacity", "supported"]
+__all__ = ["Segment", "create", "round_capacity", "supported"]
 
 PAGE = mmap.PAGESIZE
 
@@ -47,14 +48,6 @@ def create(capacity: int, name: str) -> tuple[int, mmap.mmap]:
         raise
 
 
-def attach(fd: int, capacity: int) -> mmap.mmap:
-    """Map a received segment; ``fd`` is closed here, on success or failure."""
-    try:
-        return mmap.mmap(fd, capacity)
-    finally:
-        os.close(fd)
-
-
 def _unmap(view: memoryview, mapping: mmap.mmap) -> None:
     # The reaper's destroy for a Segment: every lease on it is gone. A lease's
     # callback runs at the start of its array's deallocation, though, so the
@@ -76,16 +69,16 @@ class Segment:
     reaper thread when the last holder lets go. Not to be closed by hand.
     """
 
-    __slots__ = ("__weakref__", "capacity", "view")
+    __slots__ = ("__weakref__", "capacity", "reg", "view")
 
-    def __init__(self, fd: int, capacity: int, name: str) -> None:
+    def __init__(self, mapping: mmap.mmap, capacity: int, name: str) -> None:
         # Imported here: the worker side of this module must not import the core.
         from .._reaper import register
 
-        mapping = attach(fd, capacity)
         self.view = memoryview(mapping)
         self.capacity = capacity
-        register(self, _unmap, (self.view, mapping), {}, name)
+        # Kept so that the loader can run the unmap itself when the reaper lags.
+        self.reg = register(self, _unmap, (self.view, mapping), {}, name)
 
     def __repr__(self) -> str:
         # Only a live Segment can be printed, and a live one is always mapped.

@@ -6,16 +6,27 @@ the rank-local reaper) tells the producer to stop. An exception from the
 iterable crosses as the object itself, with the locals of its frames cleared
 (``traceback.clear_frames``) so that a caller who keeps the error keeps no
 element alive through it.
+
+Interrupts (KeyboardInterrupt, SystemExit) in the consumer's ``next()``: the
+consumer takes an element with ``items[0]`` and ``del items[0]`` (bytecodes
+that call nothing, so no signal handler can run between them), and keeps it
+in ``_ready`` while it wakes the producer (a call, which an interrupt can
+follow); the next call returns it. The two sides signal each other through
+plain locks used as binary semaphores, whose C-level ``acquire`` and
+``release`` leave nothing half-done when interrupted, and the consumer never
+holds a lock across a Python-level call.
 """
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
+import itertools
 import threading
 import traceback
-from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 from .._reaper import register
 
@@ -23,34 +34,69 @@ __all__ = ["ThreadPrefetch"]
 
 T = TypeVar("T")
 
+_NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
+_STATE_VERSION = 1
+
+
+def _signal(gate: threading.Lock) -> None:
+    # A lock as a binary semaphore: released = "look again". Releasing twice is
+    # the same signal.
+    try:
+        gate.release()
+    except RuntimeError:
+        pass
+
 
 class _State(Generic[T]):
-    __slots__ = ("cond", "done", "error", "items", "size", "stop")
+    __slots__ = (
+        "done",
+        "error",
+        "filled",
+        "finished",
+        "ident",
+        "items",
+        "launched",
+        "room",
+        "size",
+        "source",
+        "stop",
+    )
 
     def __init__(self, size: int) -> None:
-        self.cond = threading.Condition(threading.Lock())
         self.items: collections.deque[T] = collections.deque()
         self.size = size
         self.stop = False
         self.done = False
         self.error: BaseException | None = None
+        # Both start acquired (no signal pending).
+        self.filled = threading.Lock()  # producer -> consumer: an item or the end
+        self.room = threading.Lock()  # consumer -> producer: room, or stop
+        self.filled.acquire()
+        self.room.acquire()
+        self.launched = False  # the producer thread exists
+        self.finished = threading.Lock()  # held until the producer has returned
+        self.finished.acquire()
+        self.ident = 0  # the producer thread's
+        self.source: Iterator[T] | None = None  # the iterator, until the producer takes it
 
 
-def _produce(it: Iterator[T], state: _State[T]) -> None:
+def _produce(state: _State[T]) -> None:
+    state.ident = threading.get_ident()
+    it, state.source = state.source, None
+    assert it is not None
+    items, size = state.items, state.size
     try:
         for item in it:
-            with state.cond:
-                while len(state.items) >= state.size and not state.stop:
-                    state.cond.wait()
-                if state.stop:
-                    return
-                state.items.append(item)
-                state.cond.notify_all()
+            while len(items) >= size and not state.stop:
+                state.room.acquire()
+            if state.stop:
+                return
+            items.append(item)
+            _signal(state.filled)
             del item  # the frame must not keep the last element alive
     except BaseException as exc:  # noqa: BLE001 (every error crosses to the consumer)
         traceback.clear_frames(exc.__traceback__)
-        with state.cond:
-            state.error = exc
+        state.error = exc
     finally:
         close = getattr(it, "close", None)
         del it
@@ -59,19 +105,33 @@ def _produce(it: Iterator[T], state: _State[T]) -> None:
             # are dropped: the consumer stopped listening, nobody to report to.
             with contextlib.suppress(Exception):
                 close()
-        with state.cond:
-            state.done = True
-            state.cond.notify_all()
+        state.done = True
+        _signal(state.filled)
+        state.finished.release()
 
 
-def _stop(state: _State[T], thread: threading.Thread, timeout: float | None) -> None:
-    with state.cond:
-        state.stop = True
-        state.items.clear()
-        state.error = None
-        state.cond.notify_all()
-    if thread is not threading.current_thread() and timeout != 0:
-        thread.join(timeout)
+def _stop(state: _State[T], timeout: float | None) -> None:
+    state.stop = True
+    state.items.clear()
+    _signal(state.room)
+    _signal(state.filled)
+    if state.launched and timeout != 0 and threading.get_ident() != state.ident:
+        if state.finished.acquire(timeout=-1 if timeout is None else timeout):
+            state.finished.release()
+
+
+class _Holder:
+    """What the finalizer stops; refers to no loader."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: _State[Any] | None = None
+
+
+def _stop_holder(holder: _Holder, timeout: float | None) -> None:
+    if holder.state is not None:
+        _stop(holder.state, timeout)
 
 
 class ThreadPrefetch(Generic[T]):
@@ -79,26 +139,39 @@ class ThreadPrefetch(Generic[T]):
 
     Same contract as :class:`ProcessPrefetch`: elements in order; an exception
     from the iterable is re-raised here (the same object, its frames' locals
-    cleared) and ends the iteration; after the end, an error, or :meth:`close`,
-    ``next()`` raises StopIteration. ``iter(iterable)`` is called here, at
-    construction; the rest runs on the thread.
+    cleared) and ends the iteration; after the end, an error, or :meth:`close`
+    (from any thread, even while another waits in ``next()``), ``next()``
+    raises StopIteration. KeyboardInterrupt or SystemExit inside ``next()``
+    loses nothing: the next call delivers the next element.
+
+    Nothing starts at construction: the first ``next()`` calls
+    ``iter(iterable)`` and starts the thread. ``buffer_size=0`` runs the
+    iterable in this thread, inside ``next()``: no thread, the same API.
 
     The iterable runs on another thread, so it must not need to run on this
     one (thread-local state, most GUI or MPI calls with ``MPI_THREAD_SINGLE``).
 
-    Raises ValueError if ``buffer_size`` < 1.
+    :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
+    new loader (before its first ``next()``), makes it skip the first ``k``
+    elements of its iterable: they are made again and dropped (the loader
+    cannot know how to jump ahead in an arbitrary iterable).
+
+    Raises ValueError if ``buffer_size`` < 0.
     """
 
     def __init__(self, iterable: Iterable[T], *, buffer_size: int = 2) -> None:
-        if buffer_size < 1:
-            raise ValueError(f"buffer_size must be at least 1, got {buffer_size}")
-        self._state: _State[T] = _State(buffer_size)
-        self._thread = threading.Thread(
-            target=_produce, args=(iter(iterable), self._state), name="ThreadPrefetch", daemon=True
-        )
-        self._thread.start()
+        if buffer_size < 0:
+            raise ValueError(f"buffer_size must be at least 0, got {buffer_size}")
+        self._iterable: Iterable[T] | None = iterable
+        self._size = buffer_size
+        self._it: Iterator[T] | None = None  # in-process mode only
+        self._holder = _Holder()
+        self._count = 0  # elements delivered (or kept in _ready to be)
+        self._skip = 0
+        self._ready: Any = _NOTHING
+        self._closed = False
         # Dropped without close(): the reaper tells the thread to stop (no join there).
-        self._reg = register(self, _stop, (self._state, self._thread, 0), {}, "ThreadPrefetch")
+        self._reg = register(self, _stop_holder, (self._holder, 0), {}, "ThreadPrefetch")
 
     def __iter__(self) -> ThreadPrefetch[T]:
         return self
@@ -115,33 +188,119 @@ class ThreadPrefetch(Generic[T]):
         The thread stops at once if it waits for room; if it is inside the
         iterable's ``next()``, after that returns (the wait is bounded by
         ``timeout`` seconds if given). Then a generator is closed on that
-        thread. Idempotent.
+        thread. Idempotent; any thread.
         """
+        self._closed = True
         self._reg.detach()
-        _stop(self._state, self._thread, timeout)
+        _stop_holder(self._holder, timeout)
+        self._iterable = None
+        it, self._it = self._it, None
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+    def get_state(self) -> dict[str, int]:
+        """The loader's position, for :meth:`set_state` of a new loader: a dict of ints."""
+        return {"version": _STATE_VERSION, "position": self._count - (self._ready is not _NOTHING)}
+
+    def set_state(self, state: Mapping[str, int]) -> None:
+        """Resume at the position saved by :meth:`get_state`, before the first ``next()``.
+
+        Raises RuntimeError once iteration has started or the loader is
+        closed, ValueError for a state of another version.
+        """
+        if self._closed or self._count or self._holder.state is not None or self._it is not None:
+            raise RuntimeError(f"set_state() must come before the first next() of {self!r}")
+        if state.get("version") != _STATE_VERSION or int(state.get("position", -1)) < 0:
+            raise ValueError(f"{self!r} cannot resume from state {dict(state)!r}")
+        self._count = self._skip = int(state["position"])
 
     def __repr__(self) -> str:
-        s = self._state
-        state = "done" if s.done else "stopping" if s.stop else "running"
-        return f"<ThreadPrefetch {len(s.items)}/{s.size} buffered, {state}>"
+        s = self._holder.state
+        if self._closed:
+            state = "closed"
+        elif not self._size:
+            state = "in-process"
+        elif s is None:
+            state = "not started"
+        else:
+            state = "done" if s.done else "running"
+        buffered = len(s.items) if s is not None else 0
+        return f"<ThreadPrefetch {buffered}/{self._size} buffered, {state}>"
+
+    def _start(self) -> _State[T]:
+        iterable = self._iterable
+        if iterable is None:
+            raise StopIteration
+        it = iter(iterable)
+        if self._skip:
+            it = itertools.islice(it, self._skip, None)
+        if not self._size:
+            self._it = it
+            self._iterable = None
+            return _State(1)  # unused: in-process mode reads self._it
+        state: _State[T] = _State(self._size)
+        state.source = it
+        self._holder.state = state
+        self._iterable = None
+        # `launched` is set and the thread created with no check for an
+        # interrupt between them (a store, then one C call): either both
+        # happened, or neither and the next call launches it.
+        state.launched = True
+        _thread.start_new_thread(_produce, (state,))
+        return state
 
     def __next__(self) -> T:
-        s = self._state
-        with s.cond:
-            while not s.items and not s.done and not s.stop:
-                s.cond.wait()
-            if s.items:
-                item = s.items.popleft()
-                s.cond.notify_all()
-                return item
-            error, s.error = s.error, None
-        if error is None:
+        ready = self._ready
+        if ready is not _NOTHING:  # taken by a call an interrupt cut short
+            self._ready = _NOTHING
+            return ready  # type: ignore[no-any-return]
+        if self._closed:
             raise StopIteration
-        self.close()
-        # The traceback keeps this frame: let it keep neither the loader nor
-        # the error itself (that would be a cycle).
-        del self, s
-        try:
-            raise error
-        finally:
-            del error
+        if not self._size:
+            return self._next_in_process()
+        s = self._holder.state
+        if s is None:
+            s = self._start()
+        elif not s.launched:  # an interrupt struck between publishing and launching
+            s.launched = True
+            _thread.start_new_thread(_produce, (s,))
+        items = s.items
+        while not items:
+            if s.done or s.stop:
+                if items:
+                    break
+                error, s.error = s.error, None
+                self._closed = True
+                if error is None:
+                    raise StopIteration
+                # The traceback keeps this frame: let it keep neither the loader
+                # nor the error itself (that would be a cycle).
+                del self, s, items
+                try:
+                    raise error
+                finally:
+                    del error
+            s.filled.acquire()  # interruptible; a lost "True" loses nothing
+        # No call between taking the element and keeping it in _ready.
+        item = items[0]
+        del items[0]
+        self._count += 1
+        self._ready = item
+        _signal(s.room)
+        self._ready = _NOTHING
+        return item
+
+    def _next_in_process(self) -> T:
+        it = self._it
+        if it is None:
+            if self._iterable is None:
+                raise StopIteration
+            self._start()
+            it = self._it
+            assert it is not None
+        # An interrupt inside the iterable's next() is the iterable's business
+        # (a generator is finished by it); one after it returns loses its value.
+        item = next(it)
+        self._count += 1
+        return item

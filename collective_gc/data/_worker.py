@@ -12,14 +12,20 @@ inside an ``mpiexec`` job can bring the whole job down. Even a user's explicit
 
 A worker dies with its parent, three ways, whichever comes first:
 
+* ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills it when the thread
+  that started it exits; the parent starts every worker from one thread that
+  lives as long as the process (``_pool``), so that is the parent's death.
+  ``getppid()`` is checked after setting it, in case the parent died before;
 * a watch thread blocks on a pipe whose only writer is the parent; EOF means
   the parent closed it (``close()``) or died, and the thread ends the process
   at once, whatever the main thread is doing;
-* ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, for a parent started from its main
-  thread only: the signal fires when the *thread* that started the worker
-  exits, which for any other thread is not the parent's death. ``getppid()``
-  is checked after setting it, in case the parent died before;
 * the socket to the parent: EOF on receive, EPIPE on send.
+
+What the user's function starts dies with the worker too: the worker leads a
+process group of its own, and the watch thread kills that whole group; a
+child it forks through ``os.fork`` (or multiprocessing's fork) is given
+``PR_SET_PDEATHSIG`` of its own at once, so it dies even when the worker is
+killed outright.
 
 It exits through ``os._exit``: no atexit handler (the user's, mpi4py's or
 collective_gc's) runs in a worker, so nothing is printed or finalized there.
@@ -140,7 +146,13 @@ def _watch(fd: int) -> None:
         while os.read(fd, 1):
             pass
     finally:
-        os._exit(0)  # not _exit(): flushing could block on a dead parent's pipe
+        # Our process group: this worker and whatever its fn started (the
+        # worker is the group's leader, see _pool). Not _exit(): flushing could
+        # block on a dead parent's pipe.
+        try:
+            os.killpg(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(0)
 
 
 def _set_pdeathsig(parent_pid: int) -> None:
@@ -154,12 +166,23 @@ def _set_pdeathsig(parent_pid: int) -> None:
         os._exit(0)
 
 
+def _guard_forked_child(worker_pid: int) -> None:
+    # In a child that the user's fn forked: die with the worker, however the
+    # worker dies (a worker killed by PR_SET_PDEATHSIG runs no code to kill it).
+    try:
+        _set_pdeathsig(worker_pid)
+    except BaseException:  # noqa: BLE001 (never let the guard break the user's fork)
+        return
+
+
 def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn:
     """Worker entry point, called by ``BOOT`` only."""
     sock_fd, sentinel_fd, pdeathsig, parent_pid = (int(a) for a in argv)
-    threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
     if pdeathsig:
         _set_pdeathsig(parent_pid)
+    threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
+    me = os.getpid()
+    os.register_at_fork(after_in_child=lambda: _guard_forked_child(me))
     sock = socket.socket(fileno=sock_fd)
     try:
         os.chdir(prep["cwd"])
@@ -172,16 +195,27 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
             _import_main(prep)
         finally:
             _BOOTSTRAPPING[0] = False
-        fn, keys, worker_id, window = pickle.load(boot)
+        fn, init_fn, keys, worker_id, window = pickle.load(boot)
         boot.close()
     except BaseException as exc:  # noqa: BLE001 (whatever stops start-up is reported)
-        _send_quietly(sock, P.HEAD.pack(P.ERROR, -1, 0, 0, 0) + P.pack_error(exc, "at start-up"))
+        _send_error(sock, exc, "at start-up")
         _exit(1)
+    if init_fn is not None:
+        try:
+            init_fn(worker_id)
+        except BaseException as exc:  # noqa: BLE001 (reported like an error of fn)
+            _send_error(sock, exc, "in worker_init_fn")
+            _exit(1)
     try:
         _Server(sock, fn, worker_id, window).serve(keys)
     except _ParentGone:
         pass  # the parent closed the loader or died: nobody to report to
     _exit(0)
+
+
+def _send_error(sock: socket.socket, exc: BaseException, where: str) -> None:
+    blob = P.pack_error(exc, where)
+    _send_quietly(sock, P.HEAD.pack(P.ERROR, -1, 0, 0, len(blob), 0) + blob)
 
 
 class _ParentGone(Exception):
@@ -206,6 +240,11 @@ class _Slot:
     def unmap(self) -> None:
         self.view.release()
         self.mapping.close()
+
+
+# Booleans and numbers: dtype.str describes them fully, and they export buffers
+# (dates and times do not).
+_PLAIN_KINDS = frozenset("biufc")
 
 
 class Pickler(pickle.Pickler):
@@ -250,35 +289,37 @@ class Pickler(pickle.Pickler):
         return self._file.getvalue()
 
 
-# Booleans and numbers: dtype.str describes them fully, and they export buffers
-# (dates and times do not).
-_PLAIN_KINDS = frozenset("biufc")
-
-
 class _Server:
     def __init__(self, sock: socket.socket, fn: Callable[[Any], Any], wid: int, window: int):
         self.sock = sock
         self.fn = fn
         self.wid = wid
-        self.credit = window
+        self.window = window
+        self.seq = 0  # our elements sent so far; the next one's number
+        self.consumed = 0  # of them, taken by the parent (it says so)
         self.allowance = window  # how many slots we may own (the parent says)
         self.slots: list[_Slot] = []
         self.free: list[int] = []
+        self.leased: dict[int, int] = {}  # slot -> the element in it, until FREE
         self.buffers: list[memoryview] = []  # of the element being sent
         self.pickler = Pickler(self.buffers)
+        np = sys.modules.get("numpy")
+        self.ndarray: type | None = None if np is None else np.ndarray
 
     # -- control messages -------------------------------------------------------
 
     def _handle(self, data: bytes) -> None:
         if not data:
             raise _ParentGone
-        for kind, value in P.CTRL.iter_unpack(data):
-            if kind == P.CREDIT:
-                self.credit += value
+        for kind, slot, value in P.CTRL.iter_unpack(data):
+            if kind == P.CONSUMED:
+                if value > self.consumed:
+                    self.consumed = value
             elif kind == P.ALLOW:
                 self.allowance = value
-            elif kind == P.FREE:
-                self.free.append(value)
+            elif kind == P.FREE and self.leased.get(slot) == value:
+                del self.leased[slot]  # a repeated FREE finds nothing here
+                self.free.append(slot)
 
     def _wait(self) -> None:
         try:
@@ -305,29 +346,30 @@ class _Server:
 
     def _acquire(self, total: int) -> tuple[int, int, int]:
         """A slot for ``total`` bytes: ``(slot, fd to send or -1, its capacity)``."""
-        for i in reversed(self.free):  # the most recently freed first: still in cache
-            if self.slots[i].capacity >= total:
-                self.free.remove(i)
+        free, slots = self.free, self.slots
+        for i in reversed(free):  # the most recently freed first: still in cache
+            if slots[i].capacity >= total:
+                free.remove(i)
                 return i, -1, 0
         self._drain()
         while True:
-            fits = [i for i in self.free if self.slots[i].capacity >= total]
+            fits = [i for i in free if slots[i].capacity >= total]
             if fits:
-                self.free.remove(fits[0])
+                free.remove(fits[0])
                 return fits[0], -1, 0
-            if self.free and len(self.slots) >= self.allowance:
+            if free and len(slots) >= self.allowance:
                 # Too small, and we may not own more: replace its segment.
-                index = max(self.free, key=lambda i: self.slots[i].capacity)
-                self.free.remove(index)
-                capacity = _shm.round_capacity(max(total, 2 * self.slots[index].capacity))
-                self.slots[index].unmap()
-                fd, self.slots[index] = self._new_segment(index, capacity)
+                index = max(free, key=lambda i: slots[i].capacity)
+                free.remove(index)
+                capacity = _shm.round_capacity(max(total, 2 * slots[index].capacity))
+                slots[index].unmap()
+                fd, slots[index] = self._new_segment(index, capacity)
                 return index, fd, capacity
-            if len(self.slots) < self.allowance:
-                index = len(self.slots)
+            if len(slots) < self.allowance:
+                index = len(slots)
                 capacity = _shm.round_capacity(total)
                 fd, slot = self._new_segment(index, capacity)
-                self.slots.append(slot)
+                slots.append(slot)
                 return index, fd, capacity
             # Every slot is leased, and at least one lease is dead: the parent
             # sends freed slots before it waits, and then every 50 ms (_pool).
@@ -336,19 +378,20 @@ class _Server:
     # -- the loop ---------------------------------------------------------------
 
     def serve(self, keys: Sequence[Any]) -> None:
+        fn = self.fn
         for key in keys:
-            while self.credit == 0:
+            while self.seq >= self.consumed + self.window:
                 self._wait()
             try:
-                self._send_element(self.fn(key))
+                self._send_element(fn(key))
             except _ParentGone:
                 raise
             except Exception as exc:  # noqa: BLE001 (any error of fn crosses to the parent)
-                where = f"while loading key {key!r}"
-                self._send(P.HEAD.pack(P.ERROR, -1, 0, 0, 0) + P.pack_error(exc, where))
+                blob = P.pack_error(exc, f"while loading key {key!r}")
+                self._send(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob)
                 return
-            self.credit -= 1
-        self._send(P.HEAD.pack(P.DONE, -1, 0, 0, 0))
+            self.seq += 1
+        self._send(P.HEAD.pack(P.DONE, -1, self.seq, 0, 0, 0))
 
     def _send(self, data: bytes, fd: int = -1) -> None:
         try:
@@ -360,12 +403,14 @@ class _Server:
             raise _ParentGone from None
 
     def _send_element(self, element: Any) -> None:
+        if type(element) is self.ndarray and self._send_array(element):
+            return
         buffers = self.buffers
         buffers.clear()  # left over if pickling the previous element failed
         payload = self.pickler.dumps(element)
         del element
         if not buffers and len(payload) <= P.INLINE_MAX:
-            self._send(P.HEAD.pack(P.ITEM, -1, 0, len(payload), 0) + payload)
+            self._send(P.HEAD.pack(P.ITEM, -1, self.seq, 0, len(payload), 0) + payload)
             return
         lengths = [b.nbytes for b in buffers]
         lengths_offset, offsets, total = P.layout(len(payload), lengths)
@@ -376,9 +421,35 @@ class _Server:
         for buf, offset in zip(buffers, offsets):
             view[offset : offset + buf.nbytes] = buf
         buffers.clear()  # drop our views of the element now, not at the next one
-        head = P.HEAD.pack(P.ITEM, index, capacity, len(payload), len(lengths))
+        self.leased[index] = self.seq
+        head = P.HEAD.pack(P.ITEM, index, self.seq, capacity, len(payload), len(lengths))
         try:
             self._send(head, fd)
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _send_array(self, a: Any) -> bool:
+        """A plain contiguous numpy array: straight into a slot, no pickle. False if not."""
+        if a.dtype.kind not in _PLAIN_KINDS or a.nbytes < P.OUT_OF_BAND_MIN or a.ndim > 32:
+            return False
+        dtype = a.dtype.str.encode()
+        if len(dtype) > 8:
+            return False
+        if a.flags.c_contiguous:
+            order = b"C"
+        elif a.flags.f_contiguous:
+            order = b"F"
+        else:
+            return False
+        index, fd, capacity = self._acquire(a.nbytes)
+        self.slots[index].view[: a.nbytes] = a.reshape(-1, order=order.decode()).view("B")
+        self.leased[index] = self.seq
+        head = P.HEAD.pack(P.ARRAY, index, self.seq, capacity, a.nbytes, a.ndim)
+        meta = P.ARRAY_META.pack(dtype, order) + struct.pack(f"<{a.ndim}q", *a.shape)
+        try:
+            self._send(head + meta, fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return True

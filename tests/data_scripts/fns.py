@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -43,12 +44,25 @@ def fail_at_3(i: int) -> np.ndarray[Any, Any]:
 
 
 class OddError(Exception):
-    def __init__(self, a: int, b: int) -> None:  # not buildable from one message
-        super().__init__(a, b)
+    def __init__(self, a: int, b: int) -> None:
+        # Neither rebuilt by unpickling (its args are one string) nor from a message.
+        super().__init__(f"{a}/{b}")
 
 
 def odd_fail(i: int) -> int:
     raise OddError(i, i)
+
+
+class LockedError(Exception):
+    """Its instances hold a lock, so they cannot be pickled; the class can."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def locked_fail(i: int) -> int:
+    raise LockedError(f"no {i}")
 
 
 def crash_at_2(i: int) -> np.ndarray[Any, Any]:
@@ -64,3 +78,29 @@ def slow(i: int) -> np.ndarray[Any, Any]:
 
 def batch(i: int) -> dict[str, Any]:
     return {"x": np.full((16, 1024), i, np.float32), "i": i}
+
+
+def small(i: int) -> tuple[int, np.ndarray[Any, Any]]:
+    # 4 KiB: the smallest array that travels through a slot, so thousands can be kept.
+    return i, np.full(1024, i, np.float32)
+
+
+class ForkThenCrash:
+    """At key ``at``: fork a child that outlives the worker (it sleeps, holding
+    every descriptor the worker had), write the child's pid to ``path``, then
+    die by SIGKILL. Other keys: an element like :func:`make`."""
+
+    def __init__(self, path: str, at: int = 2, crash: bool = True) -> None:
+        self.path, self.at, self.crash = path, at, crash
+
+    def __call__(self, i: int) -> np.ndarray[Any, Any]:
+        if i == self.at:
+            pid = os.fork()
+            if pid == 0:  # the grandchild: a long-lived helper the user's fn started
+                time.sleep(120)
+                os._exit(0)
+            with open(self.path, "a") as f:
+                f.write(f"{pid}\n")
+            if self.crash:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return make(i)

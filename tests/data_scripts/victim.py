@@ -3,13 +3,16 @@
 Usage: victim.py MODE, MODE one of:
   main    loader created on the main thread, workers waiting on a full buffer;
   busy    the same, but the workers are inside a long fn when the parent dies;
-  thread  loader created on a thread that has exited (no PR_SET_PDEATHSIG then:
-          the workers' parent-watch thread alone must notice).
+  thread  loader created on a thread that has exited (a thread's exit must not
+          look like the parent's death, and the parent's death must still be seen);
+  main-fork, thread-fork  as main and thread, and each worker's fn forks a
+          child that would sleep for 10 minutes.
 Prints "ready PID PID" once its workers run, then sleeps.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -26,6 +29,9 @@ from collective_gc.data import ProcessPrefetch  # noqa: E402
 def element(i: int) -> np.ndarray:
     if MODE == "busy" and i >= 2:
         time.sleep(600)
+    if MODE.endswith("fork") and i < 2 and os.fork() == 0:  # one child per worker
+        time.sleep(600)
+        os._exit(0)
     return np.full(65536, i, np.float32)
 
 
@@ -41,7 +47,7 @@ if __name__ == "__main__":
         kept.append(next(loader))
         loaders.append(loader)
 
-    if MODE == "thread":
+    if MODE.startswith("thread"):
         t = threading.Thread(target=start)
         t.start()
         t.join()  # the creating thread is gone; its workers must live on
@@ -49,6 +55,6 @@ if __name__ == "__main__":
     else:
         start()
     time.sleep(0.3)  # let the workers fill their buffers, or enter fn
-    pids = [w.proc.pid for w in loaders[0]._pool.workers]
+    pids = [w.proc.pid for w in loaders[0]._holder.pool.workers]
     print("ready", *pids, flush=True)
     time.sleep(600)
