@@ -69,16 +69,19 @@ def main() -> int:
         with open(log, "a") as out:
             out.write(f"\n$ {' '.join(cmd)}\n")
             out.flush()
+            start = out.tell()  # read only this job's output below
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         done = _done(args.report)
         last = max((s for s in done if args.first <= s < end), default=seed - 1)
         if last >= end - 1:
             break
         killed = last + 1
-        tail = log.read_text().splitlines()[-400:]
+        with open(log) as f:
+            f.seek(start)
+            tail = f.read().splitlines()
         hang = [ln for ln in tail if ln.startswith("HANG:")]
         reason = "hang" if hang else "crash"
-        signs = ("signal", "Segmentation", "Error")
+        signs = ("exited on signal", "Segmentation", "Error")
         why = (
             hang[-1]
             if hang
