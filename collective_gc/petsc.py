@@ -478,49 +478,56 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
                 yield f".<{type(ref).__name__}>", ref
 
 
-def _keeper(reg: Registration, owner: object, max_objects: int) -> tuple[str | None, int]:
-    """How ``reg``'s own destroy call reaches its owner, or None; and how many
-    objects were looked at (at most about ``max_objects``). Local.
-
-    The registration holds its destroy and arguments strongly, and is held
-    by its manager, so an owner reachable from them can never die. Breadth
-    first from the registration's referents: the shortest such path.
-    """
-    start = id(reg)
-    # Per object reached: (its referrer, the label of the reference), and how
-    # the path names it when it is the referrer of the next step.
-    parent: dict[int, tuple[int, str]] = {}
-    names: dict[int, str] = {}
+def _path_to(
+    roots: list[tuple[str, object]], owner: object, max_objects: int
+) -> tuple[str | None, int]:
+    """The shortest path of strong references from one of ``roots`` (named) to
+    ``owner``, or None; and how many objects were looked at (at most about
+    ``max_objects``). Local. Breadth first."""
+    parent: dict[int, tuple[int, str]] = {}  # object -> (its referrer, the reference)
+    names: dict[int, str] = {}  # how the path names an object it goes through
     queue: deque[tuple[object, int]] = deque()
-    for ref in gc.get_referents(reg):
-        if isinstance(ref, _OPAQUE) or isinstance(ref, types.BuiltinMethodType):
-            continue  # the manager, and its inbox's bound append
-        name = "destroy args" if isinstance(ref, tuple) else "destroy"
-        if ref is owner:
+    for name, root in roots:
+        if root is owner:
             return f"{name} -> {type(owner).__name__}", 1
-        parent[id(ref)] = (start, "")
-        names[id(ref)] = name
-        queue.append((ref, 0))
+        parent[id(root)] = (0, "")
+        names[id(root)] = name
+        queue.append((root, 0))
     while queue and len(parent) < max_objects:
         cur, depth = queue.popleft()
         if depth >= 8:
             continue
         for label, ref in _edges(cur):
             rid = id(ref)
-            if rid in parent or rid == start or isinstance(ref, _OPAQUE):
+            if rid in parent or isinstance(ref, _OPAQUE):
                 continue
             parent[rid] = (id(cur), label)
             names[rid] = type(ref).__name__
             if ref is owner:
                 steps = []
                 node = rid
-                while parent[node][0] != start:
+                while node in parent and parent[node][0]:
                     up, lab = parent[node]
                     steps.append(f"{names[up]}{lab}")
                     node = up
                 return " -> ".join(steps[::-1]) + f" -> {type(owner).__name__}", len(parent)
             queue.append((ref, depth + 1))
     return None, len(parent)
+
+
+def _keeper(reg: Registration, owner: object, max_objects: int) -> tuple[str | None, int]:
+    """How ``reg``'s own destroy call reaches its owner (see :func:`_path_to`).
+
+    The registration holds its destroy and arguments strongly, and is held
+    by its manager, so an owner reachable from them can never die.
+    """
+    roots = [
+        ("destroy args" if isinstance(ref, tuple) else "destroy", ref)
+        for ref in gc.get_referents(reg)
+        # Not the manager, nor its inbox's bound append.
+        if not isinstance(ref, (_OPAQUE, types.BuiltinMethodType))
+    ]
+    return _path_to(roots, owner, max_objects)
 
 
 def _immortal(mgr: Manager, budget: int = 200_000) -> list[str]:
@@ -804,8 +811,8 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     raises on any rank, every other destroy still runs and
     ``collective_gc.DestroyError`` is raised on every rank, naming the
     exception that made it fail; if it was a parallel object, PETSc's objects
-    on ``comm`` now differ between ranks, and later sync points on ``comm``
-    refuse to run, saying so. Destroying an object yourself before then is
+    on ``comm`` may now differ between ranks, and later sync points on
+    ``comm`` refuse to run, saying so. Destroying an object yourself before then is
     fine: petsc4py nulls its handle, and the managed destroy skips it.
 
     The objects must live on ``comm`` (the communicator they were created
@@ -813,11 +820,13 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     then, so they must not refer back to ``owner``: an application context,
     a callback that is a method of the owner or an attribute set with
     ``setAttr`` would keep the owner alive for ever (use a weak reference
-    there). :func:`immortal`, ``cgc.view`` and a warning at exit name such
-    owners and the path back to them. Also installs the PETSc garbage hook on
-    ``comm`` (see :func:`install`). Returns the registration
-    (``.destroy()`` destroys now, collectively; ``.detach()`` leaves the
-    objects to you).
+    there). An object that already refers back to ``owner`` is refused
+    with :class:`~collective_gc.RegistrationError`, naming the path; for a
+    reference made later, :func:`immortal`, ``cgc.view``, the leak check and
+    a warning at exit name such owners and the path back to them. Also
+    installs the PETSc garbage hook on ``comm`` (see :func:`install`).
+    Returns the registration (``.destroy()`` destroys now, collectively;
+    ``.detach()`` leaves the objects to you).
     """
     if not objs:
         raise RegistrationError("collective_gc.petsc.manage() needs at least one petsc4py object")
@@ -827,6 +836,19 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     for obj in objs:
         serial = _check(obj, comm, inner) and serial
     state = _SERIAL if serial else _STATES[mgr]
+    # (The owner itself among objs is register()'s to refuse.) Most objects
+    # have no Python attributes at all: nothing to walk.
+    roots = [(type(obj).__name__, obj) for obj in objs if obj is not owner]
+    path = None
+    if any(gc.get_referents(obj) for _, obj in roots):
+        path, _ = _path_to(roots, owner, 1000)
+    if path is not None:
+        raise RegistrationError(
+            f"this {type(owner).__name__} is referred to by an object it hands to "
+            f"collective_gc.petsc.manage() ({path}), and the registration holds that "
+            "object until the owner dies, so it would never die; refer to the owner "
+            "through a weakref.proxy there"
+        )
     if name is None:
         name = type(owner).__name__
     if len(objs) == 1:

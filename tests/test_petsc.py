@@ -157,14 +157,18 @@ class SelfKept:
         self.how = how
         if how == "appctx":
             self.obj = PETSc.KSP().create(comm)
-            self.obj.setAppCtx(self)
         elif how == "function":
             self.obj = PETSc.SNES().create(comm)
-            self.obj.setFunction(self.F, None)
         else:
             self.obj = PETSc.Vec().createMPI(2, comm=comm)
-            self.obj.setAttr("o", self)
+        # Managed first: manage() refuses an object that already refers back.
         self.reg = cp.manage(self, self.obj, comm=comm, name=how)
+        if how == "appctx":
+            self.obj.setAppCtx(self)
+        elif how == "function":
+            self.obj.setFunction(self.F, None)
+        else:
+            self.obj.setAttr("o", self)
 
     def F(self, snes: Any, x: Any, f: Any) -> None:
         x.copy(f)
@@ -407,6 +411,15 @@ class PetscTests:
         with pytest.raises(cgc.RegistrationError, match="itself"):
             cp.manage(v, v, comm=comm)  # the object cannot own itself
         v.destroy()
+        # An object that already refers back to its owner would keep it alive
+        # for ever (issue 11, defect 16): refused, with the path.
+        ksp = PETSc.KSP().create(comm)
+        ksp.setAppCtx(owner)
+        with pytest.raises(cgc.RegistrationError) as info:
+            cp.manage(owner, ksp, comm=comm)
+        assert "(KSP.<PETSc attributes> -> dict['__appctx__'] -> Holder)" in str(info.value)
+        ksp.setAppCtx(None)
+        ksp.destroy()
         assert cgc.manager(comm).next_key == 0  # refusals consumed no key
 
 
@@ -601,8 +614,8 @@ class Owner:
 
 owner = Owner()
 owner.ksp = PETSc.KSP().create(MPI.COMM_WORLD)
-owner.ksp.setAppCtx(owner)
 cp.manage(owner, owner.ksp, comm=MPI.COMM_WORLD, name="stuck")
+owner.ksp.setAppCtx(owner)
 del owner
 gc.collect()
 """
@@ -642,8 +655,8 @@ class Owner:
 def test_self_kept():
     owner = Owner()
     owner.ksp = PETSc.KSP().create(MPI.COMM_WORLD)
-    owner.ksp.setAppCtx(owner)
     cp.manage(owner, owner.ksp, comm=MPI.COMM_WORLD, name="stuck")
+    owner.ksp.setAppCtx(owner)
 """
 
 
