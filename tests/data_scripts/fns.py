@@ -104,3 +104,34 @@ class ForkThenCrash:
             if self.crash:
                 os.kill(os.getpid(), signal.SIGKILL)
         return make(i)
+
+
+_INIT: list[int] = []  # set in a worker by record_init
+
+
+def record_init(worker_id: int) -> None:
+    _INIT.append(worker_id)
+
+
+def failing_init(worker_id: int) -> None:
+    raise OSError(f"no device for worker {worker_id}")
+
+
+def whoami(i: int) -> tuple[int, int, int | None]:
+    """(key, this process's pid, the id record_init saw here, or None)."""
+    return i, os.getpid(), _INIT[-1] if _INIT else None
+
+
+def array_kinds(i: int) -> np.ndarray[Any, Any]:
+    # Shapes, dtypes and memory orders that take the no-pickle path (>= 4 KiB).
+    kinds: list[np.ndarray[Any, Any]] = [
+        np.arange(2048, dtype=np.int32) + i,
+        np.full((32, 64), i, np.float64),
+        np.asfortranarray(np.arange(4096, dtype=np.int16).reshape(64, 64) + i),
+        np.full((4, 8, 16, 8), i, np.complex64),
+        np.ones(5000, dtype=np.bool_),
+        np.full((0, 8192), i, np.float32),  # empty: small, pickled inline
+        np.full(4097, i % 256, np.uint8),
+        np.full((1, 1024), i, ">f4"),  # big-endian
+    ]
+    return kinds[i % len(kinds)]

@@ -1,0 +1,262 @@
+"""What users of Grain and PyTorch's DataLoader reach for: checkpoints, the
+in-process mode, per-worker setup, lazy start, bounded memory release.
+
+Launcher tests (they start worker processes): serial session only.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from data_scripts.fns import fail_at_3, failing_init, make, make_sized, plain, record_init, whoami
+
+import collective_gc as cgc
+from collective_gc import _reaper
+from collective_gc.data import (
+    ProcessPrefetch,
+    RemoteTraceback,
+    ThreadPrefetch,
+    WorkerError,
+    _pool,
+)
+
+pytestmark = pytest.mark.launcher
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[1] == me:
+                        found.add(int(entry))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+def _keys(n: int, seed: int) -> list[int]:
+    keys = list(range(n))
+    random.Random(seed).shuffle(keys)
+    return keys
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("workers", "resumed_workers"), [(2, 2), (2, 3), (0, 2), (3, 0)])
+def test_process_loader_resumes_in_a_fresh_loader(workers: int, resumed_workers: int) -> None:
+    keys = _keys(23, seed=workers * 10 + resumed_workers)
+    first = ProcessPrefetch(plain, keys, num_workers=workers, buffer_size=4)
+    before = [next(first)[0] for _ in range(9)]
+    state = first.get_state()
+    assert state["position"] == 9
+    first.close()
+
+    resumed = ProcessPrefetch(plain, keys, num_workers=resumed_workers)
+    resumed.set_state(state)
+    after = [e[0] for e in resumed]
+    assert before + after == keys  # the exact sequence: nothing lost, nothing twice
+    assert resumed.get_state()["position"] == len(keys)
+
+
+def test_process_state_at_the_ends_and_misuse() -> None:
+    keys = list(range(6))
+    fresh = ProcessPrefetch(plain, keys, num_workers=1)
+    fresh.set_state(fresh.get_state())  # position 0: from the start
+    assert [e[0] for e in fresh] == keys
+    done = ProcessPrefetch(plain, keys, num_workers=1)
+    done.set_state({"version": 1, "position": 6, "length": 6})
+    assert list(done) == []  # resumed at the end: nothing left
+
+    started = ProcessPrefetch(plain, keys, num_workers=1)
+    next(started)
+    with pytest.raises(RuntimeError, match="before the first next"):
+        started.set_state({"version": 1, "position": 0, "length": 6})
+    started.close()
+    other = ProcessPrefetch(plain, keys[:5], num_workers=1)
+    with pytest.raises(ValueError, match="length 5"):
+        other.set_state({"version": 1, "position": 2, "length": 6})
+    with pytest.raises(ValueError, match="outside"):
+        other.set_state({"version": 1, "position": 9, "length": 5})
+
+
+def test_thread_loader_resumes_in_a_fresh_loader() -> None:
+    keys = _keys(30, seed=3)
+    first = ThreadPrefetch(iter(keys), buffer_size=3)
+    before = [next(first) for _ in range(11)]
+    state = first.get_state()
+    first.close()
+    resumed = ThreadPrefetch(iter(keys), buffer_size=3)
+    resumed.set_state(state)
+    assert before + list(resumed) == keys
+    with pytest.raises(RuntimeError, match="before the first next"):
+        resumed.set_state(state)
+
+
+# -- in-process mode --------------------------------------------------------------------
+
+
+def test_num_workers_0_runs_fn_here_with_the_same_api() -> None:
+    before = _children()
+    with ProcessPrefetch(whoami, range(5), num_workers=0) as it:
+        assert "in-process" in repr(it)
+        got = list(it)
+        assert _children() == before  # no worker process, ever
+    assert [g[0] for g in got] == list(range(5))
+    assert all(g[1] == os.getpid() for g in got)
+    assert it.closed
+    # An error of fn ends the iteration, as with workers (raised as itself, here).
+    it2 = ProcessPrefetch(fail_at_3, range(6), num_workers=0)
+    assert [int(next(it2)[0]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="cannot load 3"):
+        next(it2)
+    with pytest.raises(StopIteration):
+        next(it2)
+
+
+def test_buffer_size_0_runs_the_iterable_on_this_thread() -> None:
+    threads: list[int] = []
+
+    def gen() -> Iterator[int]:
+        for i in range(4):
+            threads.append(threading.get_ident())
+            yield i
+
+    running = threading.active_count()
+    it = ThreadPrefetch(gen(), buffer_size=0)
+    assert list(it) == [0, 1, 2, 3]
+    assert threads == [threading.get_ident()] * 4
+    assert threading.active_count() == running
+
+
+# -- worker_init_fn -----------------------------------------------------------------------
+
+
+def test_worker_init_fn_runs_in_each_worker_before_its_elements() -> None:
+    with ProcessPrefetch(whoami, range(12), num_workers=3, worker_init_fn=record_init) as it:
+        got = list(it)
+    pids = {g[1] for g in got}
+    assert len(pids) == 3 and os.getpid() not in pids
+    for position, (key, _pid, init_id) in enumerate(got):
+        assert key == position and init_id == position % 3  # worker w makes w, w+3, ...
+    # Not in-process (PyTorch's rule): nothing to set up in this process.
+    assert [g[2] for g in ProcessPrefetch(whoami, range(2), num_workers=0)] == [None, None]
+
+
+def test_an_error_in_worker_init_fn_is_raised_by_next() -> None:
+    it = ProcessPrefetch(plain, range(4), num_workers=1, worker_init_fn=failing_init)
+    with pytest.raises(OSError, match="no device for worker 0") as info:
+        next(it)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "worker_init_fn" in str(info.value.__cause__)
+    assert it.closed
+
+
+# -- lazy start ---------------------------------------------------------------------------
+
+
+def test_nothing_starts_before_the_first_next() -> None:
+    before = _children()
+    it = ProcessPrefetch(make, range(4), num_workers=2)
+    assert _children() == before and "not started" in repr(it)
+    assert next(it)[0] == 0
+    assert len(_children() - before) == 2
+    it.close()
+
+    unstarted = ProcessPrefetch(make, range(4), num_workers=2)
+    unstarted.close()  # closing a loader that never started starts nothing
+    assert _children() == before
+    with pytest.raises(StopIteration):
+        next(unstarted)
+
+    running = threading.active_count()
+    made: list[int] = []
+
+    def gen() -> Iterator[int]:
+        made.append(1)
+        yield 1
+
+    t = ThreadPrefetch(gen())
+    assert made == [] and threading.active_count() == running
+    assert next(t) == 1
+    t.close()
+
+
+def test_picklability_is_still_checked_at_construction() -> None:
+    with pytest.raises(TypeError, match="picklable"):
+        ProcessPrefetch(plain, range(3), num_workers=1, worker_init_fn=lambda w: None)
+
+
+# -- bounded release of shared memory -------------------------------------------------------
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:collective_gc" in line for line in f)
+
+
+class _Blocker:
+    """A rank-local registration whose destroy holds the reaper until released."""
+
+
+def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
+    gc.collect()
+    assert _reaper.flush(10)
+    base = _mapped_segments()
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def stuck() -> None:
+        entered.set()
+        gate.wait(60)
+
+    blocker = _Blocker()
+    cgc.register(blocker, stuck, comm=None, name="stuck destroy")
+    del blocker
+    assert entered.wait(10)  # the reaper is now stuck behind another library's destroy
+    try:
+        peak = 0
+        for _ in range(12):
+            # Each loader maps a ring of segments and drops it at close: with no
+            # fallback they would all wait, mapped, behind the stuck destroy.
+            with ProcessPrefetch(make_sized, range(40), num_workers=2, buffer_size=4) as it:
+                for i, e in enumerate(it):
+                    assert e.size == 1 + (i * 7919) % 300_000
+                del e
+            peak = max(peak, _mapped_segments() - base)
+        # Dead segments waiting for the reaper never exceed the backlog bound
+        # (plus a ring being dropped, at most all the slots one loader had).
+        assert peak <= _pool._BACKLOG + 2 * 12, peak
+    finally:
+        gate.set()
+    assert _reaper.flush(10)
+    gc.collect()
+    assert _reaper.flush(10)
+    assert _mapped_segments() == base
+
+
+def test_array_elements_keep_their_shape_dtype_and_order() -> None:
+    # Plain arrays go into a slot with no pickle: every layout must come back as sent.
+    from data_scripts.fns import array_kinds
+
+    with ProcessPrefetch(array_kinds, range(8), num_workers=2) as it:
+        for i, e in enumerate(it):
+            want = array_kinds(i)
+            assert e.dtype == want.dtype and e.shape == want.shape
+            assert e.flags.f_contiguous == want.flags.f_contiguous
+            np.testing.assert_array_equal(e, want)
+
+
+def test_worker_error_type_is_a_loader_error() -> None:
+    from collective_gc.data import LoaderError
+
+    assert issubclass(WorkerError, LoaderError)
