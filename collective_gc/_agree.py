@@ -58,6 +58,8 @@ __all__ = [
     "intersect",
     "allgather",
     "dup",
+    "keep_alive",
+    "wait",
 ]
 
 # Header slots (all reduced with MPI_MAX).
@@ -142,6 +144,12 @@ def _wait(
                 what() + "\n(it completed here only after the deadline of another rank had "
                 "passed: that rank gave up on this sync point)"
             )
+
+
+def keep_alive(req: MPI.Request, *buffers: object) -> None:
+    """Keep ``buffers`` for ever unless ``req`` is complete (an interrupted wait)."""
+    if req != MPI.REQUEST_NULL:
+        _ABANDONED.append((req, buffers))
 
 
 def wait(

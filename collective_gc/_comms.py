@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._errors import DestroyError
+from ._errors import CollectiveTimeoutError, DestroyError
 from ._manager import Manager, lookup, manager, register
 
 __all__ = ["dup", "split"]
@@ -68,6 +68,12 @@ class _Derived:
             # the derived communicator (registration and hooks are added
             # collectively, destroys are agreed), so they all skip it alike.
             if mgr is not None and mgr.broken is None and (mgr.registered or mgr.has_sync_hooks):
+                # Whatever this sync point raises becomes a failure of the
+                # parent's sync point, which the parent's header tells every
+                # rank of the parent (ranks outside this communicator too), so
+                # they all raise together; raising here would leave the
+                # parent's other ranks waiting in its header. A timeout still
+                # propagates: the parent's other ranks have the same deadline.
                 try:
                     mgr.sync(deadline=deadline)
                 except DestroyError as exc:
@@ -76,6 +82,10 @@ class _Derived:
                         for r, key, name, msg in exc.failures
                         if r == mgr.rank
                     )
+                except CollectiveTimeoutError:
+                    raise
+                except BaseException as exc:  # an interrupt is re-raised by the parent, later
+                    failures.append((-1, f"the sync point of {self.label}", exc))
         if self.dropped:
             self._try_release()
         return failures

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -127,6 +128,7 @@ def _thread_name(ident: int) -> str:
         if t.ident == ident:
             return t.name
     return f"(thread {ident})"
+
 
 _MAX = MPI.MAX
 _NO_KEYS = np.empty(0, dtype=np.int64)
@@ -262,8 +264,10 @@ class Manager:
         self._lock = threading.RLock()
         # The registry dict and the key counter: held for a few stores only,
         # never across a destroy or an MPI call, so registering from another
-        # thread never waits for a sync point's destroys.
-        self._reg_lock = threading.Lock()
+        # thread never waits for a sync point's destroys. Re-entrant: an
+        # allocation inside it may start the collector, whose finalizers may
+        # detach or destroy on this very thread.
+        self._reg_lock = threading.RLock()
         # Size > 1: held by the thread that is registering. Two threads
         # registering at once would number the objects in an order that may
         # differ between ranks, so the second one is refused, never made to wait.
@@ -312,9 +316,7 @@ class Manager:
                 "longer give it out"
             )
         if MPI.Is_finalized():
-            raise CollectiveGCError(
-                f"MPI is finalized: the {self._describe()} is gone"
-            )
+            raise CollectiveGCError(f"MPI is finalized: the {self._describe()} is gone")
         return self._user_comm
 
     @property
@@ -477,22 +479,29 @@ class Manager:
         """The private duplicate, made at first use against ``deadline``. Collective."""
         if self._comm is not None:
             return self._comm
-        if self._comm_freed:
-            raise CollectiveGCError(
-                f"the {self._describe()} was freed before its first sync point: "
-                "its pending destroys cannot be agreed"
-            )
-        # Non-blocking, so that a deadline bounds it, and never left pending
-        # once we return: a duplicate still in progress when the user frees
-        # the communicator would be completed on freed memory.
-        comm, req = _agree.dup(self._user_comm)
-        try:
-            _agree.wait(req, deadline, self._what("duplicating its communicator"))
-        except BaseException as exc:
-            self._broken = f"duplicating its communicator was abandoned ({type(exc).__name__})"
-            raise
-        self._comm = comm
-        return comm
+        # The lock: a first registration on one thread and a first sync point
+        # on another must not make two duplicates (ranks could pair them
+        # differently).
+        with self._lock:
+            if self._comm is not None:
+                return self._comm
+            if self._comm_freed:
+                raise CollectiveGCError(
+                    f"the {self._describe()} was freed before its first sync point: "
+                    "its pending destroys cannot be agreed"
+                )
+            # Non-blocking, so that a deadline bounds it, and never left pending
+            # once we return: a duplicate still in progress when the user frees
+            # the communicator would be completed on freed memory.
+            comm, req = _agree.dup(self._user_comm)
+            try:
+                _agree.wait(req, deadline, self._what("duplicating its communicator"))
+            except BaseException as exc:
+                self._broken = f"duplicating its communicator was abandoned ({type(exc).__name__})"
+                raise
+            self._comm = comm
+            _in_collective_order(self)
+            return comm
 
     def register(
         self,
@@ -507,8 +516,10 @@ class Manager:
             self._check_usable("register an object")
         check_destroy(obj, destroy, args, kwargs)
         registrar = self._registrar
+        held = False
         if registrar is not None:
-            if not registrar.acquire(False):
+            held = registrar.acquire(False)
+            if not held:
                 holder = self._registrar_ident
                 if not holder:  # it has the lock, and is about to write its ident
                     time.sleep(0.001)
@@ -548,8 +559,8 @@ class Manager:
                 self._private(_agree.Deadline(at))
             return reg
         finally:
-            if registrar is not None:
-                registrar.release()
+            if held:
+                registrar.release()  # type: ignore[union-attr]
 
     def _retire(self, reg: Registration, state: int) -> None:
         # State first: a finalizer that runs after it pushes nothing; one that
@@ -862,7 +873,12 @@ class Manager:
             # The common case, in place: this allreduce is most of an empty
             # sync point's cost. Non-blocking even here: a blocking collective
             # never matches the non-blocking one of a rank with a deadline.
-            comm.Iallreduce(_IN_PLACE, head, _MAX).Wait()
+            req = comm.Iallreduce(_IN_PLACE, head, _MAX)
+            try:
+                req.Wait()
+            except BaseException:
+                _agree.keep_alive(req, head)  # MPI may still write into it
+                raise
             red = head
         else:
             red = _agree.allreduce(comm, head, _MAX, dl, self._what("its header"))
@@ -950,29 +966,35 @@ class Manager:
             regs, fns, argss, segments = _take_batch(
                 self._regs, agreed[::-1].tolist(), DESTROYED, batched
             )
+        # Segments [0, begun) have been handed to a runner, which makes every
+        # call whatever raises; an interrupt (a signal) can only land between
+        # runners, and then the rest is put back (see _untake).
+        begun = 0
+        failures: list[tuple[int, str, BaseException]] = []
+        try:
             if not self._regs:
                 # A dict never shrinks: give back a large backlog's memory.
-                self._regs = {}
-        if segments is None:  # out of memory finding the batches: one by one then
-            segments = [(0, len(fns), -1)]
-        # The agreed keys leave the pending set before any destroy runs, so
-        # nothing a destroy calls can see them pending, and nothing it queues
-        # can be mistaken for them.
-        pend = self._pend
-        if agreed.size == pend.size:  # agreed is a subset of pend: they are equal
-            self._pend = self._pend_seq = _NO_KEYS
-        else:
-            keep = ~np.isin(pend, agreed, assume_unique=True)
-            self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
-        n = len(regs)
-        failures: list[tuple[int, str, BaseException]] = []
-        self._destroying = threading.get_ident()
-        try:
+                with self._reg_lock:
+                    if not self._regs:
+                        self._regs = {}
+            if segments is None:  # out of memory finding the batches: one by one then
+                segments = [(0, len(fns), -1)]
+            # The agreed keys leave the pending set before any destroy runs, so
+            # nothing a destroy calls can see them pending, and nothing it
+            # queues can be mistaken for them.
+            pend = self._pend
+            if agreed.size == pend.size:  # agreed is a subset of pend: they are equal
+                self._pend = self._pend_seq = _NO_KEYS
+            else:
+                keep = ~np.isin(pend, agreed, assume_unique=True)
+                self._pend, self._pend_seq = pend[keep], self._pend_seq[keep]
+            self._destroying = threading.get_ident()
             for start, end, index in segments:
                 if len(segments) == 1:
                     fchunk, achunk = fns, argss
                 else:
                     fchunk, achunk = fns[start:end], argss[start:end]
+                begun += 1
                 try:
                     errors = _run_each(fchunk, achunk) if index < 0 else runs[index](achunk)
                 except BaseException as runner_exc:
@@ -985,12 +1007,38 @@ class Manager:
                     else:
                         failures.append((regs[start + i].key, regs[start + i].name, exc))
                 del fchunk, achunk
-            del fns, argss  # the destroyed objects go here, unless someone else holds them
+        except BaseException:
+            if segments is None:
+                rest = 0
+            else:
+                rest = segments[begun][0] if begun < len(segments) else len(fns)
+            self._untake(regs[rest:], fns[rest:], argss[rest:])
+            regs = regs[:rest]
+            raise
         finally:
             self._destroying = 0
-            self.destroyed += n
-            del regs
+            self.destroyed += len(regs)
+            del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
         return failures
+
+    def _untake(
+        self,
+        regs: list[Registration],
+        fns: list[Callable[..., object]],
+        argss: list[tuple[Any, ...]],
+    ) -> None:
+        """Put back agreed registrations whose destroys never started (an
+        interrupt between two runs of destroys): they are pending again, not lost."""
+        if not regs:
+            return
+        with self._reg_lock:
+            for reg, fn, args in zip(regs, fns, argss):
+                reg._destroy, reg._args, reg._state = fn, args, ALIVE
+                self._regs[reg.key] = reg
+        keys = np.fromiter((r.key for r in regs), np.int64, len(regs))
+        keys = keys[~np.isin(keys, self._pend)]  # interrupted before they left it
+        self._pend = np.concatenate((self._pend, keys))
+        self._pend_seq = np.concatenate((self._pend_seq, np.full(keys.size, self._seq)))
 
     def _raise_failures(
         self,
@@ -1098,6 +1146,8 @@ class Manager:
         with _REGISTRY_LOCK:
             if self in _MANAGERS:
                 _MANAGERS.remove(self)
+            if self in _COLLECTIVE_ORDER:
+                _COLLECTIVE_ORDER.remove(self)
             if _LAST[1] is self:
                 _LAST[0] = _LAST[1] = None
         return True
@@ -1106,6 +1156,18 @@ class Manager:
 # -- the registry of managers ------------------------------------------------
 
 _MANAGERS: list[Manager] = []
+# Managers of communicators of size > 1 in the order of their first
+# collective (the duplicate's), which is the same on every rank that shares
+# them (unlike the order of lookups, which are local): the exit agreement
+# and the pytest plugin visit managers in this order.
+_COLLECTIVE_ORDER: list[Manager] = []
+
+
+def _in_collective_order(mgr: Manager) -> None:
+    with _REGISTRY_LOCK:
+        _COLLECTIVE_ORDER.append(mgr)
+
+
 _REGISTRY_LOCK = threading.RLock()
 _KEYVAL: list[int] = []
 # A weak reference to the communicator object of the last lookup, and its
@@ -1211,8 +1273,16 @@ def manager(comm: MPI.Comm) -> Manager:
 
 
 def managers() -> list[Manager]:
-    """Every manager in use in this process, oldest first."""
-    return list(_MANAGERS)
+    """Every manager in use in this process. Local.
+
+    Those of communicators of size > 1 come first, in the order of their
+    first collective use (the same on every rank that shares them), then the
+    others in the order they were made.
+    """
+    with _REGISTRY_LOCK:
+        ordered = list(_COLLECTIVE_ORDER)
+        seen = set(map(id, ordered))
+        return ordered + [m for m in _MANAGERS if id(m) not in seen]
 
 
 def register(
@@ -1333,7 +1403,7 @@ def _at_exit() -> None:
         _reaper.shutdown()
         return
     try:
-        if getattr(sys, "last_value", None) is not None and _MANAGERS:
+        if _UNCAUGHT[0] and _MANAGERS:
             # Dying of an uncaught exception, which may have happened on this
             # rank only: the others may never reach an exit agreement, and
             # under `python -m mpi4py` the job is about to be aborted. Waiting
@@ -1365,7 +1435,7 @@ def _at_exit() -> None:
         release_freed()
         deadline = time.monotonic() + exit_timeout()
         # Newest first: sub-communicators before the communicators they came from.
-        for mgr in reversed(list(_MANAGERS)):
+        for mgr in reversed(managers()):
             mgr._exit_sync(deadline)
     finally:
         _FLAGS[1] = 1  # finalizers from now on do nothing
@@ -1380,6 +1450,21 @@ def _after_fork_in_child() -> None:
     _reaper.after_fork()
 
 
+# Whether the interpreter is dying of an uncaught exception: noted by our
+# sys.excepthook, which the interpreter calls only for that. (sys.last_value
+# is no sign of it: pytest, for one, sets it for every failed test.)
+_UNCAUGHT: list[bool] = [False]
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(
+    tp: type[BaseException], value: BaseException, tb: types.TracebackType | None
+) -> None:
+    _UNCAUGHT[0] = True
+    _previous_excepthook(tp, value, tb)
+
+
+sys.excepthook = _excepthook
 _PID = os.getpid()
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -264,15 +264,22 @@ class collective_scope:
             raise CollectiveGCError(
                 f"{self!r} was already entered; a scope is single-use, make a new one"
             )
-        self._state = "open"
         self._thread = threading.get_ident()
         self._origins_were = _queue.TRACK_ORIGINS[0]
-        _GC.enter(self.gc)
+        stack = _stack()
+        self._owner_stack = stack
+        # Stack first, then the collector: if an interrupt lands in between,
+        # __exit__ is never called, so undo here whatever was done.
+        stack.append(self)
+        self._state = "open"
+        try:
+            _GC.enter(self.gc)
+        except BaseException:
+            stack.remove(self)
+            self._state = "exited"
+            raise
         if self.track_origins:
             _queue.TRACK_ORIGINS[0] = True
-        stack = _stack()
-        stack.append(self)
-        self._owner_stack = stack
         return self
 
     def __exit__(

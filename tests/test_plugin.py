@@ -153,6 +153,7 @@ def check_failing_run(
     expected_bad = {"suite_fail.py::test_leaks", "suite_fail.py::test_marked_leak"}
     expected_bad |= {"suite_fail.py::test_strict_cycle", "suite_fail.py::test_assert_on_last_rank"}
     if ranks > 1:
+        assert ("PASSED", "suite_pass.py::test_lookups_in_different_orders") in outcomes, out
         # A registration on one rank only: reported, naming what was registered
         # where, within the checks' timeout, and the checks stay on (the leak
         # tests after it still fail).

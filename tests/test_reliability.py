@@ -279,6 +279,59 @@ def test_interrupt_in_a_destroy_on_one_rank(
     assert log.keys == ["c", "b", "a", "d"]
 
 
+def test_interrupt_between_runs_of_destroys_puts_the_rest_back() -> None:
+    # An interrupt (a signal) can land between two runs of destroys; the runs
+    # not begun go back to pending rather than vanish (review of issue 11).
+    comm = MPI.COMM_SELF.Dup()
+    log: list[str] = []
+
+    def batched(tag: str) -> None:
+        log.append(tag)
+
+    class Interrupting(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise KeyboardInterrupt  # as if a signal arrived right after the run
+
+    def run_batch(argss: list[tuple[Any, ...]]) -> Any:
+        for args in argss:
+            batched(*args)
+        return Interrupting()
+
+    _manager.set_batch(batched, run_batch)
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(4)]
+            for i, o in enumerate(objs):  # keys 0, 1: plain; 2, 3: batched
+                cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
+            del objs, o
+            with pytest.raises(KeyboardInterrupt):
+                cgc.collect(comm, generation=None)
+            assert log == ["k3", "k2"]
+            assert [r.key for r in cgc.pending(comm)] == [0, 1]
+            assert cgc.collect(comm, generation=None).destroyed == 2
+            assert log == ["k3", "k2", "k1", "k0"]
+    finally:
+        _manager.set_batch(batched, None)
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_mismatch_in_a_derived_communicator_raises_on_every_rank_of_the_parent() -> None:
+    parent = WORLD.Dup()
+    rank = parent.Get_rank()
+    child = cgc.split(parent, int(rank >= 2))
+    keep = [Obj()]
+    cgc.register(keep[0], noop, comm=child)
+    if rank == 0:
+        keep.append(Obj())
+        cgc.register(keep[1], noop, comm=child)  # registered on one rank of the child only
+    # Ranks 0 and 1 find their child's keys differ; ranks 2 and 3 are not in
+    # it. Every rank of the parent must raise, none may wait in its header.
+    with pytest.raises(cgc.DestroyError, match="disagree"):
+        cgc.collect(parent, timeout=30)
+    assert cgc.collect(parent, timeout=30).destroyed == 0  # the parent goes on
+
+
 # -- 8 and 9: diagnostics change nothing ---------------------------------------------
 
 

@@ -95,3 +95,13 @@ def test_destroy_pending_on_one_rank_at_exit_is_named() -> None:
         assert f"destroyed only-on-rank-0 on rank {rank}" not in out, out
     assert re.search(r"ExitLeakWarning: .*rank 0: leaked at exit .*'only-on-rank-0'", err), err
     assert not re.search(r"rank [123]: leaked at exit", err), err
+
+
+def test_exit_agreements_in_the_same_order_whatever_the_lookups() -> None:
+    proc = run("exit_order.py", COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        assert f"destroyed a on rank {rank}" in out, out + err
+        assert f"destroyed b on rank {rank}" in out, out + err
+    assert "ExitLeakWarning" not in err, err

@@ -82,3 +82,18 @@ def test_parallel_assert_beside_pytest_mpi() -> None:
     rank = WORLD.Get_rank()
     parallel_assert(rank < WORLD.Get_size(), "rank out of range")
     parallel_assert(lambda: rank >= 0, lambda: f"negative rank {rank}")
+
+
+_COMMS: list[MPI.Intracomm] = []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_lookups_in_different_orders() -> None:
+    # Lookups are local: rank 0 meets b's manager first. The final syncs must
+    # still visit a and b in the same order on every rank.
+    a, b = WORLD.Dup(), WORLD.Dup()
+    _COMMS.extend((a, b))
+    if WORLD.Get_rank() == 0:
+        cgc.manager(b)
+    Resource(a, "on-a")
+    Resource(b, "on-b")
