@@ -5,6 +5,7 @@ These start their own ``mpiexec``, so they run from the serial session only.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -53,3 +54,48 @@ def test_rank_dying_at_exit_does_not_hang_the_others() -> None:
     # waiting for the others; the others timed out in their own sync point.
     assert "ExitLeakWarning" in proc.stderr or "CollectiveTimeoutError" in proc.stderr, proc.stderr
     assert elapsed < 60, elapsed
+
+
+# -- the launcher itself, on whichever MPI this stack has -----------------------
+
+_BARRIERS = """
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+for _ in range(2000):
+    comm.Barrier()
+print(f"rank {comm.Get_rank()} of {comm.Get_size()}")
+"""
+
+
+def test_four_ranks_yield_when_idle() -> None:
+    # 4 ranks on 2 cores: without oversubscription the job does not start, and
+    # without yield-when-idle (Open MPI) busy polling makes 2,000 barriers take
+    # tens of seconds instead of a fraction of one.
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*mpiexec_cmd(4, 60), sys.executable, "-c", _BARRIERS],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=mpiexec_env(),
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    # hydra may splice the ranks' lines together: find them, not split them.
+    assert sorted(re.findall(r"rank (\d) of 4", proc.stdout)) == ["0", "1", "2", "3"], proc.stdout
+    assert elapsed < 20, elapsed
+
+
+def test_timeout_ends_a_hung_job() -> None:
+    # The last net under every 4-rank run: each MPI spells the job timeout
+    # differently (MPICH's hydra has no --timeout option).
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*mpiexec_cmd(2, 3), sys.executable, "-c", "import time; time.sleep(120)"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=mpiexec_env(),
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 30
