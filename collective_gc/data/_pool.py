@@ -250,7 +250,8 @@ class WorkerHandle:
         self.window = window
         self.lock = threading.Lock()
         self.closed = False
-        self.waiting = False  # a consumer is inside a socket call: it closes the descriptors
+        self.busy = False  # the consumer is inside a socket call: it closes the descriptors
+        self.fds_closed = False
         # The message being delivered: received, its element not yet handed out.
         self.inbox = bytearray(P.MAX_MESSAGE)
         self.inview = memoryview(self.inbox)
@@ -325,19 +326,13 @@ class WorkerHandle:
         """
         return self.window + self.batch + len(self.live)
 
-    def grant(self, consumed: int) -> None:
-        """``consumed`` of the worker's elements are taken; send what is owed if a batch is due."""
-        self.consumed = consumed
-        if consumed - self.sent_consumed >= self.batch:
-            self.flush()
-
     def flush(self) -> None:
         """Send everything owed that fits; never blocks. Repeating it is harmless."""
         if _DEAD:
             collect_dead()
-        with self.lock:
-            if self.closed:
-                return
+        if not self._enter():
+            return
+        try:
             while True:
                 allowance = self.allowance()
                 freed = self.freed[: P.MAX_RECORDS]
@@ -358,9 +353,32 @@ class WorkerHandle:
                     return
                 self.sent_consumed, self.sent_allowance = consumed, allowance
                 del self.freed[: len(freed)]  # only those: a callback may append meanwhile
+        finally:
+            self._leave()
 
     def _owes(self) -> bool:
         return bool(self.consumed != self.sent_consumed or self.freed)
+
+    # -- the consumer and stop() ------------------------------------------------
+    #
+    # Only the consumer's thread receives and sends; stop() may come from any
+    # thread. Under the GIL these stores and loads happen in one order, so of
+    # "busy = True, then read closed" (consumer) and "closed = True, then read
+    # busy" (stop) at least one sees the other's store: either the consumer
+    # leaves the socket alone, or stop() leaves its descriptors to the
+    # consumer's _leave(). No lock is taken per element.
+
+    def _enter(self) -> bool:
+        self.busy = True
+        if self.closed:
+            self._leave()
+            return False
+        return True
+
+    def _leave(self) -> None:
+        self.busy = False
+        if self.closed:
+            self._close_fds()
 
     # -- receiving --------------------------------------------------------------
 
@@ -382,11 +400,9 @@ class WorkerHandle:
         """
         while True:
             self.flush()
-            with self.lock:
-                if self.closed:
-                    self._mark_end()
-                    return
-                self.waiting = True
+            if not self._enter():
+                self._mark_end()
+                return
             try:
                 owes = [self.sock] if self._owes() else []
                 watch: list[Any] = [self.sock] if self.pidfd < 0 else [self.sock, self.pidfd]
@@ -402,21 +418,13 @@ class WorkerHandle:
                     self._mark_end()
                 return
 
-    def _leave(self) -> None:
-        with self.lock:
-            self.waiting = False
-            if self.closed:
-                self._close_fds()
-
     def _mark_end(self) -> None:
         P.HEAD.pack_into(self.inbox, 0, END, -1, -1, 0, 0, 0)
 
     def _recv(self, flags: int) -> bool:
-        with self.lock:
-            if self.closed:
-                self._mark_end()
-                return True
-            self.waiting = True
+        if not self._enter():
+            self._mark_end()
+            return True
         try:
             while True:
                 try:
@@ -436,6 +444,17 @@ class WorkerHandle:
                     break
         finally:
             self._leave()
+        if ancillary:
+            self._take_descriptor(ancillary)
+        if msg_flags & _TRUNCATED or 0 < n < P.HEAD.size:
+            self._close_inbox_fd()
+            self._mark_end()
+            raise P.WorkerError(f"{self.describe()} sent a malformed message")
+        if n == 0:
+            self._mark_end()
+        return True
+
+    def _take_descriptor(self, ancillary: list[tuple[int, int, bytes]]) -> None:
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -444,13 +463,6 @@ class WorkerHandle:
                     os.close(extra)
                 if fds:
                     self.inbox_fd = fds[0]
-        if msg_flags & _TRUNCATED or 0 < n < P.HEAD.size:
-            self._close_inbox_fd()
-            self._mark_end()
-            raise P.WorkerError(f"{self.describe()} sent a malformed message")
-        if n == 0:
-            self._mark_end()
-        return True
 
     def _close_inbox_fd(self) -> None:
         fd, self.inbox_fd = self.inbox_fd, -1
@@ -520,8 +532,6 @@ class WorkerHandle:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:  # not connected any more: nothing to wake
                 pass
-            if not self.waiting:
-                self._close_fds()
             self.consumed = self.sent_consumed = 0
             # Segments no lease holds are unmapped now (on the reaper); the others
             # when their last element dies.
@@ -529,6 +539,8 @@ class WorkerHandle:
             fd, self.boot = self.boot, -1
         if fd >= 0:
             os.close(fd)
+        if not self.busy:
+            self._close_fds()
         # Nobody will hand our slots back any more: let our leases go, so that
         # a segment viewed by an element that outlives the loader is unmapped
         # with that element's last array (mmap's own release), not pinned.
@@ -536,7 +548,11 @@ class WorkerHandle:
             _LEASES.discard(lease)
 
     def _close_fds(self) -> None:
-        # Under self.lock, once closed and nobody waits on them.
+        # Once closed and the consumer is out of its socket calls; idempotent.
+        with self.lock:
+            if self.fds_closed:
+                return
+            self.fds_closed = True
         self.sock.close()
         self._close_inbox_fd()
         if self.pidfd >= 0:

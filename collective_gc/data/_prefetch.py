@@ -48,6 +48,7 @@ K = TypeVar("K")
 T = TypeVar("T")
 
 _NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
+_unpack_head = P.HEAD.unpack_from
 _STATE_VERSION = 1
 
 
@@ -309,14 +310,15 @@ class ProcessPrefetch(Generic[T]):
         count = len(workers)
         offset = pos - self._start
         worker = workers[offset % count]
-        if not worker.has_message() and not worker.poll():
+        inbox = worker.inbox
+        if not (inbox[0] or inbox[1]) and not worker.poll():
             # About to wait: every worker gets what it is owed first, so none
             # idles for want of a credit or a slot while we wait.
             for w in workers:
                 w.flush()
             _pool.release_backlog()
             worker.wait()
-        kind, slot, seq, capacity, size, nbuf = P.HEAD.unpack_from(worker.inbox)
+        kind, slot, seq, capacity, size, nbuf = _unpack_head(inbox)
         if kind == P.ITEM or kind == P.ARRAY:
             if seq != offset // count:
                 self._lost(worker, pos)
@@ -324,14 +326,16 @@ class ProcessPrefetch(Generic[T]):
             if lease is None and slot >= 0:
                 self._lost(worker, pos)
             # Delivered: no call from here to the return, so no interrupt between
-            # these stores; an interrupt in grant() leaves the element in _ready.
+            # these stores; an interrupt in flush() leaves the element in _ready.
             if lease is not None:
                 lease.delivered = True
             worker.inview[:4] = _pool.EMPTY
             self._pos = pos + 1
-            self._ready = element
-            worker.grant(offset // count + 1)
-            self._ready = _NOTHING
+            consumed = worker.consumed = offset // count + 1
+            if consumed - worker.sent_consumed >= worker.batch:
+                self._ready = element
+                worker.flush()
+                self._ready = _NOTHING
             return element  # type: ignore[no-any-return]
         if pool.closed or self._closed:  # closed meanwhile, maybe from another thread
             self._closed = True
