@@ -40,6 +40,7 @@ import atexit
 import ctypes
 import functools
 import gc
+import threading
 import types
 import warnings
 import weakref
@@ -252,7 +253,7 @@ class _CommState:
     wrecks are leaked, see :func:`_forget`).
     """
 
-    __slots__ = ("failed", "__weakref__")
+    __slots__ = ("failed",)
 
     def __init__(self) -> None:
         self.failed = 0
@@ -262,6 +263,7 @@ class _CommState:
 # serial wreck cannot make the ranks disagree about anything collective.
 _STATES: weakref.WeakKeyDictionary[Manager, _CommState] = weakref.WeakKeyDictionary()
 _SERIAL = _CommState()
+_INSTALLING = threading.Lock()
 
 
 def _count(inner: int) -> int:
@@ -410,10 +412,12 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     """
     mgr = manager(MPI.COMM_WORLD if comm is None else comm)
     if mgr not in _STATES:
-        _STATES[mgr] = _CommState()
-        mgr.add_sync_hook(_sync_hook, vote=_vote)
-        mgr.add_view_hook(_view_hook)
-        mgr.add_leak_hook(_immortal)
+        with _INSTALLING:  # one state per manager, whichever threads install
+            if mgr not in _STATES:
+                mgr.add_sync_hook(_sync_hook, vote=_vote)
+                mgr.add_view_hook(_view_hook)
+                mgr.add_leak_hook(_immortal)
+                _STATES[mgr] = _CommState()  # last: seen installed only once it is
     return mgr
 
 
