@@ -52,7 +52,7 @@ import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
-from ._errors import ExitLeakWarning, RegistrationError, call_each
+from ._errors import ExitLeakWarning, RegistrationError
 from ._manager import Manager, manager, register, set_batch
 from ._queue import SPEEDUPS, Registration
 from ._scope import sync_point
@@ -683,11 +683,34 @@ def _destroy_one(obj: Any, state: _CommState) -> None:
 
 def _destroy_many(state: _CommState, *objs: Any) -> None:
     # The managed destroy of a wrapper owning several objects.
-    def failed(obj: Any) -> None:
-        _forget(obj)
-        state.failed += 1
+    _destroy_each(objs, state)
 
-    call_each(reversed(objs), _destroy, on_error=failed)
+
+def _destroy_each(objs: tuple[Any, ...], state: _CommState | None) -> None:
+    """``obj.destroy()`` for each object, last first, every one tried whatever
+    raises (a KeyboardInterrupt too); then the first exception is raised, an
+    interrupt before any other, the rest as its notes. A failed object is
+    forgotten (see :func:`_forget`) and counted in ``state``."""
+    errors: list[tuple[Any, BaseException]] = []
+    for obj in reversed(objs):
+        try:
+            _destroy(obj)
+        except BaseException as exc:  # every object is still tried; raised after
+            _forget(obj)
+            if state is not None:
+                state.failed += 1
+            errors.append((obj, exc))
+    if not errors:
+        return
+    errors.sort(key=lambda e: isinstance(e[1], Exception))  # stable: interrupts first
+    first = errors[0][1]
+    for note in [f"also raised for a {type(o).__name__}: {e!r}" for o, e in errors[1:]]:
+        first.add_note(note)
+    del errors, obj
+    try:
+        raise first
+    finally:
+        del first  # no frame-traceback cycle keeping the objects alive
 
 
 def _fast_types() -> tuple[type, ...]:
@@ -759,7 +782,7 @@ def destroy_all(*objs: Any) -> None:
     petsc4py itself, so a second call does nothing. Called on every rank of
     the objects' communicators, as their destroys are.
     """
-    call_each(reversed(objs), _destroy, on_error=_forget)
+    _destroy_each(objs, None)
 
 
 # Sync points destroy runs of managed single-object wrappers in C (see

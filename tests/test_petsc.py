@@ -68,19 +68,20 @@ class Tracker:
 class Probe:
     """Context of a Python-type Mat: PETSc calls destroy() when it destroys the Mat."""
 
-    def __init__(self, tag: Any, log: list[Any], fail: bool = False) -> None:
+    def __init__(self, tag: Any, log: list[Any], fail: bool | type = False) -> None:
         self.tag, self.log, self.fail = tag, log, fail
 
     def destroy(self, mat: PETSc.Mat) -> None:
         self.log.append(self.tag)
         if self.fail:
-            raise RuntimeError(f"probe {self.tag} refuses to be destroyed")
+            cls = self.fail if isinstance(self.fail, type) else RuntimeError
+            raise cls(f"probe {self.tag} refuses to be destroyed")
 
     def mult(self, mat: PETSc.Mat, x: PETSc.Vec, y: PETSc.Vec) -> None:
         x.copy(y)
 
 
-def probe_mat(comm: MPI.Comm, tag: Any, log: list[Any], fail: bool = False) -> PETSc.Mat:
+def probe_mat(comm: MPI.Comm, tag: Any, log: list[Any], fail: bool | type = False) -> PETSc.Mat:
     n = 2 * comm.Get_size()
     mat = PETSc.Mat().createPython([n, n], Probe(tag, log, fail), comm=comm)
     mat.setUp()
@@ -583,6 +584,30 @@ def test_failed_serial_destroy_is_never_repeated() -> None:
     cgc.collect(comm)  # cleans COMM_SELF's garbage: the wreck is only dropped
     assert log == ["s"]
     assert cp.garbage(comm) == []
+
+
+def test_interrupt_in_a_wrapper_destroy_still_destroys_the_rest() -> None:
+    # A KeyboardInterrupt raised inside one object's destroy (PETSc calling a
+    # Python context) does not skip the wrapper's other objects; it is what
+    # the sync point raises, after them, and the interrupted object is
+    # forgotten, never destroyed again.
+    log: list[Any] = []
+    tracker = Tracker()
+    comm = MPI.COMM_SELF
+    owner = Holder()
+    owner.vec = PETSc.Vec().createSeq(2, comm=comm)
+    owner.mat = probe_mat(comm, "k", log, fail=KeyboardInterrupt)
+    objs = (owner.vec, owner.mat)
+    tracker.watch(*objs)
+    cp.manage(owner, owner.vec, owner.mat, comm=comm, name="interrupted")
+    del owner
+    with pytest.raises(KeyboardInterrupt, match="probe k refuses"):
+        cgc.collect(comm)
+    assert log == ["k"] and objs[0].handle == 0 and objs[1].handle == 0
+    assert tracker.alive() == 1  # the interrupted Mat is leaked, on purpose
+    del objs
+    assert cgc.collect(comm).destroyed == 0 and log == ["k"]
+    tracker.close()
 
 
 @pytest.mark.mpi(min_size=2)
