@@ -561,6 +561,32 @@ def test_split_petsc_state_is_never_cleaned(comm: MPI.Intracomm) -> None:
         cgc.collect(comm)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_failed_serial_destroy_on_one_rank_leaves_the_communicator_usable(
+    comm: MPI.Intracomm,
+) -> None:
+    # A serial object's wreck on one rank changes nothing collective: the
+    # error is raised on every rank, and later sync points still run.
+    rank, bad = comm.Get_rank(), comm.Get_size() - 1
+    log: list[Any] = []
+    owner = Holder()
+    owner.mat = probe_mat(MPI.COMM_SELF, "s", log, fail=rank == bad)
+    reg = cp.manage(owner, owner.mat, comm=comm, name="serial-on-parallel")
+    del owner
+    with pytest.raises(cgc.DestroyError) as info:
+        cgc.collect(comm)
+    assert info.value.failures == [
+        (bad, reg.key, "serial-on-parallel", "RuntimeError: probe s refuses to be destroyed")
+    ]
+    assert "differ between ranks" not in str(info.value)
+    del info
+    owner = Holder()
+    owner.vec = PETSc.Vec().createMPI(2, comm=comm)
+    cp.manage(owner, owner.vec, comm=comm)
+    del owner
+    assert cgc.collect(comm).destroyed == 1
+
+
 def test_failed_serial_destroy_is_never_repeated() -> None:
     # A serial wreck must never be destroyed again (that segfaulted, on
     # PETSc 3.18, when the wreck had landed in COMM_SELF's garbage and was
