@@ -225,10 +225,10 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
     assert entered.wait(10)  # the reaper is now stuck behind another library's destroy
     try:
         peak = 0
-        for _ in range(12):
+        for _ in range(8):
             # Each loader maps a ring of segments and drops it at close: with no
             # fallback they would all wait, mapped, behind the stuck destroy.
-            with ProcessPrefetch(make_sized, range(40), num_workers=2, buffer_size=4) as it:
+            with ProcessPrefetch(make_sized, range(30), num_workers=2, buffer_size=4) as it:
                 for i, e in enumerate(it):
                     assert e.size == 1 + (i * 7919) % 300_000
                 del e
