@@ -759,16 +759,28 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
 
     def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
         # argss: [(obj, state), ...], the arguments of _destroy_one calls; the
-        # same outcome as making each call.
-        errors: list[tuple[int, BaseException]] = destroy_each(argss, 0, fast, *addresses)
-        for j, (i, exc) in enumerate(errors):
-            obj, state = argss[i]
-            _forget(obj)
-            state.failed += 1
-            errors[j] = (i, _original(exc))
+        # same outcome as making each call, in order. A chunk at a time, each
+        # chunk's calls dropped from the list once done: what only they held
+        # (the Python objects of the destroyed PETSc objects, usually) is
+        # freed while still in cache, which took a fifth off destroying and
+        # freeing 1e4 Vecs here.
+        errors: list[tuple[int, BaseException]] = []
+        for start in range(0, len(argss), _CHUNK):
+            part = argss[start : start + _CHUNK]
+            for i, exc in destroy_each(part, 0, fast, *addresses):
+                obj, state = part[i]
+                _forget(obj)
+                state.failed += 1
+                errors.append((start + i, _original(exc)))
+            argss[start : start + len(part)] = _NONES[: len(part)]
+            del part
         return errors
 
     return destroy_batch
+
+
+_CHUNK = 512
+_NONES: list[Any] = [None] * _CHUNK
 
 
 def destroy_all(*objs: Any) -> None:

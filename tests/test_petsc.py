@@ -864,6 +864,44 @@ def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path:
     tracker.close()
 
 
+def test_a_long_batch_with_failures_in_several_chunks(batch_path: BatchPath) -> None:
+    # The C batch works through a long run in chunks: every object destroyed
+    # once, in order, and each failure attributed to its own key.
+    comm = MPI.COMM_SELF
+    log: list[Any] = []
+    tracker = Tracker()
+    failing = {5, 700, 1400}
+    with GcDisabled():
+        owners = []
+        for i in range(1500):
+            owner = Holder()
+            if i in failing or i % 300 == 0:
+                owner.mat = probe_mat(comm, i, log, fail=i in failing)
+                tracker.watch(owner.mat)
+                cp.manage(owner, owner.mat, comm=comm, name=f"m{i}")
+            else:
+                owner.vec = PETSc.Vec().createSeq(1, comm=comm)
+                tracker.watch(owner.vec)
+                cp.manage(owner, owner.vec, comm=comm, name=f"v{i}")
+            owners.append(owner)
+        objs = [getattr(o, "mat", None) or o.vec for o in owners]
+        keys = [r.key for r in cgc.manager(comm).alive()]
+        del owners, owner
+        with pytest.raises(cgc.DestroyError) as info:
+            cgc.collect(comm)
+    assert info.value.failures == [
+        (0, keys[i], f"m{i}", f"RuntimeError: probe {i} refuses to be destroyed")
+        for i in sorted(failing, reverse=True)
+    ]
+    assert log == sorted(failing | set(range(0, 1500, 300)), reverse=True)
+    assert all(o.handle == 0 for o in objs)
+    assert tracker.alive() == len(failing)  # the wrecks, leaked on purpose
+    if batch_path.name != "python":
+        assert batch_path.chunks == [1500]
+    del info, objs
+    assert cgc.collect(comm).destroyed == 0
+
+
 @pytest.mark.mpi(min_size=2)
 def test_batched_destroy_failing_on_one_rank(comm: MPI.Intracomm, batch_path: BatchPath) -> None:
     # Single-object wrappers whose PETSc destroy raises on one rank, in two
