@@ -8,9 +8,10 @@
 Timed from the drop to the end of the cleanup / sync point (the slowest
 rank), interleaved in the same run, median of 9 and median of the per-repeat
 ratios (b)/(a). Each setup ends with a full collection, so that neither timed
-region pays for a collection the setup's allocations made due. Target: <= 1.0. Also printed, to say where (b)'s time goes:
-an explicit destroy loop of the same Vecs, and (b) split into the drop, the
-sync point and an empty sync point.
+region pays for a collection the setup's allocations made due. Target:
+<= 1.0. Also printed, to say where (b)'s time goes: an explicit destroy loop
+of the same Vecs, and (b) split into the drop, the sync point and an empty
+sync point.
 
 (b) destroys the Vecs from C (collective_gc._speedups) when the extension is
 built; ``--python-destroys`` measures the pure-Python fallback instead (each
