@@ -786,11 +786,12 @@ _NONES: list[Any] = [None] * _CHUNK
 def destroy_all(*objs: Any) -> None:
     """Collective: ``obj.destroy()`` for each object, last first.
 
-    Every object is tried even if one raises; the first exception is then
-    raised (PETSc's own, usually ``PETSc.Error``, or the Python exception
-    that made PETSc fail), and an object whose destroy raised is left alone
-    for good (its handle is nulled: destroying a half-destroyed object again
-    can crash). Already destroyed objects (null handle) are skipped by
+    Every object is tried even if one raises (a KeyboardInterrupt too); then
+    the first exception is raised, an interrupt before any other, the others
+    as its notes. What is raised is PETSc's own error, or the Python
+    exception that made PETSc fail. An object whose destroy raised is left
+    alone for good (its handle is nulled: destroying a half-destroyed object
+    again can crash). Already destroyed objects (null handle) are skipped by
     petsc4py itself, so a second call does nothing. Called on every rank of
     the objects' communicators, as their destroys are.
     """
