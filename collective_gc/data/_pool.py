@@ -142,9 +142,12 @@ def collect_dead() -> None:
         del dead[-1]
         if lease.delivered:
             handle = lease.handle
-            handle.live.discard(lease.slot)
+            # The slot first: an interrupt after that call (the only place one
+            # can strike here) must not lose it, or the worker's ring shrinks
+            # for good and it may end up waiting for ever.
             if not handle.closed:
                 handle.freed.append((lease.slot, lease.seq))
+            handle.live.discard(lease.slot)
         # Unpins the segment; if that was its last holder, the segment's own
         # finalizer queues the unmap on the reaper.
         leases.discard(lease)

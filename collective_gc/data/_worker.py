@@ -22,10 +22,11 @@ A worker dies with its parent, three ways, whichever comes first:
 * the socket to the parent: EOF on receive, EPIPE on send.
 
 What the user's function starts dies with the worker too: the worker leads a
-process group of its own, and the watch thread kills that whole group; a
-child it forks through ``os.fork`` (or multiprocessing's fork) is given
-``PR_SET_PDEATHSIG`` of its own at once, so it dies even when the worker is
-killed outright.
+process group of its own, and kills that whole group (itself included) on
+every way out it takes (the watch thread's, the end of its share, a failed
+start); a child it forks through ``os.fork`` (or multiprocessing's fork) is
+given ``PR_SET_PDEATHSIG`` of its own at once, so it dies even when the
+worker is killed outright.
 
 It exits through ``os._exit``: no atexit handler (the user's, mpi4py's or
 collective_gc's) runs in a worker, so nothing is printed or finalized there.
@@ -136,7 +137,17 @@ def _exit(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a broken or closed stream: nothing to flush to
             continue
-    os._exit(code)
+    _end_group(code)
+
+
+def _end_group(code: int) -> NoReturn:
+    # Our process group is this worker and whatever its fn started (the worker
+    # leads it, see _pool): none of it may outlive the worker. This kills the
+    # worker too, at once.
+    try:
+        os.killpg(os.getpid(), signal.SIGKILL)
+    finally:
+        os._exit(code)
 
 
 def _watch(fd: int) -> None:
@@ -146,13 +157,7 @@ def _watch(fd: int) -> None:
         while os.read(fd, 1):
             pass
     finally:
-        # Our process group: this worker and whatever its fn started (the
-        # worker is the group's leader, see _pool). Not _exit(): flushing could
-        # block on a dead parent's pipe.
-        try:
-            os.killpg(os.getpid(), signal.SIGKILL)
-        finally:
-            os._exit(0)
+        _end_group(0)  # not _exit(): flushing could block on a dead parent's pipe
 
 
 def _set_pdeathsig(parent_pid: int) -> None:
