@@ -136,12 +136,14 @@ def mpiexec_cmd(n: int, timeout: float) -> list[str]:
     """``mpiexec -n N`` that kills the job after ``timeout`` seconds, spelled for
     this MPI; start it with ``env=mpiexec_env()``.
 
-    Hydra (MPICH) has no ``--timeout``: it reads ``MPIEXEC_TIMEOUT`` from its
-    own environment, so the command sets it with ``env`` to stay one list.
+    Hydra (MPICH) has no ``--timeout``, and its ``MPIEXEC_TIMEOUT`` kills the
+    job but sometimes exits 0 all the same (a hang would pass as a success), so
+    there coreutils' ``timeout`` ends it (exit 124; hydra stops its ranks on
+    the SIGTERM). ``--foreground`` keeps mpiexec in the caller's process group.
     """
     seconds = str(max(1, int(timeout)))
     if mpi_flavour() == "mpich":
-        return ["env", f"MPIEXEC_TIMEOUT={seconds}", mpiexec_path(), "-n", str(n)]
+        return ["timeout", "--foreground", "--kill-after=30", seconds, mpiexec_path(), "-n", str(n)]
     return [mpiexec_path(), "-n", str(n), "--timeout", seconds]
 
 
