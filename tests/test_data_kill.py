@@ -28,12 +28,13 @@ _alive = process_alive
 
 
 def _shm() -> set[str]:
-    # Open MPI's own segments are not ours (ours never have a name at all).
-    return {
-        n
-        for n in os.listdir("/dev/shm")
-        if not n.startswith(("vader_segment", "osc_rdma", "sm_segment"))
-    }
+    # Ours never have a name at all (memfd); what a Python loader would leave
+    # there has these (SharedMemory, multiprocessing's semaphores). Every MPI's
+    # own segments, of other jobs running meanwhile too, are none of ours.
+    return {n for n in os.listdir("/dev/shm") if n.startswith(PYTHON_SHM)}
+
+
+PYTHON_SHM = ("psm_", "sem.mp-", "wnsm_", "collective_gc")
 
 
 def _env() -> dict[str, str]:

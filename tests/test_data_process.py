@@ -467,6 +467,7 @@ def test_nothing_printed_at_exit(tmp_path: Any) -> None:
 
 
 def _not_mpi(names: Any) -> set[str]:
-    # Open MPI's own segments (its singleton init in the script, or other tests
-    # running meanwhile) are not ours; ours never have a name at all.
-    return {n for n in names if not n.startswith(("vader_segment", "osc_rdma", "sm_segment"))}
+    # Ours never have a name at all (memfd); what a Python loader would leave
+    # has these prefixes (SharedMemory, multiprocessing's semaphores). MPI's
+    # segments (the script's singleton, other jobs meanwhile) are not ours.
+    return {n for n in names if n.startswith(("psm_", "sem.mp-", "wnsm_", "collective_gc"))}
