@@ -305,7 +305,9 @@ class ProcessPrefetch(Generic[T]):
         if not self._started:
             self._launch()
         pool = self._holder.pool
-        assert pool is not None
+        if pool is None or pool.closed:  # closed from another thread as it started
+            self._closed = True
+            raise StopIteration
         workers = pool.workers
         count = len(workers)
         offset = pos - self._start
@@ -322,7 +324,13 @@ class ProcessPrefetch(Generic[T]):
         if kind == P.ITEM or kind == P.ARRAY:
             if seq != offset // count:
                 self._lost(worker, pos)
-            element, lease = _build(worker, kind, slot, seq, capacity, size, nbuf)
+            try:
+                element, lease = _build(worker, kind, slot, seq, capacity, size, nbuf)
+            except KeyError:  # its slot table emptied: closed meanwhile from another thread
+                if not pool.closed:
+                    raise
+                self._closed = True
+                raise StopIteration from None
             if lease is None and slot >= 0:
                 self._lost(worker, pos)
             # Delivered: no call from here to the return, so no interrupt between
