@@ -86,6 +86,11 @@ def _checked(release: tuple[int, ...]) -> bool:
     return _CHECKED[0] <= release <= _CHECKED[1]
 
 
+# Before 3.20, PETSc's delayed destroy parks serial objects too (in
+# COMM_SELF's garbage); from 3.20 on it destroys them at once.
+_SERIAL_DELAYED = _PETSC_RELEASE < (3, 20)
+
+
 # -- reading PETSc's garbage maps (local, read-only) -------------------------
 
 
@@ -322,6 +327,8 @@ def _clean_self() -> None:
     if _PETSC is None:
         PETSc.garbage_cleanup(MPI.COMM_SELF)
         return
+    if not _SERIAL_DELAYED:
+        return  # PETSc destroys serial objects at once: COMM_SELF's map stays empty
     # Look first: an empty cleanup of COMM_SELF is not free (PETSc
     # duplicates and frees an inner communicator to find nothing).
     self_inner = _PETSC.inner(MPI.COMM_SELF)
