@@ -316,10 +316,18 @@ def _throughput(pipeline: str, methods: list[str], args: argparse.Namespace) -> 
     return med
 
 
-def _save(rows: list[dict[str, Any]]) -> None:
+def _save(rows: list[dict[str, Any]], load_before: float) -> None:
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    meta = {"ranks": 1, "date": time.strftime("%Y-%m-%d %H:%M"), "host_cpus": os.cpu_count()}
+    # The host's load: a loader's hand-offs between processes suffer more from
+    # other jobs on the cores than the baselines' per-element work does.
+    meta = {
+        "ranks": 1,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "host_cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
     (results / "loader.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
@@ -390,6 +398,8 @@ def main() -> None:
             ".venv-torch/bin/python"
         )
     methods.append("mp.Queue")
+    load_before = os.getloadavg()[0]
+    print(f"host: {os.cpu_count()} CPUs, load average {load_before:.1f} at the start")
     pipelines = sorted(PIPELINES) if args.pipeline == "both" else [args.pipeline]
     rows: list[dict[str, Any]] = []
     for pipeline in pipelines:
@@ -430,7 +440,7 @@ def main() -> None:
                 "target": f"<= {DEATH_TARGET_MS:.0f} ms",
             }
         )
-    _save(rows)
+    _save(rows, load_before)
     if "grain" in methods:
         shm_before = set(os.listdir("/dev/shm"))
         latency, children, survivors = _kill_round(args.grain_python, "grain", 2.0)
