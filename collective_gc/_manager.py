@@ -155,6 +155,8 @@ def set_batch(destroy: Callable[..., object], batch: _Batch | None) -> None:
     ``destroy``, in the agreed destroy order, and must do what calling
     ``destroy(*args)`` for each would do, in that order, trying every one even
     if some raise; it returns ``(index, exception)`` for those that raised.
+    It may replace entries of ``argss`` it is done with (by None, say), so
+    that the destroyed objects are freed early: the list is never read again.
     ``collective_gc.petsc`` uses it to destroy petsc4py objects from C.
     ``None`` removes it.
     """
