@@ -545,8 +545,17 @@ class Manager:
             reg = make_registration(obj, self, self._inbox.append, -1, destroy, args, kwargs, name)
             # The key is taken and the registration stored with nothing in
             # between that allocates (so no collector and no finalizer can run
-            # and register meanwhile): every key is given once.
-            with self._reg_lock:
+            # and register meanwhile): every key is given once. On a larger
+            # communicator the registrar lock already lets one thread at a
+            # time here, and each dict operation is atomic.
+            if registrar is None:
+                with self._reg_lock:
+                    key = self._next_key
+                    self._next_key = key + 1
+                    reg.key = key
+                    self._regs[key] = reg
+                    self.created += 1
+            else:
                 key = self._next_key
                 self._next_key = key + 1
                 reg.key = key
@@ -975,10 +984,10 @@ class Manager:
         failures: list[tuple[int, str, BaseException]] = []
         try:
             if not self._regs:
-                # A dict never shrinks: give back a large backlog's memory.
-                with self._reg_lock:
-                    if not self._regs:
-                        self._regs = {}
+                # A dict never shrinks but clear() gives back a large backlog's
+                # memory; the same dict, as registration on another thread may
+                # be storing into it.
+                self._regs.clear()
             if segments is None:  # out of memory finding the batches: one by one then
                 segments = [(0, len(fns), -1)]
             # The agreed keys leave the pending set before any destroy runs, so
@@ -1325,7 +1334,11 @@ def register(
     """
     if comm is None:
         return _reaper.register(obj, destroy, args, kwargs, name)
-    return manager(comm).register(obj, destroy, args, kwargs, name)
+    # The lookup cache inline: registration is on every managed object's path.
+    mgr: Manager | None = _LAST[1]
+    if mgr is None or _LAST[0]() is not comm or mgr._comm_freed:
+        mgr = manager(comm)
+    return mgr.register(obj, destroy, args, kwargs, name)
 
 
 def check_timeout(timeout: object) -> float | None:
