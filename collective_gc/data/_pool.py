@@ -522,18 +522,22 @@ class WorkerHandle:
     # -- stopping ---------------------------------------------------------------
 
     def stop(self) -> None:
-        """Tell the worker to exit now; drop our mappings. Never blocks; idempotent; any thread."""
+        """Tell the worker to exit now; drop our mappings. Never blocks; any thread.
+
+        Idempotent, and resumable: every step checks whether it was done, so a
+        call an interrupt cut short is finished by the next one.
+        """
         with self.lock:
-            if self.closed:
-                return
             self.closed = True
             # EOF on its watch pipe: the worker's watch thread exits the process at
             # once, even in the middle of the user's function.
-            os.close(self.sentinel)
+            fd, self.sentinel = self.sentinel, -1
+            if fd >= 0:
+                os.close(fd)
             try:
                 # Wakes a consumer waiting on the socket (it reads EOF).
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # not connected any more: nothing to wake
+            except OSError:  # shut down already, or closed: nothing to wake
                 pass
             self.consumed = self.sent_consumed = 0
             # Segments no lease holds are unmapped now (on the reaper); the others
@@ -592,10 +596,12 @@ def track(pool: Pool) -> None:
 
 
 def shutdown(pool: Pool) -> None:
-    """Stop every worker of ``pool`` and wait for them. Idempotent, any thread."""
+    """Stop every worker of ``pool`` and wait for them. Any thread.
+
+    Idempotent and resumable (an interrupt may cut it short; the next call
+    finishes it): every step is repeated at no cost once done.
+    """
     with pool.lock:
-        if pool.closed:
-            return
         pool.closed = True
     for w in pool.workers:
         w.stop()

@@ -188,6 +188,9 @@ class ProcessPrefetch(Generic[T]):
         """
         self._closed = True
         self._reg.destroy()
+        # Again, directly: if an interrupt cut an earlier close short, the
+        # registration has run (it runs once) but the shutdown is unfinished.
+        _stop(self._holder)
 
     @property
     def closed(self) -> bool:
