@@ -45,7 +45,8 @@ def _inside_the_loader(frame: Any) -> bool:
     library's on its behalf: where the interrupt is the loader's to survive.
 
     Elsewhere (this file's own loop; a callback of the collector or of pytest,
-    which swallows what it raises as an "exception ignored") nothing is raised.
+    or a finalizer such as ``Popen.__del__``, which swallow what is raised in
+    them as an "exception ignored") nothing is raised.
     """
     if frame is None:
         return False
@@ -53,6 +54,8 @@ def _inside_the_loader(frame: Any) -> bool:
     if "collective_gc/data/" in name:
         return True
     while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
+        if frame.f_code.co_name == "__del__":  # a finalizer the collector ran meanwhile
+            return False
         frame = frame.f_back
     return frame is not None and "collective_gc/data/" in frame.f_code.co_filename
 
