@@ -132,9 +132,15 @@ class Watchdog:
                 die(f"rank {self.rank} seed {self.seed} overran its deadline in {self.phase!r}")
 
 
-def die(why: str) -> None:
-    """A hang: say where every thread is, then end the job (never wait for it)."""
+def die(why: str, seed: int = -1, found: list[Defect] | None = None) -> None:
+    """A hang: say where every thread is, then end the job (never wait for it).
+
+    ``found``: this rank's defects of the seed, not yet gathered: printed as
+    ``UNREPORTED seed ...`` lines (the resume driver keeps them).
+    """
     sys.stdout.flush()
+    for d in found or ():
+        sys.stderr.write(f"UNREPORTED {d.line(seed)}\n")
     sys.stderr.write(f"HANG: {why}\n")
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
@@ -361,13 +367,13 @@ def check_seed(
         try:
             episodes = run_faults(world, seed, ledger, hang_timeout, arm, only)
         except CheckpointTimeout as exc:
-            die(f"rank {rank} seed {seed}: {exc}")
+            die(f"rank {rank} seed {seed}: {exc}", seed, defects + ledger.defects)
         defects += ledger.defects
     dog.arm(seed, "report", 2 * hang_timeout + 30)
     try:
         everyone = exchange(ck, defects, 2 * hang_timeout + 15, f"seed {seed} report")
     except CheckpointTimeout as exc:
-        die(f"rank {rank} seed {seed}: {exc}")
+        die(f"rank {rank} seed {seed}: {exc}", seed, defects)
     dog.disarm()
     return [d for per in everyone for d in per], episodes, res
 

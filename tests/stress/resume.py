@@ -90,12 +90,21 @@ def main() -> int:
                 f"mpiexec exited with {proc.returncode}",
             )
         )
+        # Defects a rank found before the job died (printed by the harness's die()).
+        tag = "UNREPORTED "
+        unreported = sorted({ln[len(tag) :] for ln in tail if ln.startswith(tag)})
+        counts = {reason: 1}
+        for ln in unreported:
+            head = ln.split(": ")
+            if len(head) > 2:
+                counts[head[1]] = counts.get(head[1], 0) + 1
         rec: dict[str, Any] = {
             "seed": killed,
             "episodes": [],
             "killed": reason,
-            "counts": {reason: 1},
-            "lines": [f"seed {killed} job: {reason}: the job died: {why.strip()[:400]}"],
+            "counts": counts,
+            "lines": [f"seed {killed} job: {reason}: the job died: {why.strip()[:400]}"]
+            + unreported,
         }
         with open(args.report, "a") as f:
             f.write(json.dumps(rec) + "\n")
