@@ -128,7 +128,12 @@ def main() -> int:
         plot_bars(
             data,
             "loader",
-            {"ours_per_s": "collective_gc", "grain_per_s": "Grain 0.2.18", "mpq_per_s": "mp.Queue"},
+            {
+                "ours_per_s": "collective_gc",
+                "grain_per_s": "Grain 0.2.18",
+                "torch_per_s": "PyTorch 2.13 DataLoader",
+                "mpq_per_s": "mp.Queue",
+            },
             "Loader throughput, 256 KiB float32, 2 workers",
             "elements / s",
         ),
