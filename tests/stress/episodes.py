@@ -657,8 +657,8 @@ def late(ctx: Ctx) -> None:
     what = f"rank {slow} {lateness:.2f} s late at a sync point with timeout {timeout}" + (
         " (first use)" if first_use else " (with a derived communicator)" if child else ""
     )
-    child = None
     if not beyond:
+        child = None
         judge(ctx, what, res, label)
     else:
         got = judge(
@@ -681,8 +681,19 @@ def late(ctx: Ctx) -> None:
         if final_collects(ctx, comm, label, "late"):
             check_lost_everywhere(ctx, label)
         comm.Free()
+        return
     # A communicator whose manager timed out keeps abandoned requests on the
-    # manager's duplicate: left alone, not freed.
+    # manager's duplicate: left alone, not freed. What it had queued can never
+    # be agreed: detached (locally, on every rank), so that the exit does not
+    # warn about destroys this episode leaked on purpose.
+    gc.collect()
+    if child is not None:
+        for reg in cgc.pending(child):
+            reg.detach()
+        child = None
+        gc.collect()
+    for reg in cgc.pending(comm):
+        reg.detach()
 
 
 def _unusable(q: int, got: list[Any]) -> set[str]:
@@ -788,6 +799,10 @@ def racing(ctx: Ctx) -> None:
 
     res = sync(comm, ctx.hang_timeout)
     judge(ctx, "sync after racing registrations", res, label, mismatch_or_ok, same_logs=False)
+    # An erroneous program's leftovers (a mismatch makes the manager unusable):
+    # detached, so that the exit does not warn about them.
+    for reg in cgc.pending(comm):
+        reg.detach()
 
 
 # -- strict mode against diagnostics (issue 11, defect 9) ------------------------
