@@ -34,18 +34,21 @@ def _name(obj: object) -> str:
 
 def _edges(obj: object) -> Iterator[tuple[str, object]]:
     """(label, referent) pairs, looking through instance and class-less dicts."""
+    # Containers are copied first (one C call that allocates only up front, so
+    # no collector and no other thread can run inside it): another thread may
+    # change them while the walk, a generator, is suspended.
     if isinstance(obj, _OPAQUE):
         return
     if isinstance(obj, dict):
-        for k, v in obj.items():
+        for k, v in dict.copy(obj).items():
             yield f"[{k!r}]", v
         return
     if isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
+        for i, v in enumerate(list(obj)):
             yield f"[{i}]", v
         return
     if isinstance(obj, (set, frozenset)):
-        for v in obj:
+        for v in list(obj):
             yield "{...}", v
         return
     inst_dict = getattr(obj, "__dict__", None) if not isinstance(obj, types.FunctionType) else None
@@ -54,7 +57,7 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
     # themselves varies, so those are skipped below, not labelled twice.
     named: set[int] = set()
     if isinstance(inst_dict, dict):
-        for k, v in inst_dict.items():
+        for k, v in dict.copy(inst_dict).items():
             named.add(id(v))
             yield f".{k}", v
     for ref in gc.get_referents(obj):

@@ -379,6 +379,35 @@ def test_diagnostics_do_not_silence_strict_mode(comm: MPI.Intracomm) -> None:
             scope.sync()
 
 
+def test_find_cycles_while_another_thread_changes_what_it_walks() -> None:
+    # Found by the stress harness: the walk is a generator, and a dict it was
+    # iterating changed size on another thread meanwhile.
+    shared: dict[int, Obj] = {}
+    root = Obj(shared)
+    root.peer = root
+    stop = threading.Event()
+
+    def mutate() -> None:
+        i = 0
+        while not stop.is_set():
+            shared[i % 500] = Obj()
+            if i % 3 == 0:
+                shared.pop((i * 7) % 500, None)
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=mutate)
+    t.start()
+    try:
+        for _ in range(200):
+            assert cgc.find_cycles(root, max_depth=3)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+
+
 # -- 10: local calls are local ---------------------------------------------------------
 
 
