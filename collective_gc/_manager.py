@@ -119,6 +119,7 @@ class _Child(Protocol):
 
 
 _IN_PLACE = MPI.IN_PLACE
+_new_tuple = tuple.__new__
 _get_ident = threading.get_ident
 
 
@@ -823,8 +824,11 @@ class Manager:
             self._raise_failures(failures, seq, dl)
         self._collective = False
         seconds = time.perf_counter() - t0
-        return CollectStats(
-            agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function, a
+        # measurable part of an empty sync point.
+        return _new_tuple(
+            CollectStats,
+            (agreed.size, self._pend.size + len(self._inbox), cyclic, seconds, seq, collected),
         )
 
     def _agreement(
@@ -873,13 +877,13 @@ class Manager:
                 *votes,
                 kind,
                 -kind,
-                dl.wall_us(),
+                NO_DEADLINE if dl.at is None else dl.wall_us(),
             ),
         )
         # From here until the sync point's last collective, leaving by an
         # exception on this rank only makes the manager unusable (see sync).
         self._collective = True
-        comm = self._private(dl)
+        comm = self._comm if self._comm is not None else self._private(dl)
         if dl.at is None:
             # The common case, in place: this allreduce is most of an empty
             # sync point's cost. Non-blocking even here: a blocking collective
@@ -1378,9 +1382,14 @@ def collect(
     ``generation`` raises ValueError before any collective.
     """
     t0 = time.perf_counter()
-    seconds = check_timeout(timeout)
-    _check_generation(generation)
-    mgr = manager(comm)
+    # The common case (no timeout, a cached manager) without extra calls: an
+    # empty sync point is mostly overhead around one small allreduce.
+    seconds = None if timeout is None else check_timeout(timeout)
+    if generation is not None and generation != 2:
+        _check_generation(generation)
+    mgr: Manager | None = _LAST[1]
+    if mgr is None or _LAST[0]() is not comm or mgr._comm_freed:
+        mgr = manager(comm)
     collected = None if generation is None else gc.collect(generation)
     deadline = None if seconds is None else time.monotonic() + seconds
     return mgr.sync(deadline=deadline, collected=collected, t0=t0)
