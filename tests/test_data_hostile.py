@@ -233,14 +233,19 @@ def test_worker_that_forked_then_crashed_is_reported(tmp_path: Any) -> None:
         assert isinstance(outcome, WorkerError), repr(outcome)
         assert outcome.exitcode == -signal.SIGKILL
         # The worker's forked child dies with it.
-        pids = [int(p) for p in record.read_text().split()]
-        deadline = time.monotonic() + 10
-        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not any(process_alive(p) for p in pids), "fn's child outlived its worker"
+        assert not _outlive(record), "fn's child outlived its worker"
     finally:
         it.close()
         _kill_listed(record)
+
+
+def _outlive(record: Any, seconds: float = 10) -> list[int]:
+    """The children listed in ``record`` still alive after up to ``seconds``."""
+    pids = [int(p) for p in record.read_text().split()]
+    deadline = time.monotonic() + seconds
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if process_alive(p)]
 
 
 def test_close_stops_what_fn_forked(tmp_path: Any) -> None:
@@ -249,11 +254,7 @@ def test_close_stops_what_fn_forked(tmp_path: Any) -> None:
     try:
         assert next(it)[0] == 0
         it.close()
-        pids = [int(p) for p in record.read_text().split()]
-        deadline = time.monotonic() + 10
-        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not any(process_alive(p) for p in pids), "fn's child outlived close()"
+        assert not _outlive(record), "fn's child outlived close()"
     finally:
         it.close()
         _kill_listed(record)

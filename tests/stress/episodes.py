@@ -252,6 +252,16 @@ def _raiser(
     return fire
 
 
+def _join_registrars(ctx: Ctx, workers: Iterable[threading.Thread]) -> None:
+    # A registering thread still running after the hang timeout is a hang.
+    for t in workers:
+        t.join(ctx.hang_timeout)
+        if t.is_alive():
+            ctx.ledger.defect(
+                "hang", f"a registering thread did not finish in {ctx.hang_timeout} s"
+            )
+
+
 def _find_cycles_of_one(holders: Iterable[Any]) -> None:
     # A function of its own: a local bound to a live object in the episode's
     # frame would keep it alive on this rank only, and its destroy would
@@ -396,10 +406,7 @@ def threads(ctx: Ctx) -> None:
                 cgc.view(sc, file=None)
             else:
                 _find_cycles_of_one(holders)
-        for t in workers:
-            t.join(ctx.hang_timeout)
-            if t.is_alive():
-                L.defect("hang", f"a registering thread did not finish in {ctx.hang_timeout} s")
+        _join_registrars(ctx, workers)
     finally:
         sys.setswitchinterval(old)
     if errors:
@@ -779,10 +786,7 @@ def racing(ctx: Ctx) -> None:
         workers = [threading.Thread(target=worker, args=(w,), name=f"racer-{w}") for w in (0, 1)]
         for t in workers:
             t.start()
-        for t in workers:
-            t.join(ctx.hang_timeout)
-            if t.is_alive():
-                L.defect("hang", f"a registering thread did not finish in {ctx.hang_timeout} s")
+        _join_registrars(ctx, workers)
     finally:
         sys.setswitchinterval(old)
     if errors:
