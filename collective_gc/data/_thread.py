@@ -43,7 +43,7 @@ def _signal(gate: threading.Lock) -> None:
     # the same signal.
     try:
         gate.release()
-    except RuntimeError:
+    except RuntimeError:  # already released: the signal is already there
         pass
 
 
