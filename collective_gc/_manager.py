@@ -1338,11 +1338,7 @@ def register(
     """
     if comm is None:
         return _reaper.register(obj, destroy, args, kwargs, name)
-    # The lookup cache inline: registration is on every managed object's path.
-    mgr: Manager | None = _LAST[1]
-    if mgr is None or _LAST[0]() is not comm or mgr._comm_freed:
-        mgr = manager(comm)
-    return mgr.register(obj, destroy, args, kwargs, name)
+    return manager(comm).register(obj, destroy, args, kwargs, name)
 
 
 def check_timeout(timeout: object) -> float | None:
@@ -1382,14 +1378,12 @@ def collect(
     ``generation`` raises ValueError before any collective.
     """
     t0 = time.perf_counter()
-    # The common case (no timeout, a cached manager) without extra calls: an
-    # empty sync point is mostly overhead around one small allreduce.
+    # The common case (no timeout, default generation) without extra calls:
+    # an empty sync point is mostly overhead around one small allreduce.
     seconds = None if timeout is None else check_timeout(timeout)
     if generation is not None and generation != 2:
         _check_generation(generation)
-    mgr: Manager | None = _LAST[1]
-    if mgr is None or _LAST[0]() is not comm or mgr._comm_freed:
-        mgr = manager(comm)
+    mgr = manager(comm)
     collected = None if generation is None else gc.collect(generation)
     deadline = None if seconds is None else time.monotonic() + seconds
     return mgr.sync(deadline=deadline, collected=collected, t0=t0)
