@@ -115,9 +115,14 @@ _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 _ABANDONED: list[tuple[MPI.Request, tuple[object, ...]]] = []
 
 
-def _wait(
+def wait(
     req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
 ) -> None:
+    """Complete ``req`` (a collective on the manager's communicator) against ``deadline``.
+
+    ``buffers`` are kept alive for ever if the request is abandoned, since MPI
+    may still read or write them when a late rank arrives.
+    """
     if deadline is None or deadline.at is None:
         req.Wait()
     else:
@@ -152,17 +157,6 @@ def keep_alive(req: MPI.Request, *buffers: object) -> None:
         _ABANDONED.append((req, buffers))
 
 
-def wait(
-    req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
-) -> None:
-    """Complete ``req`` (a collective on the manager's communicator) against ``deadline``.
-
-    ``buffers`` are kept alive for ever if the request is abandoned, since MPI
-    may still read or write them when a late rank arrives.
-    """
-    _wait(req, deadline, what, *buffers)
-
-
 def dup(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, MPI.Request]:
     """Collective, non-blocking: start duplicating ``comm``; complete with :func:`wait`.
 
@@ -178,7 +172,7 @@ def allreduce(
 ) -> _Buf:
     """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``."""
     recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
-    _wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
+    wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
     return recv
 
 
@@ -192,10 +186,10 @@ def allgather(
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
     mine = np.array([data.size], dtype=np.int64)
-    _wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
+    wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    _wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
+    wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 
@@ -250,7 +244,7 @@ def intersect(
     dtype.Commit()
     req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
     try:
-        _wait(req, deadline, what, buf, out, dtype)
+        wait(req, deadline, what, buf, out, dtype)
     finally:
         if req == MPI.REQUEST_NULL:  # completed: the datatype is ours to free
             dtype.Free()
