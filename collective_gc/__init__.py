@@ -21,7 +21,7 @@ from ._errors import (
     RegistrationError,
 )
 from ._manager import CollectStats, Manager, collect, manager, managers, pending, register
-from ._queue import Registration
+from ._registration import Registration
 from ._scope import collective_scope, current_scope, sync_point
 
 __version__ = "0.1.0"

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from mpi4py import MPI
 
-from . import _agree, _reaper
+from . import _agree, local
 from ._agree import (
     H_CHILD_ERRORS,
     H_COUNT,
@@ -61,7 +61,7 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
-from ._queue import (
+from ._registration import (
     _FLAGS,
     ALIVE,
     DESTROYED,
@@ -1337,7 +1337,7 @@ def register(
     ``name`` belong to ``register`` and cannot be passed on to the destroy.
     """
     if comm is None:
-        return _reaper.register(obj, destroy, args, kwargs, name)
+        return local.register(obj, destroy, *args, name=name, **kwargs)
     return manager(comm).register(obj, destroy, args, kwargs, name)
 
 
@@ -1418,7 +1418,7 @@ def _at_exit() -> None:
     if os.getpid() != _PID:
         # A forked child never runs the parent's destroys or sync points.
         _FLAGS[1] = 1
-        _reaper.shutdown()
+        local.shutdown()
         return
     try:
         if _UNCAUGHT[0] and _MANAGERS:
@@ -1457,7 +1457,7 @@ def _at_exit() -> None:
             mgr._exit_sync(deadline)
     finally:
         _FLAGS[1] = 1  # finalizers from now on do nothing
-        _reaper.shutdown()
+        local.shutdown()
 
 
 def _after_fork_in_child() -> None:
@@ -1465,7 +1465,7 @@ def _after_fork_in_child() -> None:
     _LAST[0] = _LAST[1] = None
     for mgr in _MANAGERS:
         mgr._after_fork()
-    _reaper.after_fork()
+    local.after_fork()
 
 
 # Whether the interpreter is dying of an uncaught exception: noted by our

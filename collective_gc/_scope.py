@@ -10,7 +10,6 @@ carry a deadline (``timeout``).
 from __future__ import annotations
 
 import functools
-import gc as _gc
 import threading
 import time
 import traceback
@@ -21,7 +20,7 @@ from typing import Any, Literal, TypeVar, Union
 
 from mpi4py import MPI
 
-from . import _agree, _queue
+from . import _agree, _gcpolicy, _registration
 from ._agree import H_CYCLIC, H_POLICY
 from ._errors import (
     CollectiveGCError,
@@ -77,101 +76,6 @@ def _innermost_timeout() -> float | None:
 
 
 set_timeout_source(_innermost_timeout)
-
-
-class _GcPolicy:
-    """Whether Python's automatic collector runs, for every open scope of every thread.
-
-    The collector is process-wide, so scopes on several threads must not each
-    save and restore it: the last one out would restore what the first one
-    found (or what another thread's scope had set). Instead, while any
-    ``gc="managed"``/``"off"`` scope is open, anywhere, it is off; else while
-    any ``gc="auto"`` scope is open it is on; and when the last scope closes,
-    it is put back as it was when the first one opened.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.off = 0
-        self.auto = 0
-        self.saved = True
-
-    def enter(self, mode: str) -> None:
-        with self.lock:
-            if not (self.off or self.auto):
-                self.saved = _gc.isenabled()
-            if mode == "auto":
-                self.auto += 1
-            else:
-                self.off += 1
-            self._apply()
-
-    def leave(self, mode: str) -> None:
-        with self.lock:
-            if mode == "auto":
-                self.auto = max(0, self.auto - 1)
-            else:
-                self.off = max(0, self.off - 1)
-            self._apply()
-
-    def _apply(self) -> None:
-        if self.off:
-            _gc.disable()
-        elif self.auto or self.saved:
-            _gc.enable()
-        else:
-            _gc.disable()
-
-
-_GC = _GcPolicy()
-
-
-# CPython runs a full collection only when the objects promoted to the oldest
-# generation since the last full one exceed a quarter of those that survived
-# it (gcmodule.c, "long_lived_pending > long_lived_total / 4"), so that a
-# large long-lived heap is not traversed over and over. Managed mode keeps the
-# same rule, with its own books: the objects in the oldest generation after
-# the last full collection (None: not measured yet), and those promoted since.
-_LONG_LIVED_TOTAL: list[int | None] = [None]
-_LONG_LIVED_PENDING: list[int] = [0]
-
-
-def _wanted_generation() -> int:
-    """The generation Python's automatic collector would collect now, or -1.
-
-    CPython collects when the youngest generation's count passes its threshold,
-    and then the oldest generation whose count passes its own threshold (for
-    the oldest, only if enough objects were promoted since the last full one).
-    """
-    t0, t1, t2 = _gc.get_threshold()
-    c0, c1, c2 = _gc.get_count()
-    if t0 == 0 or c0 <= t0:
-        return -1
-    if c2 > t2 and c1 > t1:
-        total = _LONG_LIVED_TOTAL[0]
-        if total is None:
-            total = _LONG_LIVED_TOTAL[0] = len(_gc.get_objects(2))
-        if _LONG_LIVED_PENDING[0] > total // 4:
-            return 2
-    if c1 > t1:
-        return 1
-    return 0
-
-
-def _collect(generation: int) -> int:
-    """``gc.collect(generation)``, keeping the books of the long-lived rule."""
-    if generation >= 2:
-        found = _gc.collect(2)
-        _LONG_LIVED_TOTAL[0] = len(_gc.get_objects(2))
-        _LONG_LIVED_PENDING[0] = 0
-        return found
-    if generation == 1:
-        # What survives a collection of generation 1 is promoted to 2.
-        before = len(_gc.get_objects(0)) + len(_gc.get_objects(1))
-        found = _gc.collect(1)
-        _LONG_LIVED_PENDING[0] += max(0, before - found)
-        return found
-    return _gc.collect(0)
 
 
 class collective_scope:
@@ -265,7 +169,7 @@ class collective_scope:
                 f"{self!r} was already entered; a scope is single-use, make a new one"
             )
         self._thread = threading.get_ident()
-        self._origins_were = _queue.TRACK_ORIGINS[0]
+        self._origins_were = _registration.TRACK_ORIGINS[0]
         stack = _stack()
         self._owner_stack = stack
         # Stack first, then the collector: if an interrupt lands in between,
@@ -273,13 +177,13 @@ class collective_scope:
         stack.append(self)
         self._state = "open"
         try:
-            _GC.enter(self.gc)
+            _gcpolicy.POLICY.enter(self.gc)
         except BaseException:
             stack.remove(self)
             self._state = "exited"
             raise
         if self.track_origins:
-            _queue.TRACK_ORIGINS[0] = True
+            _registration.TRACK_ORIGINS[0] = True
         return self
 
     def __exit__(
@@ -317,8 +221,8 @@ class collective_scope:
             if self in stack:
                 stack.remove(self)
             self._state = "exited"
-            _queue.TRACK_ORIGINS[0] = self._origins_were
-            _GC.leave(self.gc)
+            _registration.TRACK_ORIGINS[0] = self._origins_were
+            _gcpolicy.POLICY.leave(self.gc)
         if misuse is not None:
             raise CollectiveGCError(misuse)
 
@@ -345,12 +249,14 @@ class collective_scope:
         collected = None
         if collect and self.gc != "off" and self.exit_collect is not None:
             # The exit sync: the same full collection on every rank first.
-            collected = _collect(self.exit_collect) if self.exit_collect is not None else None
+            collected = (
+                _gcpolicy.collect(self.exit_collect) if self.exit_collect is not None else None
+            )
             self.collections += 1
         seen: list[Sequence[int]] = []
         policy: tuple[int, ...] = ()
         if self.gc == "managed" and not collect:
-            policy = (_wanted_generation() + 1,)
+            policy = (_gcpolicy.wanted_generation() + 1,)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             stats = self.manager.sync(
@@ -362,7 +268,7 @@ class collective_scope:
                 if gen >= 0:
                     # The same generation on every rank, at the same sync point;
                     # what it finds is queued for the next one.
-                    _collect(gen)
+                    _gcpolicy.collect(gen)
                     self.collections += 1
         self.syncs += 1
         self.destroyed += stats.destroyed

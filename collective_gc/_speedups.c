@@ -4,7 +4,7 @@
  * from Python, more slowly. Python's GIL is held throughout.
  *
  * on_finalize: the weak-reference callback of every Registration (see
- * collective_gc._queue._py_on_finalize, the Python version it mirrors line by
+ * collective_gc._registration._py_on_finalize, the Python version it mirrors line by
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
@@ -183,14 +183,14 @@ destroy_each(PyObject *module, PyObject *args)
 
 /* -- on_finalize ---------------------------------------------------------- */
 
-/* collective_gc._queue._FLAGS: [ident of the thread running the cyclic
+/* collective_gc._registration._FLAGS: [ident of the thread running the cyclic
  * collector or 0, nonzero once shut down or forked]. Set once by set_flags. */
 static PyObject *flags = NULL;
 static PyObject *s_state, *s_cyclic, *s_owner, *s_note_cyclic, *s_push;
 
 PyDoc_STRVAR(set_flags_doc,
 "set_flags(flags) -> None\n\n"
-"Give on_finalize collective_gc._queue's process-wide flags list.");
+"Give on_finalize collective_gc._registration's process-wide flags list.");
 
 static PyObject *
 set_flags(PyObject *module, PyObject *list)

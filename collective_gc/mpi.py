@@ -28,7 +28,7 @@ from mpi4py import MPI
 from ._comms import dup, split
 from ._errors import RegistrationError, call_each
 from ._manager import register
-from ._queue import Registration
+from ._registration import Registration
 
 __all__ = ["manage", "free_win", "close_file", "release", "dup", "split"]
 

@@ -54,7 +54,7 @@ from petsc4py import PETSc
 
 from ._errors import ExitLeakWarning, RegistrationError
 from ._manager import Manager, manager, register, set_batch
-from ._queue import SPEEDUPS, Registration
+from ._registration import SPEEDUPS, Registration
 from ._scope import sync_point
 
 __all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve"]

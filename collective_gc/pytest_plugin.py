@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from ._manager import Manager
-    from ._queue import Registration
+    from ._registration import Registration
 
 __all__ = ["parallel_assert"]
 
@@ -322,7 +322,7 @@ def _drop_fixture_values(item: pytest.Item) -> None:
 
 
 def _begin(leak: bool, strict: bool) -> _Watch:
-    from . import _queue, _reaper
+    from . import _registration, local
     from ._manager import managers
 
     watch = _Watch(leak, strict)
@@ -336,11 +336,11 @@ def _begin(leak: bool, strict: bool) -> _Watch:
         watch.hook = _CyclicRecorder()
         gc.callbacks.append(watch.hook)
         # Name where each object was registered in the failure message.
-        watch.origins_were = _queue.TRACK_ORIGINS[0]
-        _queue.TRACK_ORIGINS[0] = True
+        watch.origins_were = _registration.TRACK_ORIGINS[0]
+        _registration.TRACK_ORIGINS[0] = True
     if leak:
         watch.keys = {mgr: mgr.next_key for mgr in managers()}
-        watch.local = set(_reaper.live())
+        watch.local = set(local.live())
     return watch
 
 
@@ -493,7 +493,7 @@ def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager
 
 
 def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
-    from . import _queue
+    from . import _registration
     from ._manager import managers
 
     hook = watch.hook
@@ -502,7 +502,7 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
         gc.collect()  # cycles the test left behind die here, inside the watch
     finally:
         gc.callbacks.remove(hook)
-        _queue.TRACK_ORIGINS[0] = watch.origins_were
+        _registration.TRACK_ORIGINS[0] = watch.origins_were
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -536,7 +536,7 @@ def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[st
     """
     from mpi4py import MPI
 
-    from . import _reaper
+    from . import local
 
     errors: list[str] = []
     for round_ in range(_ROUNDS):
@@ -545,7 +545,7 @@ def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[st
             # oversubscribed ranks), and what later rounds find was dropped by
             # destroys, by refcount.
             gc.collect()
-        _reaper.flush(max(0.0, deadline - time.monotonic()))
+        local.flush(max(0.0, deadline - time.monotonic()))
         destroyed = 0
         for mgr in used:
             if mgr.broken is not None:
@@ -567,14 +567,14 @@ def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[st
             break
         if not agreed[0] or agreed[1]:
             break
-    _reaper.flush(max(0.0, deadline - time.monotonic()))
+    local.flush(max(0.0, deadline - time.monotonic()))
     return errors
 
 
 def _leaks(watch: _Watch) -> list[tuple[str, str]]:
     from mpi4py import MPI
 
-    from . import _reaper
+    from . import local
     from ._manager import managers
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -590,7 +590,7 @@ def _leaks(watch: _Watch) -> list[tuple[str, str]]:
             # Why they live, where an adapter can tell (an owner kept alive
             # by its own resource, say).
             rows.extend((str(rank), f"  why: {why}") for why in mgr.leak_reasons())
-    live = _reaper.live()
+    live = local.live()
     for key in sorted(set(live) - watch.local):
         rows.append((str(rank), _describe(live[key], "the rank-local reaper (comm=None)")))
     return rows

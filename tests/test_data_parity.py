@@ -17,7 +17,7 @@ import pytest
 from data_scripts.fns import fail_at_3, failing_init, make, make_sized, plain, record_init, whoami
 
 import collective_gc as cgc
-from collective_gc import _reaper
+from collective_gc import local
 from collective_gc.data import (
     ProcessPrefetch,
     RemoteTraceback,
@@ -210,7 +210,7 @@ class _Blocker:
 
 def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
     gc.collect()
-    assert _reaper.flush(10)
+    assert local.flush(10)
     base = _mapped_segments()
     gate = threading.Event()
     entered = threading.Event()
@@ -238,9 +238,9 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
         assert peak <= _pool._BACKLOG + 2 * 12, peak
     finally:
         gate.set()
-    assert _reaper.flush(10)
+    assert local.flush(10)
     gc.collect()
-    assert _reaper.flush(10)
+    assert local.flush(10)
     assert _mapped_segments() == base
 
 

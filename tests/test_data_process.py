@@ -38,7 +38,7 @@ from data_scripts.fns import (
     slow,
 )
 
-from collective_gc import _reaper
+from collective_gc import local
 from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _pool, _shm
 
 from _util import GcDisabled as GcOff
@@ -68,7 +68,7 @@ def _mapped_segments() -> int:
 def _settle() -> None:
     """Let every pending lease and segment release happen."""
     gc.collect()
-    assert _reaper.flush(10)
+    assert local.flush(10)
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_dropping_the_loader_stops_its_workers() -> None:
     ref = weakref.ref(it)
     del it
     assert ref() is None  # no cycle: freed by refcount at once
-    assert _reaper.flush(10)  # its finalizer ran on the reaper thread
+    assert local.flush(10)  # its finalizer ran on the reaper thread
     assert not any(_alive(p) for p in pids)
     assert kept[0] == 0
 
@@ -288,7 +288,7 @@ def test_each_descriptor_closed_once_with_cyclic_collection() -> None:
         del it, elements
         del cycle
         assert gc.collect() > 0
-        assert _reaper.flush(10)
+        assert local.flush(10)
         for fd in canaries:
             os.fstat(fd)  # still open: nobody closed a reused number
         teardown = closed[during_run:]

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective_gc import _reaper
+from collective_gc import local
 from collective_gc.data import ThreadPrefetch
 
 from _util import GcDisabled as GcOff
@@ -91,7 +91,7 @@ def test_dropping_the_loader_stops_its_thread() -> None:
     next(it)
     finished = it._holder.state.finished  # released when the thread returns
     del it
-    assert _reaper.flush(10)
+    assert local.flush(10)
     assert finished.acquire(timeout=5)
 
 

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _manager, _queue
+from collective_gc import _manager, _registration
 
 from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
@@ -334,20 +334,20 @@ def test_bad_communicators() -> None:
 def test_the_c_finalizer_is_built_here() -> None:
     # Optional for users (the Python one does the same), but this machine
     # builds it, so the rest of the suite runs with it.
-    assert _queue._C_ON_FINALIZE is not None
-    assert _queue._CALLBACK[0] is _queue._C_ON_FINALIZE
+    assert _registration._C_ON_FINALIZE is not None
+    assert _registration._CALLBACK[0] is _registration._C_ON_FINALIZE
 
 
 @pytest.fixture(params=["c", "python"])
 def finalizer(request: pytest.FixtureRequest) -> Iterator[str]:
     """New registrations get the C finalizer, then the Python one."""
-    saved = _queue._CALLBACK[0]
+    saved = _registration._CALLBACK[0]
     if request.param == "python":
-        _queue._CALLBACK[0] = _queue._py_on_finalize
+        _registration._CALLBACK[0] = _registration._py_on_finalize
     try:
         yield request.param
     finally:
-        _queue._CALLBACK[0] = saved
+        _registration._CALLBACK[0] = saved
 
 
 def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
@@ -382,11 +382,11 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         # Once shut down (or in a forked child) a finalizer does nothing at all.
         o = Obj()
         late = cgc.register(o, log.destroy, "late", comm=comm)
-        _queue._FLAGS[1] = 1
+        _registration._FLAGS[1] = 1
         try:
             del o
         finally:
-            _queue._FLAGS[1] = 0
+            _registration._FLAGS[1] = 0
         assert cgc.manager(comm)._inbox == []
         assert late.detach()
     finally:

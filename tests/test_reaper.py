@@ -10,7 +10,7 @@ import weakref
 import pytest
 
 import collective_gc as cgc
-from collective_gc import _reaper
+from collective_gc import local
 
 from _util import GcDisabled, Obj
 
@@ -31,7 +31,7 @@ def test_reaped_off_thread_exactly_once() -> None:
         del o
         objs.clear()
         gc.collect()
-    assert _reaper.flush(timeout=10)
+    assert local.flush(timeout=10)
     assert sorted(i for i, _ in calls) == list(range(200))
     assert {t for _, t in calls} != {threading.get_ident()}
     assert all(not r.alive and r.state == "destroyed" for r in regs)
@@ -51,7 +51,7 @@ def test_explicit_destroy_races_with_reaper() -> None:
         reg = cgc.register(o, destroy, comm=None)
         del o  # queued for the reaper ...
         reg.destroy()  # ... while the caller destroys explicitly
-    assert _reaper.flush(timeout=10)
+    assert local.flush(timeout=10)
     assert count[0] == 300
 
 
@@ -64,7 +64,7 @@ def test_reaper_error_is_reported_not_fatal(capfd: pytest.CaptureFixture[str]) -
     cgc.register(o1, bad, comm=None, name="segment")
     cgc.register(o2, done.append, 1, comm=None)
     del o1, o2
-    assert _reaper.flush(timeout=10)
+    assert local.flush(timeout=10)
     assert done == [1]
     err = capfd.readouterr().err
     assert "rank-local destroy of key" in err and "'segment'" in err and "cannot close" in err
@@ -89,7 +89,7 @@ def test_forked_child_never_runs_parent_destroys(tmp_path: object) -> None:
         try:
             del o
             gc.collect()
-            _reaper.flush(timeout=5)
+            local.flush(timeout=5)
             os.write(w, repr(marker).encode())
         finally:
             os._exit(0)
@@ -100,5 +100,5 @@ def test_forked_child_never_runs_parent_destroys(tmp_path: object) -> None:
     assert status == 0 and child_saw == "[]"
     assert reg.alive and marker == []
     del o
-    assert _reaper.flush(timeout=10)
+    assert local.flush(timeout=10)
     assert marker == ["parent"]

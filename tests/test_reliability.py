@@ -22,7 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _manager, _queue
+from collective_gc import _manager, _registration
 
 from _util import CheckedLog, GcDisabled, Obj, same_on_all
 
@@ -505,12 +505,12 @@ def test_batch_passes_agree_on_a_registration_without_a_destroy() -> None:
         inbox: list[object] = []
         objs = [Obj() for _ in range(3)]
         regs = [
-            _queue.make_registration(o, None, inbox.append, i, noop, (i,), {}, None)  # type: ignore[arg-type]
+            _registration.make_registration(o, None, inbox.append, i, noop, (i,), {}, None)  # type: ignore[arg-type]
             for i, o in enumerate(objs)
         ]
         regs[1]._destroy = None  # as left by a destroy that ran meanwhile
         table = {r.key: r for r in regs}
-        taken, fns, argss, segments = take(table, [2, 1, 0], _queue.DESTROYED, ())
+        taken, fns, argss, segments = take(table, [2, 1, 0], _registration.DESTROYED, ())
         results.append(([r.key for r in taken], argss, sorted(table), segments))
     assert all(r == ([2, 0], [(2,), (0,)], [1], [(0, 2, -1)]) for r in results), results
 

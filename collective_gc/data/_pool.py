@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from .._queue import Registration
+from .._registration import Registration
 from . import _protocol as P
 from ._shm import Segment
 from ._worker import BOOT, STRIP_PREFIXES

@@ -36,7 +36,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 
-from .._reaper import register
+from ..local import register
 from . import _pool
 from . import _protocol as P
 from ._shm import supported
@@ -168,7 +168,7 @@ class ProcessPrefetch(Generic[T]):
                     f"ProcessPrefetch needs a picklable fn, worker_init_fn and indices: {exc}"
                 ) from exc
         self._holder = _Holder()
-        self._reg = register(self, _stop, (self._holder,), {}, "ProcessPrefetch")
+        self._reg = register(self, _stop, self._holder, name="ProcessPrefetch")
 
     def __iter__(self) -> ProcessPrefetch[T]:
         return self

@@ -73,12 +73,12 @@ class Segment:
 
     def __init__(self, mapping: mmap.mmap, capacity: int, name: str) -> None:
         # Imported here: the worker side of this module must not import the core.
-        from .._reaper import register
+        from ..local import register
 
         self.view = memoryview(mapping)
         self.capacity = capacity
         # Kept so that the loader can run the unmap itself when the reaper lags.
-        self.reg = register(self, _unmap, (self.view, mapping), {}, name)
+        self.reg = register(self, _unmap, self.view, mapping, name=name)
 
     def __repr__(self) -> str:
         # Only a live Segment can be printed, and a live one is always mapped.

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-from .._reaper import register
+from ..local import register
 
 __all__ = ["ThreadPrefetch"]
 
@@ -171,7 +171,7 @@ class ThreadPrefetch(Generic[T]):
         self._ready: Any = _NOTHING
         self._closed = False
         # Dropped without close(): the reaper tells the thread to stop (no join there).
-        self._reg = register(self, _stop_holder, (self._holder, 0), {}, "ThreadPrefetch")
+        self._reg = register(self, _stop_holder, self._holder, 0, name="ThreadPrefetch")
 
     def __iter__(self) -> ThreadPrefetch[T]:
         return self

@@ -1,4 +1,9 @@
-"""The rank-local reaper: destroys of ``comm=None`` registrations, off-thread.
+"""Rank-local deferred destroys: ``register(obj, destroy)`` with no communicator.
+
+Public: :func:`register`, :func:`flush`, :func:`live` (``register`` is also
+reached as ``collective_gc.register(..., comm=None)``). The per-rank data
+loader (:mod:`collective_gc.data`) releases its shared-memory segments and
+worker pools through it.
 
 Rank-local resources (shared-memory segments, plain files) need no agreement,
 but their release should neither run inside a finalizer (which may be the
@@ -23,9 +28,16 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ._queue import ALIVE, DESTROYED, DETACHED, Registration, check_destroy, make_registration
+from ._registration import (
+    ALIVE,
+    DESTROYED,
+    DETACHED,
+    Registration,
+    check_destroy,
+    make_registration,
+)
 
-__all__ = ["register", "flush", "shutdown", "stats", "live"]
+__all__ = ["register", "flush", "live"]
 
 
 class _Reaper:
@@ -168,13 +180,17 @@ _REAPER = _Reaper()
 
 
 def register(
-    obj: object,
-    destroy: Callable[..., object],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    name: str | None,
+    obj: object, destroy: Callable[..., object], *args: Any, name: str | None = None, **kwargs: Any
 ) -> Registration:
-    """Register a rank-local destroy; see :func:`collective_gc.register`."""
+    """Rank-local: when ``obj`` dies, run ``destroy(*args, **kwargs)`` on a background thread.
+
+    Exactly once, soon after ``obj`` dies (by refcounting or in the cyclic
+    collector, on any thread), in the order objects die; never inside the
+    finalizer itself, and with no agreement between ranks. For resources that
+    are safe to release from another thread (shared-memory segments, files).
+    The same checks as :func:`collective_gc.register` (no strong reference to
+    ``obj`` in the destroy). A destroy that raises is reported on stderr.
+    """
     return _REAPER.register(obj, destroy, args, kwargs, name)
 
 
@@ -184,11 +200,6 @@ def flush(timeout: float | None = None) -> bool:
     Returns False if ``timeout`` seconds passed first.
     """
     return _REAPER.flush(timeout)
-
-
-def stats() -> tuple[int, int, int]:
-    """(live registrations, destroys run, destroys that raised)."""
-    return len(_REAPER.live), _REAPER.destroyed, _REAPER.errors
 
 
 def live() -> dict[int, Registration]:
