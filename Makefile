@@ -87,6 +87,7 @@ bench: install bench-loader
 	$(MPIRUN) bench/bench_petsc.py
 	$(MPIRUN) bench/bench_petsc.py --python-destroys
 	$(MPIRUN) bench/bench_gcpause.py
+	$(PY) bench/bench_scale.py  # launches its own jobs of 2-16 ranks
 	$(PY) bench/report.py
 
 # Grain 0.2.18, the loader's reference, lives in its own venv: it must not

@@ -6,7 +6,8 @@ script turns them into one markdown table and a few plots:
 
 - sync-point cost against pending count, beside PETSc's garbage cleanup;
 - loader throughput beside Grain and pickling through multiprocessing.Queue;
-- the GC-pause effect in a bulk-synchronous loop.
+- the GC-pause effect in a bulk-synchronous loop;
+- sync-point cost per key against pending count at 2-16 ranks, per rank-CPU.
 
 Run: python bench/report.py   (make bench runs it after the benchmarks)
 """
@@ -94,6 +95,33 @@ def plot_sync(data: dict[str, dict[str, Any]]) -> str | None:
     return out.name
 
 
+def plot_scale(data: dict[str, dict[str, Any]]) -> str | None:
+    blob = data.get("scale")
+    if blob is None:
+        return None
+    rows = [r for r in blob["rows"] if r.get("pending")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ranks in sorted({r["ranks"] for r in rows}):
+        mine = sorted((r for r in rows if r["ranks"] == ranks), key=lambda r: r["pending"])
+        ax.semilogx(
+            [r["pending"] for r in mine],
+            [r["rank_cpu_us_per_key"] for r in mine],
+            "o-",
+            label=f"{ranks} ranks",
+        )
+    ax.set_xlabel("pending destroy requests")
+    ax.set_ylabel("us per key per rank-CPU (slowest rank)")
+    ax.set_title(f"Sync-point cost per key, {blob['meta'].get('host_cpus', '?')} CPUs")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    out = RESULTS / "scale.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out.name
+
+
 def plot_bars(
     data: dict[str, dict[str, Any]], name: str, keys: dict[str, str], title: str, ylabel: str
 ) -> str | None:
@@ -125,6 +153,7 @@ def main() -> int:
         return 1
     plots = [
         plot_sync(data),
+        plot_scale(data),
         plot_bars(
             data,
             "loader",
