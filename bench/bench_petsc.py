@@ -35,7 +35,7 @@ from petsc4py import PETSc
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
-from collective_gc._manager import set_batch  # noqa: E402
+from collective_gc._destroy import set_batch  # noqa: E402
 
 from _common import save, say, timed  # noqa: E402
 

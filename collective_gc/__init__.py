@@ -8,6 +8,8 @@ one order agreed by every rank.
 
 from __future__ import annotations
 
+from . import _exit  # noqa: F401  (the exit agreement and fork handling)
+from ._api import collect, pending, register
 from ._comms import dup, split
 from ._diagnose import find_cycles, view
 from ._errors import (
@@ -20,7 +22,8 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
-from ._manager import CollectStats, Manager, collect, manager, managers, pending, register
+from ._lookup import manager, managers
+from ._manager import CollectStats, Manager, Participant, Snapshot
 from ._registration import Registration
 from ._scope import collective_scope, current_scope, sync_point
 
@@ -47,8 +50,10 @@ __all__ = [
     "DestroyError",
     "ExitLeakWarning",
     "Manager",
+    "Participant",
     "Registration",
     "RegistrationError",
+    "Snapshot",
     "collect",
     "collective_scope",
     "current_scope",

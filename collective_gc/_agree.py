@@ -1,22 +1,33 @@
 """The agreement collectives: which keys has every rank queued?
 
-Every sync point on a communicator of size > 1 starts with one allreduce of a
-small int64 header (MPI_MAX). It carries each rank's pending count, its sync
-sequence number and next registration key (both as x and -x, so that one MAX
-gives the minimum too and a mismatch is seen), the bounds of its pending keys,
-and a few policy fields. With nothing pending anywhere, that is the whole
-agreement: one small allreduce.
+A sync point on a communicator of size > 1 is, in the steady state, one
+non-blocking allreduce of int64 words with MPI_BAND, which carries at once:
 
-Otherwise the intersection of the pending key sets is computed in one more
-allreduce, restricted to the window [max of the minimum keys, min of the
-maximum keys], outside of which no key can be pending on every rank:
+- the sync-point number (with the exit-agreement mark) and the next
+  registration key, each as x and ~x: the AND of x and of ~x are equal
+  complements exactly when every rank sent the same x, so a rank that
+  skipped a sync point or registered differently is seen by every rank;
+- flags, sent complemented, so the AND is the complement of their OR: a
+  cyclic death drained anywhere, a failed destroy on a derived communicator,
+  and one byte per participant (see :class:`Manager.add_participant`), which
+  encodes a small maximum as a thermometer code;
+- each rank's deadline, in a word of its own (every other rank sends all
+  ones there), so every rank learns the earliest one;
+- a bitmap of the pending keys in a *window* of keys, ANDed: the keys
+  pending on every rank.
 
-- a bitmap of the window reduced with MPI_BAND, when the window is dense
-  (at most 64 bits per pending key, i.e. no larger than the key array);
-- otherwise the sorted key arrays, padded to the largest count and reduced with
-  a merge-intersection operator (the scheme of PETSc's PetscGarbageCleanup).
-
-Both cost O(pending) in time and message size.
+The window needs no round of its own. Between sync points, the keys whose
+destroy has not run are the same on every rank (registration is collective,
+destroys run by agreement or by collective explicit calls), so a window
+computed from what earlier sync points agreed (the registrations of the last
+two intervals, with room for as many more) is the same on every rank, and so
+is the message's length, even when the ranks disagree. Pending keys outside
+the window (an object kept for many steps, a burst of registrations larger
+than the last) set bits of a 64-bit hash filter, ANDed too; only if the
+filter says a key outside the window may be pending everywhere does a
+fallback run: an allreduce of (count, lowest, highest) of those keys, then
+their intersection (a bitmap, or the sorted keys merged as PETSc's
+PetscGarbageCleanup does). Message size stays O(window + pending).
 
 Every collective here is a non-blocking one, completed with ``Wait`` or, with
 a deadline, polled until it completes or the deadline passes (then
@@ -26,11 +37,10 @@ they have a deadline (a scope leaving on an exception on some ranks only, the
 exit agreement).
 
 A request abandoned at a deadline can still be completed by a rank that
-arrives later, which would then carry on as if nothing had happened. So the
-header carries every rank's deadline (as wall-clock time, the minimum over the
-ranks): a rank that completes a collective of the sync point after that
-minimum has passed raises :class:`CollectiveTimeoutError` too, as the rank
-that gave up did.
+arrives later, which would then carry on as if nothing had happened. So each
+rank's deadline (wall-clock time) rides in the message: a rank that completes
+a collective of the sync point after the earliest of them has passed raises
+:class:`CollectiveTimeoutError` too, as the rank that gave up did.
 """
 
 from __future__ import annotations
@@ -46,14 +56,17 @@ from mpi4py import MPI
 from ._errors import CollectiveTimeoutError
 
 __all__ = [
-    "HEADER_LEN",
-    "H_CHILD_ERRORS",
-    "H_CYCLIC",
-    "H_POLICY",
-    "H_VOTE",
+    "FLAG_CYCLIC",
+    "FLAG_FAILED",
+    "FIELD_BITS",
     "NO_KEY",
     "NO_DEADLINE",
     "Deadline",
+    "Header",
+    "Agreed",
+    "Window",
+    "agree",
+    "any_flags",
     "allreduce",
     "intersect",
     "allgather",
@@ -62,25 +75,14 @@ __all__ = [
     "wait",
 ]
 
-# Header slots (all reduced with MPI_MAX).
-H_COUNT = 0  # pending count -> max over ranks
-H_SEQ = 1  # sync-point number
-H_NEG_SEQ = 2  # -sync-point number, so that max gives -min
-H_NEXT = 3  # next registration key
-H_NEG_NEXT = 4
-H_LO = 5  # smallest pending key (NO_KEY if none) -> max = window start
-H_NEG_HI = 6  # -largest pending key (+1 if none) -> -max = window end
-H_CYCLIC = 7  # cyclic finalizations drained at this sync point
-H_CHILD_ERRORS = 8  # destroys that raised on derived communicators (see _comms)
-H_POLICY = 9  # the policy slot filled by _scope (the gc generation)
-H_VOTE = 10  # two slots: the vote of the manager's sync hook (see add_sync_hook)
-H_KIND = 12  # 0: a sync point, 1: the exit agreement (never matched with a sync point)
-H_NEG_KIND = 13
-H_NEG_DEADLINE = 14  # -(wall-clock deadline in microseconds), NO_DEADLINE if none
-HEADER_LEN = 15
-
 NO_KEY = int(np.iinfo(np.int64).max)
-NO_DEADLINE = -NO_KEY  # never the MAX while some rank has a deadline
+NO_DEADLINE = NO_KEY  # a rank without a deadline: never the earliest one
+
+# Flags, ORed over the ranks.
+FLAG_CYCLIC = 1  # a cyclic-GC death of a managed object was drained
+FLAG_FAILED = 2  # a destroy raised (on a derived communicator, or in the sync point's own)
+FIELD_BITS = 8  # participant field f owns bits [8 (f + 1), 8 (f + 2)) of the flags
+MAX_FIELDS = 6
 
 
 class Deadline:
@@ -95,15 +97,15 @@ class Deadline:
         self.late_after: float | None = None
 
     def wall_us(self) -> int:
-        """This rank's deadline for the header: wall-clock microseconds, or NO_DEADLINE."""
+        """This rank's deadline as wall-clock microseconds, or NO_DEADLINE."""
         if self.at is None:
             return NO_DEADLINE
-        return -int((time.time() + (self.at - time.monotonic())) * 1e6)
+        return int((time.time() + (self.at - time.monotonic())) * 1e6)
 
-    def agree(self, neg_wall_us: int) -> None:
-        """Take the reduced header's earliest deadline of any rank."""
-        if neg_wall_us != NO_DEADLINE:
-            self.late_after = -neg_wall_us / 1e6
+    def agree(self, wall_us: int) -> None:
+        """Take the earliest deadline of any rank (NO_DEADLINE: none had one)."""
+        if wall_us != NO_DEADLINE:
+            self.late_after = wall_us / 1e6
 
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
@@ -249,3 +251,168 @@ def intersect(
         if req == MPI.REQUEST_NULL:  # completed: the datatype is ours to free
             dtype.Free()
     return out[1 : 1 + out[0]].copy()
+
+
+def field_shift(field: int) -> int:
+    """The first bit of participant field ``field`` in the flags."""
+    if not 0 <= field < MAX_FIELDS:
+        raise ValueError(f"participant field {field} is not in 0..{MAX_FIELDS - 1}")
+    return FIELD_BITS * (field + 1)
+
+
+class Header:
+    """What one rank brings to a sync point, besides its pending keys."""
+
+    __slots__ = ("seq", "next_key", "at_exit", "flags")
+
+    def __init__(self, seq: int, next_key: int, at_exit: bool, flags: int) -> None:
+        self.seq = seq
+        self.next_key = next_key
+        self.at_exit = at_exit
+        self.flags = flags
+
+
+class Window:
+    """The keys whose pending state travels as a bitmap: ``[lo, lo + bits)``.
+
+    Changed only by :meth:`advance` with agreed values, so the same on every
+    rank of the communicator.
+    """
+
+    __slots__ = ("lo", "bits", "mark")
+
+    # Beyond this many keys, the window keeps the newest ones (the rest go
+    # through the fallback): a bitmap costs a bit per key, the fallback's
+    # merge 64 bits per pending key.
+    LIMIT = 1 << 20
+    MIN = 256
+
+    def __init__(self) -> None:
+        self.lo = 0
+        self.bits = self.MIN
+        self.mark = 0  # the agreed next key at the last sync point
+
+    def advance(self, next_key: int) -> None:
+        """After a sync point agreed on ``next_key``: the registrations of the
+        last two intervals, and room for as many again as the last one had."""
+        growth = next_key - self.mark
+        lo = self.mark
+        hi = next_key + max(2 * growth, self.MIN)
+        if hi - lo > self.LIMIT:
+            lo = hi - self.LIMIT
+        self.lo = lo
+        self.bits = -(-(hi - lo) // 64) * 64
+        self.mark = next_key
+
+
+class Agreed:
+    """What a sync point's agreement found: the same on every rank."""
+
+    __slots__ = ("keys", "flags", "mismatch", "fallback")
+
+    def __init__(self, keys: np.ndarray[Any, Any], flags: int, mismatch: bool, fallback: bool):
+        self.keys = keys  # pending on every rank, ascending
+        self.flags = flags  # ORed over the ranks
+        self.mismatch = mismatch  # the ranks differ in sync number, kind or registrations
+        self.fallback = fallback  # keys outside the window needed a second round
+
+
+_ALL = -1  # all 64 bits set: the identity of MPI_BAND
+_HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive keys spread over the filter
+_WORDS = 6  # seq, ~seq, next key, ~next key, ~flags, filter
+
+
+def _filter(keys: np.ndarray[Any, Any]) -> int:
+    if not keys.size:
+        return 0
+    h = (keys.astype(np.uint64) * np.uint64(_HASH)) >> np.uint64(58)
+    bits = np.bitwise_or.reduce(np.left_shift(np.uint64(1), h))
+    return int(bits.view(np.int64))
+
+
+def agree(
+    comm: MPI.Comm,
+    rank: int,
+    head: Header,
+    pending: np.ndarray[Any, Any],
+    window: Window,
+    deadline: Deadline,
+    what: Callable[[], str],
+) -> Agreed:
+    """Collective: the keys in ``pending`` (ascending) pending on every rank.
+
+    One allreduce unless keys outside the window may be pending everywhere.
+    Raises :class:`CollectiveTimeoutError` at the deadline, or when it
+    completes here only after another rank's deadline passed.
+    """
+    size = comm.Get_size()
+    lo, nbits = window.lo, window.bits
+    first = int(np.searchsorted(pending, lo))
+    last = int(np.searchsorted(pending, lo + nbits))
+    inside = pending[first:last]
+    outside = (
+        np.concatenate((pending[:first], pending[last:]))
+        if first or last < pending.size
+        else pending[:0]
+    )
+    buf = np.empty(_WORDS + size + nbits // 64, dtype=np.int64)
+    seqword = head.seq * 2 + int(head.at_exit)
+    buf[0] = seqword
+    buf[1] = ~seqword
+    buf[2] = head.next_key
+    buf[3] = ~head.next_key
+    buf[4] = ~head.flags
+    buf[5] = _filter(outside)
+    slots = buf[_WORDS : _WORDS + size]
+    slots[:] = _ALL
+    slots[rank] = deadline.wall_us()
+    bitmap = np.zeros(nbits, dtype=bool)
+    bitmap[inside - lo] = True
+    buf[_WORDS + size :] = np.packbits(bitmap, bitorder="little").view(np.int64)
+    red = allreduce(comm, buf, MPI.BAND, deadline, what)
+    earliest = int(red[_WORDS : _WORDS + size].min())
+    if earliest != NO_DEADLINE:
+        deadline.agree(earliest)
+        late = deadline.late_after
+        if late is not None and time.time() > late:
+            raise CollectiveTimeoutError(
+                what() + "\n(it completed here only after the deadline of another rank had "
+                "passed: that rank gave up on this sync point)"
+            )
+    flags = ~int(red[4])
+    mismatch = red[0] != ~red[1] or red[2] != ~red[3]
+    if mismatch:
+        return Agreed(pending[:0], flags, True, False)
+    words = red[_WORDS + size :]
+    common = np.flatnonzero(np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little"))
+    keys = common.astype(np.int64) + lo
+    fallback = bool(red[5])
+    if fallback:
+        # Every rank saw the same filter, so every rank runs this round.
+        extra = intersect_any(comm, outside, deadline, what)
+        if extra.size:
+            keys = np.union1d(keys, extra)
+    return Agreed(keys, flags, False, fallback)
+
+
+def any_flags(comm: MPI.Comm, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
+    """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
+    buf = np.array([~flags], dtype=np.int64)
+    return ~int(allreduce(comm, buf, MPI.BAND, deadline, what)[0])
+
+
+def intersect_any(
+    comm: MPI.Comm, keys: np.ndarray[Any, Any], deadline: Deadline, what: Callable[[], str]
+) -> np.ndarray[Any, Any]:
+    """Collective: the keys of ``keys`` (ascending) that every rank holds: one
+    round for the count and bounds, then :func:`intersect`."""
+    if keys.size:
+        head = np.array([keys.size, keys[0], -keys[-1]], dtype=np.int64)
+    else:
+        head = np.array([0, NO_KEY, 1], dtype=np.int64)
+    red = allreduce(comm, head, MPI.MAX, deadline, what)
+    if red[0] == 0 or red[1] == NO_KEY:
+        return keys[:0]
+    # Any rank with no keys makes the intersection empty: its lowest key
+    # NO_KEY then bounds the window beyond every other.
+    return intersect(comm, keys, int(red[1]), int(-red[2]), int(red[0]), deadline, what)

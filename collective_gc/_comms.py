@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ._api import register
+from ._destroy import Failure
 from ._errors import CollectiveTimeoutError, DestroyError
-from ._manager import Manager, lookup, manager, register
+from ._lookup import lookup, manager
+from ._manager import Manager, Participant
 
-__all__ = ["dup", "split"]
+__all__ = ["dup", "split", "derived"]
 
 _CHILD_KEYVAL: list[int] = []
 
@@ -58,18 +61,18 @@ class _Derived:
         self.dropped = True
         self._try_release()
 
-    def visit(self, deadline: float | None) -> list[tuple[int, str, BaseException]]:
+    def visit(self, deadline: float | None) -> list[Failure]:
         """Collective over the derived communicator: sync its manager, free it if done."""
         failures: list[tuple[int, str, BaseException]] = []
         if self.handle is not None and not self.handle_freed:
             mgr = lookup(self.handle)
-            # Only while something is registered on it, or it has sync hooks
+            # Only while something is registered on it, or it has participants
             # (PETSc's garbage cleanup): both are the same on every rank of
-            # the derived communicator (registration and hooks are added
-            # collectively, destroys are agreed), so they all skip it alike.
-            if mgr is not None and mgr.broken is None and (mgr.registered or mgr.has_sync_hooks):
+            # the derived communicator (registration and participants are
+            # added collectively, destroys are agreed), so they all skip it alike.
+            if mgr is not None and mgr.broken is None and (mgr.registered or mgr.participants):
                 # Whatever this sync point raises becomes a failure of the
-                # parent's sync point, which the parent's header tells every
+                # parent's sync point, which the parent's agreement tells every
                 # rank of the parent (ranks outside this communicator too), so
                 # they all raise together; raising here would leave the
                 # parent's other ranks waiting in its header. A timeout still
@@ -110,12 +113,53 @@ class _Derived:
         return f"<collective_gc derived communicator {self.label}: {state}>"
 
 
-def _adopt(parent: Manager, new: MPI.Intracomm, comm: MPI.Intracomm, label: str) -> MPI.Intracomm:
+class _Children(Participant):
+    """The communicators derived from one parent, visited at each of its sync
+    points before the agreement (their resources are newer, and may have to
+    go before one of the parent's can), in creation order."""
+
+    def __init__(self) -> None:
+        self.records: list[_Derived] = []
+        self.made = 0
+
+    def prepare(self, mgr: Manager, deadline: float | None) -> list[Failure]:
+        failures: list[Failure] = []
+        for record in list(self.records):
+            failures.extend(record.visit(deadline))
+        self.records = [r for r in self.records if not r.released]
+        return failures
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        # Those dropped at this sync point were released by their destroys.
+        self.records = [r for r in self.records if not r.released]
+
+
+def _children(parent: Manager) -> _Children:
+    for p in parent.participants:
+        if isinstance(p, _Children):
+            return p
+    children = _Children()
+    parent.add_participant(children)
+    return children
+
+
+def derived(comm: MPI.Intracomm) -> list[str]:
+    """Labels of the derived communicators of ``comm`` not yet freed. Local."""
+    mgr = lookup(comm)
+    if mgr is None:
+        return []
+    return [r.label for p in mgr.participants if isinstance(p, _Children) for r in p.records]
+
+
+def _adopt(
+    children: _Children, new: MPI.Intracomm, comm: MPI.Intracomm, label: str
+) -> MPI.Intracomm:
     member = new != MPI.COMM_NULL
     record = _Derived(MPI.Intracomm(new) if member else None, label)
     if member:
         new.Set_attr(_keyval(), record)
-    parent.add_child(record)
+    children.records.append(record)
+    children.made += 1
     register(new, record.drop, comm=comm, name=label)
     return new
 
@@ -129,8 +173,9 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     (that would be seen and not freed twice, but it wastes nothing to let it be).
     """
     parent = manager(comm)
+    children = _children(parent)
     new = MPI.Intracomm(comm.Dup())
-    return _adopt(parent, new, comm, f"dup #{parent.children_made} of a {parent.describe()}")
+    return _adopt(children, new, comm, f"dup #{children.made} of a {parent.describe()}")
 
 
 def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
@@ -140,6 +185,7 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     (still registered, so the parent's keys stay the same on every rank).
     """
     parent = manager(comm)
+    children = _children(parent)
     new = MPI.Intracomm(comm.Split(color, key))
-    label = f"split #{parent.children_made} (color {color}) of a {parent.describe()}"
-    return _adopt(parent, new, comm, label)
+    label = f"split #{children.made} (color {color}) of a {parent.describe()}"
+    return _adopt(children, new, comm, label)

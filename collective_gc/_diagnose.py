@@ -19,7 +19,9 @@ from typing import IO
 
 from mpi4py import MPI
 
-from ._manager import Manager, check_timeout, manager
+from ._api import check_timeout
+from ._lookup import manager
+from ._manager import Manager
 
 __all__ = ["find_cycles", "view"]
 

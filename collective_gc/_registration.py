@@ -13,12 +13,19 @@ Python can run a finalizer (including inside our own sync points).
 The inbox is a ``list`` (collective managers) or a ``queue.SimpleQueue`` (the
 rank-local reaper); both have an append/put that is atomic under the GIL and
 safe to call re-entrantly from a finalizer.
+
+A registration leaves the ALIVE state in one of two ways, both here: one at
+a time through :meth:`Ledger.claim` (an explicit destroy or detach, the
+rank-local reaper), or as an agreed batch through :func:`take_batch_py` or
+its C twin (a sync point). Its private slots are touched nowhere else (and in
+``collective_gc._speedups``, which mirrors this module).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import threading
 import traceback
 import types
@@ -30,16 +37,19 @@ from ._errors import RegistrationError
 
 __all__ = [
     "Registration",
+    "Ledger",
     "make_registration",
     "check_destroy",
+    "take_batch_py",
+    "put_back",
+    "shut_down",
+    "after_fork",
     "ALIVE",
-    "QUEUED",
     "DESTROYED",
     "DETACHED",
 ]
 
 ALIVE = 0  # the destroy has not run: the object lives, or died and is queued
-QUEUED = 1  # never stored: "queued" is ALIVE with a dead referent (Registration.state)
 DESTROYED = 2  # the destroy has run (or is running)
 DETACHED = 3  # detach() was called, or the owner was shut down or forked away
 
@@ -68,11 +78,24 @@ def _gc_phase(phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS) -> N
 gc.callbacks.append(_gc_phase)
 
 
-class _Owner(Protocol):
-    def _note_cyclic(self, reg: Registration) -> None: ...
-    def _destroy_now(self, reg: Registration) -> None: ...
-    def _detach(self, reg: Registration) -> bool: ...
-    def _describe(self) -> str: ...
+def shut_down(now: bool = False) -> bool:
+    """Whether finalizers are switched off (at exit); ``now`` switches them off."""
+    if now:
+        _FLAGS[1] = 1
+    return bool(_FLAGS[1])
+
+
+def after_fork() -> None:
+    """In a forked child: only this thread exists, and it is not collecting."""
+    _FLAGS[0] = 0
+
+
+class Owner(Protocol):
+    """What a registration asks of whoever made it (a manager, the reaper)."""
+
+    def destroy_registration(self, reg: Registration) -> None: ...
+    def detach_registration(self, reg: Registration) -> bool: ...
+    def describe(self) -> str: ...
 
 
 def _py_on_finalize(
@@ -86,8 +109,7 @@ def _py_on_finalize(
     if _flags[1] or reg._state:
         return  # shut down, or destroyed or detached already: nothing to queue
     if _flags[0] and _flags[0] == _ident():
-        reg.cyclic = True
-        reg._owner._note_cyclic(reg)
+        reg.cyclic = True  # the sync point that drains it reports it
     reg._push(reg)
 
 
@@ -143,7 +165,7 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     cyclic: bool
     queued_at: int
     _state: int
-    _owner: _Owner
+    _owner: Owner
     _push: Callable[[Registration], object]
     # The destroy and its arguments (kwargs folded in with functools.partial),
     # None and () once it has run or was dropped. No tuple is made per
@@ -180,7 +202,7 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         Idempotent: a second call, or a call after the destroy ran at a sync point,
         does nothing.
         """
-        self._owner._destroy_now(self)
+        self._owner.destroy_registration(self)
 
     def detach(self) -> bool:
         """Cancel the registration without running the destroy.
@@ -189,21 +211,12 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         its destroy had already run or it was already detached. Local: the
         destroy is never run on this rank, so detach on every rank or none.
         """
-        return self._owner._detach(self)
-
-    def _run(self) -> None:
-        # Drop our references before calling, so that the arguments die as soon
-        # as the destroy returns (and a destroy that drops the last reference to
-        # other managed objects queues them right away).
-        fn, args = self._destroy, self._args
-        self._destroy, self._args = None, ()
-        assert fn is not None, "the destroy ran already"
-        fn(*args)
+        return self._owner.detach_registration(self)
 
     def __repr__(self) -> str:
         return (
             f"<collective_gc.Registration key={self.key} name={self.name!r} "
-            f"{self.state} on {self._owner._describe()}>"
+            f"{self.state} on {self._owner.describe()}>"
         )
 
     # Registrations compare and hash by identity: weakref.ref's own __eq__ and
@@ -219,7 +232,7 @@ if SPEEDUPS is not None:
 
 def make_registration(
     obj: object,
-    owner: _Owner,
+    owner: Owner,
     push: Callable[[Registration], object],
     key: int,
     destroy: Callable[..., object],
@@ -324,3 +337,107 @@ def check_destroy(
                 f"{type(obj).__name__!r} object itself, so the registration would keep "
                 "it alive forever; pass the resource it owns instead"
             )
+
+
+class Ledger:
+    """The registrations of one owner whose destroy has not run, by key.
+
+    ``live`` is a plain dict: its single operations are atomic under the GIL,
+    so a reader may copy it at any time; ``lock`` is held for the few stores
+    of a state change, never across a destroy or an MPI call (so a
+    registration on another thread never waits for a sync point's destroys).
+    Re-entrant: an allocation inside it may start the collector, whose
+    finalizers may destroy or detach on this very thread.
+    """
+
+    __slots__ = ("live", "lock")
+
+    def __init__(self) -> None:
+        self.live: dict[int, Registration] = {}
+        self.lock = threading.RLock()
+
+    def claim(
+        self, reg: Registration, state: int
+    ) -> tuple[Callable[..., object], tuple[Any, ...]] | None:
+        """Move ``reg`` from ALIVE to ``state`` (DESTROYED or DETACHED), once.
+
+        Returns its destroy call, now taken out of the registration (so that
+        it lets go of the destroyed resources), or None if it had left ALIVE
+        already: a destroy runs at most once however threads interleave.
+        """
+        with self.lock:
+            if reg._state != ALIVE:
+                return None
+            reg._state = state
+            self.live.pop(reg.key, None)
+            fn, args = reg._destroy, reg._args
+            reg._destroy, reg._args = None, ()
+        assert fn is not None
+        return fn, args
+
+    def forget(self) -> list[Registration]:
+        """Detach everything without running it (a forked child). Returns what was live."""
+        with self.lock:
+            regs = list(self.live.values())
+            for reg in regs:
+                reg._state = DETACHED
+                reg._destroy, reg._args = None, ()
+            self.live.clear()
+        return regs
+
+
+_Taken = tuple[
+    list[Registration],
+    list[Callable[..., object]],
+    list[tuple[Any, ...]],
+    "list[tuple[int, int, int]] | None",
+]
+
+
+def take_batch_py(
+    regs: dict[int, Registration], keys: list[int], state: int, batched: tuple[object, ...]
+) -> _Taken:
+    """What ``_speedups.take_batch`` does, from Python (tests compare the two).
+
+    For each key still in ``regs``, in order: pop it, set its state, take its
+    destroy call out. A key whose registration is gone, or has no destroy
+    left, was destroyed or detached explicitly meanwhile, on every rank, and
+    is skipped. Also returns the runs of consecutive calls to the same
+    batched destroy (``batched``, by identity) as (start, end, index)
+    triples, index -1 for a run of other destroys.
+    """
+    taken: list[Registration] = []
+    fns: list[Callable[..., object]] = []
+    argss: list[tuple[Any, ...]] = []
+    for key in keys:
+        reg = regs.get(key)
+        if reg is None or reg._destroy is None:
+            continue
+        del regs[key]
+        reg._state = state
+        fns.append(reg._destroy)
+        argss.append(reg._args)
+        reg._destroy, reg._args = None, ()
+        taken.append(reg)
+    ids = [id(f) for f in batched]
+    segments: list[tuple[int, int, int]] = []
+    start = 0
+    for index, group in itertools.groupby(ids.index(id(f)) if id(f) in ids else -1 for f in fns):
+        end = start + sum(1 for _ in group)
+        segments.append((start, end, index))
+        start = end
+    return taken, fns, argss, segments
+
+
+def put_back(
+    ledger: Ledger,
+    regs: list[Registration],
+    fns: list[Callable[..., object]],
+    argss: list[tuple[Any, ...]],
+) -> None:
+    """Undo :func:`take_batch` for destroys that never started (an interrupt
+    between two runs of destroys): alive and registered again, not lost."""
+    with ledger.lock:
+        for reg, fn, args in zip(regs, fns, argss):
+            reg._destroy, reg._args, reg._state = fn, args, ALIVE
+            ledger.live[reg.key] = reg

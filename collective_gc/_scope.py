@@ -14,28 +14,23 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Union
 
 from mpi4py import MPI
 
-from . import _agree, _gcpolicy, _registration
-from ._agree import H_CYCLIC, H_POLICY
+from . import _gcpolicy, _registration
+from ._agree import FLAG_CYCLIC
+from ._api import check_timeout, collect
 from ._errors import (
     CollectiveGCError,
     CyclicFinalizationError,
     CyclicFinalizationWarning,
 )
-from ._manager import (
-    CollectStats,
-    Manager,
-    check_timeout,
-    exit_timeout,
-    lookup,
-    manager,
-    set_timeout_source,
-)
+from ._exit import exit_timeout
+from ._lookup import lookup, manager
+from ._manager import CollectStats, Manager, Participant, set_timeout_source
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
 
@@ -76,6 +71,41 @@ def _innermost_timeout() -> float | None:
 
 
 set_timeout_source(_innermost_timeout)
+
+
+class _Policy(Participant):
+    """A managed scope's GC policy at one sync point: each rank votes for the
+    generation its automatic collector would collect now; all collect the
+    oldest any of them wants, at the same point, after the destroys (what that
+    collection finds is queued for the next sync point)."""
+
+    field = 0
+
+    def __init__(self) -> None:
+        self.flags = 0
+        self.collected = False
+
+    def vote(self, mgr: Manager) -> int:
+        # A thermometer code (generation g as g + 1 low bits), so that the OR
+        # over the ranks is the code of the oldest generation anyone wants.
+        return (1 << (_gcpolicy.wanted_generation() + 1)) - 1
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        self.flags = flags
+        generation = self.votes(flags).bit_length() - 1
+        if generation >= 0:
+            _gcpolicy.collect(generation)
+            self.collected = True
+
+
+class _Seen(Participant):
+    """Only notes the agreed flags (strict mode reads the cyclic flag)."""
+
+    def __init__(self) -> None:
+        self.flags = 0
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        self.flags = flags
 
 
 class collective_scope:
@@ -248,33 +278,23 @@ class collective_scope:
         t0 = time.perf_counter()
         collected = None
         if collect and self.gc != "off" and self.exit_collect is not None:
-            # The exit sync: the same full collection on every rank first.
-            collected = (
-                _gcpolicy.collect(self.exit_collect) if self.exit_collect is not None else None
-            )
+            # The exit sync: the same collection on every rank first.
+            collected = _gcpolicy.collect(self.exit_collect)
             self.collections += 1
-        seen: list[Sequence[int]] = []
-        policy: tuple[int, ...] = ()
-        if self.gc == "managed" and not collect:
-            policy = (_gcpolicy.wanted_generation() + 1,)
+        seen = _Policy() if self.gc == "managed" and not collect else _Seen()
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             stats = self.manager.sync(
-                deadline=deadline, policy=policy, on_header=seen.append, collected=collected, t0=t0
+                deadline=deadline, participants=(seen,), collected=collected, t0=t0
             )
         finally:
-            if seen and self.gc == "managed" and not collect:
-                gen = seen[0][H_POLICY] - 1
-                if gen >= 0:
-                    # The same generation on every rank, at the same sync point;
-                    # what it finds is queued for the next one.
-                    _gcpolicy.collect(gen)
-                    self.collections += 1
+            if isinstance(seen, _Policy) and seen.collected:
+                self.collections += 1
         self.syncs += 1
         self.destroyed += stats.destroyed
         self.cyclic += stats.cyclic
         self.seconds += stats.seconds
-        if seen and seen[0][H_CYCLIC] and self.strict:
+        if seen.flags & FLAG_CYCLIC and self.strict:
             self._report_cyclic()
         return stats
 
@@ -354,8 +374,6 @@ def sync_point(
             if scope is not None:
                 scope.sync()
             elif c is not None:
-                from ._manager import collect
-
                 collect(c)
             else:
                 raise CollectiveGCError(
@@ -369,7 +387,3 @@ def sync_point(
     if fn is not None:
         return decorate(fn)
     return decorate
-
-
-# The header slots this module reads must exist.
-assert H_POLICY < _agree.HEADER_LEN

@@ -10,8 +10,8 @@
  *
  * take_batch, run_each: a sync point's bookkeeping for the keys every rank
  * agreed on, in one pass, and the calls of their destroys (see
- * collective_gc._manager.Manager._destroy_agreed and the Python versions
- * _take_batch_py and _run_each_py there).
+ * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
+ * the Python versions).
  *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
@@ -186,7 +186,7 @@ destroy_each(PyObject *module, PyObject *args)
 /* collective_gc._registration._FLAGS: [ident of the thread running the cyclic
  * collector or 0, nonzero once shut down or forked]. Set once by set_flags. */
 static PyObject *flags = NULL;
-static PyObject *s_state, *s_cyclic, *s_owner, *s_note_cyclic, *s_push;
+static PyObject *s_state, *s_cyclic, *s_push;
 
 PyDoc_STRVAR(set_flags_doc,
 "set_flags(flags) -> None\n\n"
@@ -241,16 +241,6 @@ on_finalize(PyObject *module, PyObject *reg)
         if (PyObject_SetAttr(reg, s_cyclic, Py_True) < 0) {
             return NULL;
         }
-        PyObject *owner = PyObject_GetAttr(reg, s_owner);
-        if (owner == NULL) {
-            return NULL;
-        }
-        PyObject *res = PyObject_CallMethodOneArg(owner, s_note_cyclic, reg);
-        Py_DECREF(owner);
-        if (res == NULL) {
-            return NULL;
-        }
-        Py_DECREF(res);
     }
     PyObject *push = PyObject_GetAttr(reg, s_push);
     if (push == NULL) {
@@ -533,8 +523,6 @@ PyInit__speedups(void)
 {
     if (!(s_state = PyUnicode_InternFromString("_state"))
         || !(s_cyclic = PyUnicode_InternFromString("cyclic"))
-        || !(s_owner = PyUnicode_InternFromString("_owner"))
-        || !(s_note_cyclic = PyUnicode_InternFromString("_note_cyclic"))
         || !(s_push = PyUnicode_InternFromString("_push"))) {
         return NULL;
     }

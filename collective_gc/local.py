@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ._registration import (
-    ALIVE,
     DESTROYED,
     DETACHED,
+    Ledger,
     Registration,
     check_destroy,
     make_registration,
@@ -43,7 +43,7 @@ __all__ = ["register", "flush", "live"]
 class _Reaper:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Registration | threading.Event | None] = queue.SimpleQueue()
-        self.live: dict[int, Registration] = {}
+        self.ledger = Ledger()
         self.lock = threading.Lock()
         self.keys = itertools.count()
         self.thread: threading.Thread | None = None
@@ -51,35 +51,21 @@ class _Reaper:
         self.destroyed = 0
         self.errors = 0
 
-    # -- the _Owner protocol of Registration ---------------------------------
+    # -- what a Registration asks of its owner ---------------------------------
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return "the rank-local reaper"
 
-    def _note_cyclic(self, reg: Registration) -> None:
-        pass  # rank-local destroys need no cyclic diagnosis
-
-    def _claim(self, reg: Registration, new_state: int) -> bool:
-        # The one place a rank-local registration leaves the ALIVE state, so a
-        # destroy runs at most once however the reaper thread and explicit
-        # destroy()/detach() calls interleave.
-        with self.lock:
-            if reg._state != ALIVE:
-                return False
-            reg._state = new_state
-            self.live.pop(reg.key, None)
-            return True
-
-    def _destroy_now(self, reg: Registration) -> None:
-        if self._claim(reg, DESTROYED):
-            reg._run()
+    def destroy_registration(self, reg: Registration) -> None:
+        call = self.ledger.claim(reg, DESTROYED)
+        if call is not None:
+            fn, args = call
+            del call
+            fn(*args)
             self.destroyed += 1
 
-    def _detach(self, reg: Registration) -> bool:
-        if self._claim(reg, DETACHED):
-            reg._destroy, reg._args = None, ()
-            return True
-        return False
+    def detach_registration(self, reg: Registration) -> bool:
+        return self.ledger.claim(reg, DETACHED) is not None
 
     # -- the thread ----------------------------------------------------------
 
@@ -95,7 +81,7 @@ class _Reaper:
         reg = make_registration(
             obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name
         )
-        self.live[reg.key] = reg
+        self.ledger.live[reg.key] = reg
         if self.thread is None:
             self._start()
         return reg
@@ -121,10 +107,13 @@ class _Reaper:
             del item  # drop it now, not when the next one arrives
 
     def _reap(self, reg: Registration) -> None:
-        if not self._claim(reg, DESTROYED):
+        call = self.ledger.claim(reg, DESTROYED)
+        if call is None:
             return
+        fn, args = call
+        del call
         try:
-            reg._run()
+            fn(*args)
         except BaseException as exc:  # reported, never propagated into the thread's death
             self.errors += 1
             _report(reg, exc)
@@ -204,7 +193,7 @@ def flush(timeout: float | None = None) -> bool:
 
 def live() -> dict[int, Registration]:
     """The rank-local registrations whose destroy has not run, by key (a copy)."""
-    return dict(_REAPER.live)
+    return dict(_REAPER.ledger.live)
 
 
 def shutdown(timeout: float = 5.0) -> None:
@@ -215,8 +204,5 @@ def shutdown(timeout: float = 5.0) -> None:
 def after_fork() -> None:
     """In a forked child: forget the parent's registrations, never run them."""
     global _REAPER
-    old = _REAPER
-    for reg in list(old.live.values()):
-        reg._state = DETACHED
-    old.live.clear()
+    _REAPER.ledger.forget()
     _REAPER = _Reaper()

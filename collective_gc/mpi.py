@@ -25,9 +25,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ._api import register
 from ._comms import dup, split
 from ._errors import RegistrationError, call_each
-from ._manager import register
 from ._registration import Registration
 
 __all__ = ["manage", "free_win", "close_file", "release", "dup", "split"]

@@ -52,8 +52,11 @@ import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
+from ._api import register
+from ._destroy import set_batch
 from ._errors import ExitLeakWarning, RegistrationError
-from ._manager import Manager, manager, register, set_batch
+from ._lookup import manager
+from ._manager import Manager, Participant
 from ._registration import SPEEDUPS, Registration
 from ._scope import sync_point
 
@@ -282,44 +285,69 @@ def _count(inner: int) -> int:
 # -- the sync and view hooks ---------------------------------------------------
 
 
-def _sync_hook(mgr: Manager) -> None:
-    """Collective over ``mgr.comm``: clean PETSc's garbage there and on COMM_SELF.
+# The bits of PETSc's vote (ORed over the ranks).
+_HAS_GARBAGE = 1  # this rank holds PETSc garbage on the communicator
+_HAS_INNER = 2  # this rank has PETSc's inner communicator for it
+_LACKS_INNER = 4  # this rank does not
+_FAILED = 8  # a managed PETSc destroy raised on this rank
 
-    Runs inside every sync point of ``mgr``, on every rank, after the agreed
-    destroys. ``PETSc.garbage_cleanup`` is itself collective and costs ~40 us
-    on 4 ranks here even with nothing to clean, so the ranks first agree
-    whether any of them holds garbage, and whether all of them still have
-    PETSc's inner communicator, through the vote (:func:`_vote`) carried in
-    the sync point's own allreduces (taken again after its destroys, which may
-    have made garbage), so this costs no message of its own.
 
-    The same vote says whether a managed PETSc destroy raised on any rank.
-    Then PETSc's objects of the communicator may differ between ranks (the wreck,
-    and PETSc's inner communicator with it, survive where it failed), and any
-    later collective PETSc call on it may hang: the manager is made unusable
-    on every rank, with that explanation, and nothing is cleaned there.
-    """
-    comm = mgr.comm
-    votes = mgr.votes  # agreed in the sync point's own allreduces: no extra message
-    if mgr.size > 1 and votes[1] >= 2:
-        _refuse(mgr)  # nothing collective on comm any more
-    elif _PETSC is None:
-        PETSc.garbage_cleanup(comm)  # cannot look: clean unconditionally (every rank alike)
-    elif mgr.size > 1:
-        most, some_have, all_have = votes[0] - 1, votes[0] >= 1, votes[1] == 0
-        if most > 0 and all_have:
-            PETSc.garbage_cleanup(comm)
-        elif most > 0 and some_have:
-            _warn_split_state(mgr)
-    else:
+class _Cleanup(Participant):
+    """PETSc's own garbage cleanup, at every sync point of one communicator."""
+
+    field = 1
+
+    def vote(self, mgr: Manager) -> int:
+        """This rank's vote: whether it holds garbage, has PETSc's inner
+        communicator, and saw a managed destroy fail. Local."""
         state = _STATES.get(mgr)
-        if state is not None:
-            state.failed = 0  # one rank: nothing can differ between ranks
-        inner = _PETSC.inner(comm)
-        if inner is not None and _count(inner):
-            PETSc.garbage_cleanup(comm)
-    if _PETSC is not None or comm != MPI.COMM_SELF:  # unlooked: not the same one twice
-        _clean_self()
+        failed = _FAILED if state is not None and state.failed > 0 else 0
+        # No look once the user's communicator is freed (collectively, so on
+        # every rank alike): its handle is dead.
+        if _PETSC is None or mgr.comm_freed:
+            return failed
+        inner = _PETSC.inner(mgr.comm)
+        if inner is None:
+            return failed | _LACKS_INNER
+        return failed | _HAS_INNER | (_HAS_GARBAGE if _count(inner) else 0)
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        """Collective over ``mgr.comm``: clean PETSc's garbage there and on COMM_SELF.
+
+        ``PETSc.garbage_cleanup`` is itself collective and not free even with
+        nothing to clean, so it runs only when the agreed vote (carried in the
+        sync point's own collectives, taken again after its destroys, which
+        may have made garbage) says some rank holds garbage and every rank
+        has PETSc's inner communicator: it costs no message of its own.
+
+        If a managed PETSc destroy raised on any rank, PETSc's objects of the
+        communicator may differ between ranks (the wreck, and PETSc's inner
+        communicator with it, survive where it failed), and any later
+        collective PETSc call on it may hang: the manager is made unusable on
+        every rank, with that explanation, and nothing is cleaned there.
+        """
+        if mgr.comm_freed:
+            return
+        comm = mgr.comm
+        votes = self.votes(flags)
+        if mgr.size > 1 and votes & _FAILED:
+            _refuse(mgr)  # nothing collective on comm any more
+        elif _PETSC is None:
+            PETSc.garbage_cleanup(comm)  # cannot look: clean unconditionally (every rank alike)
+        elif mgr.size > 1:
+            if votes & _HAS_GARBAGE and not votes & _LACKS_INNER:
+                PETSc.garbage_cleanup(comm)
+            elif votes & _HAS_GARBAGE and votes & _HAS_INNER:
+                _warn_split_state(mgr)
+        else:
+            state = _STATES.get(mgr)
+            if state is not None:
+                state.failed = 0  # one rank: nothing can differ between ranks
+            inner = _PETSC.inner(comm)
+            if inner is not None and _count(inner):
+                PETSc.garbage_cleanup(comm)
+        if _PETSC is not None or comm != MPI.COMM_SELF:  # unlooked: not the same one twice
+            _clean_self()
 
 
 def _clean_self() -> None:
@@ -334,25 +362,6 @@ def _clean_self() -> None:
     self_inner = _PETSC.inner(MPI.COMM_SELF)
     if self_inner is not None and _count(self_inner):
         PETSc.garbage_cleanup(MPI.COMM_SELF)
-
-
-def _vote(mgr: Manager) -> tuple[int, int]:
-    """This rank's vote for :func:`_sync_hook`, carried in the sync header. Local.
-
-    Slot 0: 0 without PETSc's inner communicator, else 1 + this rank's garbage
-    count (MAX: whether any rank has garbage, and whether any has the inner
-    communicator). Slot 1: 2 if a managed PETSc destroy raised on this rank,
-    else 1 if this rank lacks the inner communicator (MAX: whether any
-    destroy failed anywhere, else whether all have it).
-    """
-    state = _STATES.get(mgr)
-    failed = state is not None and state.failed > 0
-    if _PETSC is None:
-        return (0, 2 if failed else 0)
-    inner = _PETSC.inner(mgr.comm)
-    if inner is None:
-        return (0, 2 if failed else 1)
-    return (1 + _count(inner), 2 if failed else 0)
 
 
 def _refuse(mgr: Manager) -> None:
@@ -421,7 +430,7 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     if mgr not in _STATES:
         with _INSTALLING:  # one state per manager, whichever threads install
             if mgr not in _STATES:
-                mgr.add_sync_hook(_sync_hook, vote=_vote)
+                mgr.add_participant(_Cleanup())
                 mgr.add_view_hook(_view_hook)
                 mgr.add_leak_hook(_immortal)
                 _STATES[mgr] = _CommState()  # last: seen installed only once it is

@@ -273,7 +273,7 @@ class _CyclicRecorder:
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase != "stop":
             return
-        from ._manager import managers
+        from ._lookup import managers
 
         for mgr in managers():
             for reg in mgr.cyclic_pending():
@@ -323,7 +323,7 @@ def _drop_fixture_values(item: pytest.Item) -> None:
 
 def _begin(leak: bool, strict: bool) -> _Watch:
     from . import _registration, local
-    from ._manager import managers
+    from ._lookup import managers
 
     watch = _Watch(leak, strict)
     if strict:
@@ -410,7 +410,7 @@ def _identity(mgr: Manager) -> tuple[tuple[int, ...], int] | None:
     COMM_WORLD, and its position among the managers of that group. Local."""
     from mpi4py import MPI
 
-    from ._manager import managers
+    from ._lookup import managers
 
     def group_of(m: Manager) -> tuple[int, ...] | None:
         if m.comm_freed or m.broken is not None:
@@ -445,7 +445,7 @@ def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager
     ranks that will never come.
     """
     from . import _agree
-    from ._manager import managers
+    from ._lookup import managers
 
     used = [m for m in managers() if m.next_key > watch.keys.get(m, 0) and m.broken is None]
     if comm is None:
@@ -494,7 +494,7 @@ def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager
 
 def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
     from . import _registration
-    from ._manager import managers
+    from ._lookup import managers
 
     hook = watch.hook
     assert hook is not None
@@ -575,7 +575,7 @@ def _leaks(watch: _Watch) -> list[tuple[str, str]]:
     from mpi4py import MPI
 
     from . import local
-    from ._manager import managers
+    from ._lookup import managers
 
     rank = MPI.COMM_WORLD.Get_rank()
     rows: list[tuple[str, str]] = []

@@ -95,7 +95,7 @@ def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
         with pytest.raises(cgc.CollectiveTimeoutError, match="error check"):
             cgc.collect(comm, timeout=0.5)
     comm.Barrier()
-    cgc.manager(comm)._broken = "the end of this test"
+    cgc.manager(comm).mark_unusable("the end of this test")
 
 
 def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -> None:

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _manager, _registration
+from collective_gc import _destroy, _registration
 
 from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
@@ -318,7 +318,7 @@ def test_timeout_names_rank_and_sync_point(comm: MPI.Intracomm) -> None:
     # Clean up so the exit agreement does not wait for this manager: the
     # ranks that timed out skip it at exit, so the last rank must too.
     reg.detach()
-    cgc.manager(comm)._broken = "the end of this test"
+    cgc.manager(comm).mark_unusable("the end of this test")
 
 
 def test_bad_communicators() -> None:
@@ -387,7 +387,7 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
             del o
         finally:
             _registration._FLAGS[1] = 0
-        assert cgc.manager(comm)._inbox == []
+        assert cgc.manager(comm).snapshot().pending == []
         assert late.detach()
     finally:
         comm.Free()
@@ -396,18 +396,16 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
 @pytest.fixture(params=["c", "python"])
 def sync_passes(request: pytest.FixtureRequest) -> Iterator[str]:
     """Sync points take their batch and call its destroys in C, then in Python."""
-    saved = (_manager._take_batch, _manager._run_each)
-    if request.param == "python":
-        _manager._take_batch, _manager._run_each = _manager._take_batch_py, _manager._run_each_py
+    saved = _destroy.passes()
+    _destroy.use_passes(request.param)
     try:
         yield request.param
     finally:
-        _manager._take_batch, _manager._run_each = saved
+        _destroy.use_passes(saved)
 
 
 def test_the_c_sync_passes_are_built_here() -> None:
-    assert _manager._take_batch is not _manager._take_batch_py
-    assert _manager._run_each is not _manager._run_each_py
+    assert _destroy.passes() == "c"
 
 
 def test_destroys_that_raise_are_all_reported(sync_passes: str) -> None:

@@ -36,9 +36,9 @@ from conftest import import_petsc
 PETSc = import_petsc()
 
 import collective_gc as cgc  # noqa: E402
-from collective_gc import _manager  # noqa: E402
+from collective_gc import _destroy  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
-from collective_gc._manager import set_batch  # noqa: E402
+from collective_gc._destroy import set_batch  # noqa: E402
 
 from _util import GcDisabled, same_on_all  # noqa: E402
 
@@ -758,8 +758,7 @@ def test_the_c_batch_destroy_is_built_here() -> None:
     # below must exercise it: a missing build fails here rather than going
     # unnoticed.
     assert cp._BATCH is not None
-    assert _manager._take_batch is not _manager._take_batch_py
-    assert _manager._run_each is not _manager._run_each_py
+    assert _destroy.passes() == "c"
     assert PETSc.Vec in cp._fast_types() and PETSc.DMDA in cp._fast_types()
 
 
@@ -772,9 +771,6 @@ class MyVec(PETSc.Vec):  # type: ignore[misc]
         MyVec.log.append(self.getName())
         super().destroy()
         return self
-
-
-_SPEEDUPS = (_manager._take_batch, _manager._run_each)
 
 
 class BatchPath:
@@ -799,13 +795,12 @@ def batch_path(request: pytest.FixtureRequest) -> Iterator[BatchPath]:
     path = BatchPath(request.param)
     set_batch(cp._destroy_one, None if path.name == "python" else path.batch)
     if path.name != "c":
-        _manager._take_batch = _manager._take_batch_py
-        _manager._run_each = _manager._run_each_py
+        _destroy.use_passes("python")
     try:
         yield path
     finally:
         set_batch(cp._destroy_one, cp._BATCH)
-        _manager._take_batch, _manager._run_each = _SPEEDUPS
+        _destroy.use_passes("c")
 
 
 @pytest.mark.mpi(min_size=2)

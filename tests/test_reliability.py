@@ -22,7 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _manager, _registration
+from collective_gc import _destroy, _registration
 
 from _util import CheckedLog, GcDisabled, Obj, same_on_all
 
@@ -230,7 +230,7 @@ def test_manager_of_a_freed_communicator() -> None:
 
 
 def test_freed_communicators_do_not_accumulate() -> None:
-    before = len(_manager.managers())
+    before = len(cgc.managers())
     for _ in range(300):
         comm = WORLD.Dup()
         o = Obj()
@@ -239,7 +239,7 @@ def test_freed_communicators_do_not_accumulate() -> None:
         cgc.collect(comm, generation=None)
         comm.Free()
     cgc.manager(MPI.COMM_SELF)  # a lookup is a safe point to let go of freed managers
-    assert len(_manager.managers()) <= before + 2, len(_manager.managers())
+    assert len(cgc.managers()) <= before + 2, len(cgc.managers())
 
 
 # -- 3: KeyboardInterrupt or SystemExit raised by a destroy on one rank ------------
@@ -297,7 +297,7 @@ def test_interrupt_between_runs_of_destroys_puts_the_rest_back() -> None:
             batched(*args)
         return Interrupting()
 
-    _manager.set_batch(batched, run_batch)
+    _destroy.set_batch(batched, run_batch)
     try:
         with GcDisabled():
             objs = [Obj() for _ in range(4)]
@@ -311,7 +311,7 @@ def test_interrupt_between_runs_of_destroys_puts_the_rest_back() -> None:
             assert cgc.collect(comm, generation=None).destroyed == 2
             assert log == ["k3", "k2", "k1", "k0"]
     finally:
-        _manager.set_batch(batched, None)
+        _destroy.set_batch(batched, None)
         comm.Free()
 
 
@@ -495,8 +495,9 @@ def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout
 
 # The Python passes always; the C ones where the optional extension is built
 # (test_the_c_sync_passes_are_built_here fails where it is not).
-_TAKES = [_manager._take_batch_py] + ([_manager.SPEEDUPS.take_batch] if _manager.SPEEDUPS else [])
-_RUNS = [_manager._run_each_py] + ([_manager.SPEEDUPS.run_each] if _manager.SPEEDUPS else [])
+_C = _registration.SPEEDUPS
+_TAKES = [_registration.take_batch_py] + ([_C.take_batch] if _C else [])
+_RUNS = [_destroy.run_each_py] + ([_C.run_each] if _C else [])
 
 
 def test_batch_passes_agree_on_a_registration_without_a_destroy() -> None:

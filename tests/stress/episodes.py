@@ -38,6 +38,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -364,7 +365,11 @@ def threads(ctx: Ctx) -> None:
                     if rng.random() < 0.3:
                         cgc.view(sc, file=None)
                 except Exception as exc:
-                    errors.append(f"thread {w}: diagnostics: {type(exc).__name__}: {exc}")
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    errors.append(
+                        f"thread {w}: diagnostics: {type(exc).__name__}: {exc} "
+                        f"(at {where.filename}:{where.lineno})"
+                    )
         keep.clear()
 
     holders = Holders()

@@ -1,0 +1,198 @@
+"""Running the agreed destroys of a sync point.
+
+:func:`run` takes the agreed registrations out of their registry in one pass
+(:func:`collective_gc._registration.take_batch_py`, or its C twin), then calls
+their destroys newest first, every one whatever raises, a run of consecutive
+calls to a *batched* destroy at a time (:func:`set_batch`: PETSc objects are
+destroyed from C in one call). An interrupt landing between two runs puts the
+runs not yet begun back, pending again. :func:`raise_failures` turns what
+raised on any rank into the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._errors import DestroyError
+from ._registration import DESTROYED, SPEEDUPS, Registration, put_back, take_batch_py
+from ._registry import Registry
+
+__all__ = [
+    "Failure",
+    "set_batch",
+    "use_passes",
+    "passes",
+    "run",
+    "run_each_py",
+    "rows_of",
+    "raise_failures",
+]
+
+# (key, name, exception) of a destroy that raised; key -1 when unknown.
+Failure = tuple[int, str, BaseException]
+
+Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
+
+# Destroy functions that run a whole run of their calls at once, matched by
+# identity (a destroy need not be hashable, nor compare sanely): two parallel
+# tuples, replaced together in one store, as the C pass takes the first.
+_BATCHES: tuple[tuple[Callable[..., object], ...], tuple[Batch, ...]] = ((), ())
+
+
+def set_batch(destroy: Callable[..., object], batch: Batch | None) -> None:
+    """Let sync points run consecutive destroys by ``destroy`` as one batch. Local.
+
+    ``batch(argss)`` gets the argument tuples of consecutive calls to
+    ``destroy``, in the agreed order, and must do what calling
+    ``destroy(*args)`` for each would do, in that order, trying every one even
+    if some raise; it returns ``(index, exception)`` for those that raised. It
+    may replace entries of ``argss`` it is done with (so the destroyed objects
+    are freed early). ``None`` removes it.
+    """
+    global _BATCHES
+    pairs = [(f, b) for f, b in zip(*_BATCHES) if f is not destroy]
+    if batch is not None:
+        pairs.append((destroy, batch))
+    _BATCHES = (tuple(f for f, _ in pairs), tuple(b for _, b in pairs))
+
+
+def run_each_py(
+    fns: list[Callable[..., object]], argss: list[tuple[Any, ...]]
+) -> list[tuple[int, BaseException]]:
+    """What ``_speedups.run_each`` does: ``fns[i](*argss[i])`` for each i, in
+    order, every call made even if some raise; (index, exception) of those."""
+    errors: list[tuple[int, BaseException]] = []
+    for i, (fn, args) in enumerate(zip(fns, argss)):
+        try:
+            fn(*args)
+        except BaseException as exc:  # every call is made; the caller raises after
+            errors.append((i, exc))
+    return errors
+
+
+_PY = (take_batch_py, run_each_py)
+_C = _PY if SPEEDUPS is None else (SPEEDUPS.take_batch, SPEEDUPS.run_each)
+_PASSES = [_C]
+
+
+def use_passes(kind: str) -> None:
+    """``"c"`` (the default where the extension is built) or ``"python"``: which
+    version of the take and run passes sync points use. For tests and benchmarks."""
+    if kind not in ("c", "python"):
+        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
+    _PASSES[0] = _C if kind == "c" else _PY
+
+
+def passes() -> str:
+    """Which passes sync points use: ``"c"`` or ``"python"``."""
+    return "c" if _PASSES[0] is _C and SPEEDUPS is not None else "python"
+
+
+def run(registry: Registry, keys: np.ndarray[Any, Any], seq: int) -> tuple[int, list[Failure]]:
+    """Destroy the registrations of the agreed ``keys`` (ascending), newest first.
+
+    Newest first: a resource made from another (a KSP from a Mat, a
+    sub-communicator from a communicator) goes before its source. Every
+    registration is out of the registry and marked destroyed before any
+    destroy runs (a destroy reaching for another registration of the batch
+    finds it destroyed), and the keys leave the pending keys (nothing a
+    destroy queues can be mistaken for them). Returns how many ran and the
+    failures; an interrupt between two runs of destroys puts the rest back.
+    """
+    take, run_each = _PASSES[0]
+    batched, runners = _BATCHES
+    with registry.lock:
+        regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)
+    begun = 0
+    failures: list[Failure] = []
+    try:
+        if not registry.live:
+            # A dict never shrinks, but clear() gives a large backlog's memory
+            # back (the same dict: registration on another thread may store into it).
+            registry.live.clear()
+        if segments is None:  # out of memory finding the runs: one by one then
+            segments = [(0, len(fns), -1)]
+        registry.remove_pending(keys)
+        for start, end, index in segments:
+            if len(segments) == 1:
+                fchunk, achunk = fns, argss
+            else:
+                fchunk, achunk = fns[start:end], argss[start:end]
+            begun += 1
+            try:
+                errors = run_each(fchunk, achunk) if index < 0 else runners[index](achunk)
+            except BaseException as runner_exc:
+                # The runner itself failed (out of memory recording a failure),
+                # after trying every call: which one is unknown.
+                errors = [(-1, runner_exc)]
+            for i, exc in errors:
+                if i < 0:
+                    failures.append((-1, f"one of {end - start} destroys", exc))
+                else:
+                    failures.append((regs[start + i].key, regs[start + i].name, exc))
+            del fchunk, achunk
+    except BaseException:
+        rest = segments[begun][0] if segments is not None and begun < len(segments) else len(fns)
+        _put_back(registry, regs[rest:], fns[rest:], argss[rest:], seq)
+        regs = regs[:rest]
+        raise
+    finally:
+        count = len(regs)
+        del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
+    return count, failures
+
+
+def _put_back(
+    registry: Registry,
+    regs: list[Registration],
+    fns: list[Callable[..., object]],
+    argss: list[tuple[Any, ...]],
+    seq: int,
+) -> None:
+    if regs:
+        put_back(registry, regs, fns, argss)
+        registry.add_pending([r.key for r in regs], seq)
+
+
+def raise_failures(
+    rows: list[tuple[int, int, str, str]],
+    local: list[BaseException],
+    where: str,
+    rank: int,
+    broken: str | None,
+) -> None:
+    """Raise what the failures of a sync point call for, on this rank.
+
+    ``rows`` are (rank, key, name, message) from every rank, ``local`` this
+    rank's exceptions. A rank whose destroy raised KeyboardInterrupt or
+    SystemExit re-raises it, with a note; every other rank raises
+    :class:`DestroyError`.
+    """
+    lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in rows)
+    text = f"{len(rows)} destroy(s) raised at {where}; every other agreed destroy ran:\n{lines}"
+    if broken is not None:
+        text += f"\nThis communicator is unusable from now on: {broken}"
+    interrupt = next((e for e in local if not isinstance(e, Exception)), None)
+    if interrupt is not None:
+        interrupt.add_note(
+            f"collective_gc: raised by a destroy on rank {rank}; every agreed destroy ran, "
+            "and the other ranks raised DestroyError. " + text
+        )
+        try:
+            raise interrupt
+        finally:
+            interrupt = None
+    error = DestroyError(text, rows, local)
+    cause = local[0] if local else None
+    try:
+        raise error from cause
+    finally:
+        error = cause = None  # type: ignore[assignment]
+
+
+def rows_of(failures: list[Failure], rank: int) -> list[tuple[int, int, str, str]]:
+    """This rank's failures as picklable rows for :func:`raise_failures`."""
+    return [(rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]

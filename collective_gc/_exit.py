@@ -1,0 +1,107 @@
+"""Exit and fork.
+
+At exit, before mpi4py and petsc4py finalize (they use ``Py_AtExit``, which
+runs after every ``atexit`` handler), every manager runs the exit agreement,
+newest first (sub-communicators before the communicators they came from),
+against ``COLLECTIVE_GC_EXIT_TIMEOUT``. A process dying of an uncaught
+exception skips it: the other ranks may never get there. In a forked child
+nothing of the parent's runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import time
+import types
+import warnings
+
+from mpi4py import MPI
+
+from . import _lookup, _registration, local
+from ._errors import ExitLeakWarning
+
+__all__ = ["exit_timeout"]
+
+
+def exit_timeout() -> float:
+    """Seconds the exit agreement may wait (``COLLECTIVE_GC_EXIT_TIMEOUT``, default 10)."""
+    try:
+        value = float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
+    except ValueError:
+        return 10.0
+    return value if value > 0 else 10.0
+
+
+def _at_exit() -> None:
+    if _registration.shut_down():
+        return
+    if os.getpid() != _PID:
+        _registration.shut_down(True)  # a forked child runs none of the parent's destroys
+        local.shutdown()
+        return
+    try:
+        mgrs = _lookup.managers()
+        if _UNCAUGHT[0] and mgrs:
+            # Dying of an uncaught exception, maybe on this rank only: the
+            # others may never reach an exit agreement, and under `python -m
+            # mpi4py` the job is about to be aborted. Leak, and say so.
+            left = sum(len(m.pending()) for m in mgrs)
+            if left:
+                warnings.warn(
+                    f"collective_gc: exiting on an uncaught exception: {left} pending "
+                    "collective destroy(s) not run",
+                    ExitLeakWarning,
+                    stacklevel=1,
+                )
+            return
+        if not MPI.Is_initialized() or not mgrs:
+            return
+        if MPI.Is_finalized():
+            # Finalized by hand: nothing can be agreed any more.
+            for mgr in mgrs:
+                mgr.drain_at_exit()
+                if mgr.pending():
+                    warnings.warn(
+                        f"collective_gc: rank {mgr.rank}: leaked at exit (MPI was finalized "
+                        f"before them): {mgr.leak_text()}",
+                        ExitLeakWarning,
+                        stacklevel=1,
+                    )
+            return
+        gc.collect()
+        _lookup.release_freed()
+        deadline = time.monotonic() + exit_timeout()
+        for mgr in reversed(_lookup.managers()):
+            mgr.exit_agreement(deadline)
+    finally:
+        _registration.shut_down(True)  # finalizers from now on do nothing
+        local.shutdown()
+
+
+def _after_fork_in_child() -> None:
+    _registration.after_fork()
+    _lookup.after_fork()
+    local.after_fork()
+
+
+# Whether the interpreter is dying of an uncaught exception: noted by our
+# sys.excepthook, which the interpreter calls only for that (sys.last_value
+# is no sign of it: pytest, for one, sets it for every failed test).
+_UNCAUGHT: list[bool] = [False]
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(
+    tp: type[BaseException], value: BaseException, tb: types.TracebackType | None
+) -> None:
+    _UNCAUGHT[0] = True
+    _previous_excepthook(tp, value, tb)
+
+
+sys.excepthook = _excepthook
+_PID = os.getpid()
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,253 @@
+"""The registrations of one communicator: keys, the inbox, the pending keys.
+
+Keys come from a per-communicator counter: registration is collective, so
+every rank gives the same object the same key. A dead object's finalizer
+appends its registration to the inbox (a list: ``append`` is atomic and safe
+inside a finalizer); only a sync point drains the inbox into the pending
+keys, so what a sync point sees never depends on a diagnostic having run
+before it. Everything else here is a read that changes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._errors import RegistrationError
+from ._registration import (
+    Ledger,
+    Owner,
+    Registration,
+    check_destroy,
+    make_registration,
+)
+
+__all__ = ["Registry", "NO_KEYS"]
+
+NO_KEYS = np.empty(0, dtype=np.int64)
+_KEY_OF = operator.attrgetter("key")
+_CYCLIC_OF = operator.attrgetter("cyclic")
+
+
+def _thread_name(ident: int) -> str:
+    # Only for error messages: the registrar records the cheap ident.
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"(thread {ident})"
+
+
+class Registry(Ledger):
+    """Registrations of one communicator, from registration to agreed destroy."""
+
+    __slots__ = (
+        "owner",
+        "next_key",
+        "inbox",
+        "pend",
+        "pend_seq",
+        "stale",
+        "registrar",
+        "registrar_ident",
+        "created",
+        "cyclic_total",
+        "last_cyclic",
+    )
+
+    def __init__(self, owner: Owner, parallel: bool) -> None:
+        super().__init__()
+        self.owner = owner
+        self.next_key = 0
+        self.inbox: list[Registration] = []
+        # Keys drained and not yet destroyed, ascending, with the sync point
+        # at which each was drained (its age, for view).
+        self.pend = NO_KEYS
+        self.pend_seq = NO_KEYS
+        # Set when an explicit destroy or detach may have left a dead key in
+        # the inbox or the pending keys: the next drain filters them.
+        self.stale = False
+        # On a communicator of size > 1, held by the thread that is
+        # registering: two threads registering at once would number objects
+        # in an order that may differ between ranks, so the second one is
+        # refused, never made to wait.
+        self.registrar: threading.RLock | None = threading.RLock() if parallel else None
+        self.registrar_ident = 0
+        self.created = 0
+        self.cyclic_total = 0
+        # (type, name, key, origin) of the cyclic deaths the last drain found.
+        self.last_cyclic: list[tuple[str, str, int, Any]] = []
+
+    # -- registration ----------------------------------------------------------
+
+    def add(
+        self,
+        obj: object,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+        then: Callable[[], object] | None = None,
+    ) -> Registration:
+        """Give ``obj`` the next key, then call ``then`` (if given) while still
+        the only registering thread. Local; the caller makes it collective."""
+        check_destroy(obj, destroy, args, kwargs)
+        registrar = self.registrar
+        held = False
+        if registrar is not None:
+            held = registrar.acquire(False)
+            if not held:
+                holder = self.registrar_ident
+                if not holder:  # it has the lock, and is about to write its ident
+                    time.sleep(0.001)
+                    holder = self.registrar_ident
+                raise RegistrationError(
+                    f"thread {threading.current_thread().name!r} tried to register an object "
+                    f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
+                    "registering one: registration on a communicator of size > 1 is "
+                    "collective, and ranks would number objects registered from two "
+                    "threads at once in different orders. Register from one thread."
+                )
+            self.registrar_ident = threading.get_ident()
+        try:
+            for ref in weakref.getweakrefs(obj):
+                if isinstance(ref, Registration) and self.live.get(ref.key) is ref:
+                    raise RegistrationError(
+                        f"this {type(obj).__name__!r} object is already registered on the "
+                        f"{self.owner.describe()} as key {ref.key} ({ref.name!r}); register "
+                        "one destroy that releases all it owns, or detach the first registration"
+                    )
+            reg = make_registration(
+                obj, self.owner, self.inbox.append, -1, destroy, args, kwargs, name
+            )
+            # Key taken and registration stored with nothing in between that
+            # allocates (no collector, so no finalizer, can register meanwhile).
+            # On a larger communicator the registrar already lets one thread
+            # at a time here, and each dict operation is atomic.
+            if registrar is None:
+                with self.lock:
+                    key = self.next_key
+                    self.next_key = key + 1
+                    reg.key = key
+                    self.live[key] = reg
+            else:
+                key = self.next_key
+                self.next_key = key + 1
+                reg.key = key
+                self.live[key] = reg
+            self.created += 1
+            if then is not None:
+                then()
+            return reg
+        finally:
+            if held:
+                registrar.release()  # type: ignore[union-attr]
+
+    def retire(
+        self, reg: Registration, state: int
+    ) -> tuple[Callable[..., object], tuple[Any, ...]] | None:
+        """An explicit destroy or detach: :meth:`Ledger.claim`, and mark the
+        queue stale if the object had died (its key may be queued)."""
+        call = self.claim(reg, state)
+        if call is not None and reg() is None:
+            self.stale = True
+        return call
+
+    # -- the queue -------------------------------------------------------------
+
+    def drain(self, seq: int) -> int:
+        """Take the inbox into the pending keys; return the cyclic deaths among them.
+
+        Only sync points drain (under their manager's lock).
+        """
+        if self.last_cyclic:
+            self.last_cyclic = []
+        inbox = self.inbox
+        n = len(inbox)
+        if not n and not self.stale:
+            return 0
+        batch = inbox[:n]
+        del inbox[:n]  # one C call: appends racing with it land after the slice
+        cyclic = 0
+        if any(map(_CYCLIC_OF, batch)):
+            for reg in batch:
+                if reg.cyclic and reg.alive:
+                    cyclic += 1
+                    self.last_cyclic.append((reg.typename, reg.name, reg.key, reg.origin))
+            self.cyclic_total += cyclic
+        if self.stale:
+            # Rare: explicit destroys or detaches of dead objects since the last
+            # drain. Drop their keys, wherever they are.
+            self.stale = False
+            batch = [r for r in batch if r.alive]
+            live = self.live
+            keep = np.fromiter((k in live for k in self.pend.tolist()), bool, self.pend.size)
+            self.pend, self.pend_seq = self.pend[keep], self.pend_seq[keep]
+        if batch:
+            new = np.fromiter(map(_KEY_OF, batch), np.int64, len(batch))
+            if self.pend.size or (new.size > 1 and (new[1:] < new[:-1]).any()):
+                pend = np.concatenate((self.pend, new))
+                ages = np.concatenate((self.pend_seq, np.full(new.size, seq)))
+                order = np.argsort(pend, kind="stable")
+                self.pend, self.pend_seq = pend[order], ages[order]
+            else:
+                self.pend, self.pend_seq = new, np.full(new.size, seq)
+        return cyclic
+
+    def remove_pending(self, keys: np.ndarray[Any, Any]) -> None:
+        """Agreed keys leave the pending keys (before any destroy runs)."""
+        pend = self.pend
+        if keys.size == pend.size:  # agreed keys are a subset of the pending ones
+            self.pend = self.pend_seq = NO_KEYS
+        else:
+            keep = ~np.isin(pend, keys, assume_unique=True)
+            self.pend, self.pend_seq = pend[keep], self.pend_seq[keep]
+
+    def add_pending(self, keys: list[int], seq: int) -> None:
+        """Keys put back (their destroys never started): pending again."""
+        new = np.array(sorted(keys), dtype=np.int64)
+        new = new[~np.isin(new, self.pend)]
+        pend = np.concatenate((self.pend, new))
+        ages = np.concatenate((self.pend_seq, np.full(new.size, seq)))
+        order = np.argsort(pend, kind="stable")
+        self.pend, self.pend_seq = pend[order], ages[order]
+
+    def forget_all(self) -> None:
+        """In a forked child: the parent's registrations are not ours."""
+        self.forget()
+        self.inbox.clear()
+        self.pend = self.pend_seq = NO_KEYS
+
+    # -- reads that change nothing ---------------------------------------------
+
+    def pending(self, seq: int) -> list[Registration]:
+        """Queued on this rank (drained or in the inbox), oldest key first."""
+        live = self.live
+        queued: dict[int, int] = dict(zip(self.pend.tolist(), self.pend_seq.tolist()))
+        for reg in tuple(self.inbox):  # tuple() copies in C: appends cannot interleave
+            if reg.alive:
+                queued.setdefault(reg.key, seq)
+        out = []
+        for key in sorted(queued):
+            found = live.get(key)
+            if found is not None and found.alive:
+                found.queued_at = queued[key]
+                out.append(found)
+        return out
+
+    def alive(self) -> list[Registration]:
+        """Registrations whose objects are still alive on this rank."""
+        regs = list(self.live.values())  # copied in C: no registration can interleave
+        return sorted((r for r in regs if r() is not None), key=_KEY_OF)
+
+    def cyclic_pending(self) -> list[Registration]:
+        """Cyclic-GC deaths in the inbox, not yet seen by a sync point."""
+        return [r for r in tuple(self.inbox) if r.cyclic and r.alive]
+
+    def is_empty(self) -> bool:
+        return not (self.live or self.inbox or self.pend.size)
