@@ -64,9 +64,8 @@ __all__ = [
     "Deadline",
     "Header",
     "Agreed",
+    "Agreement",
     "Window",
-    "agree",
-    "any_flags",
     "allreduce",
     "intersect",
     "allgather",
@@ -310,95 +309,138 @@ class Agreed:
 
     __slots__ = ("keys", "flags", "mismatch", "fallback")
 
-    def __init__(self, keys: np.ndarray[Any, Any], flags: int, mismatch: bool, fallback: bool):
+    def __init__(
+        self, keys: np.ndarray[Any, Any], flags: int, mismatch: bool, fallback: bool
+    ) -> None:
         self.keys = keys  # pending on every rank, ascending
         self.flags = flags  # ORed over the ranks
         self.mismatch = mismatch  # the ranks differ in sync number, kind or registrations
         self.fallback = fallback  # keys outside the window needed a second round
 
 
-_ALL = -1  # all 64 bits set: the identity of MPI_BAND
 _HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive keys spread over the filter
 _WORDS = 6  # seq, ~seq, next key, ~next key, ~flags, filter
+FLAG_DEADLINE = 4  # some rank has a deadline: the earliest one must be read
 
 
 def _filter(keys: np.ndarray[Any, Any]) -> int:
-    if not keys.size:
-        return 0
     h = (keys.astype(np.uint64) * np.uint64(_HASH)) >> np.uint64(58)
     bits = np.bitwise_or.reduce(np.left_shift(np.uint64(1), h))
-    return int(bits.view(np.int64))
+    return int(np.array(bits, dtype=np.uint64).view(np.int64))
 
 
-def agree(
-    comm: MPI.Comm,
-    rank: int,
-    head: Header,
-    pending: np.ndarray[Any, Any],
-    window: Window,
-    deadline: Deadline,
-    what: Callable[[], str],
-) -> Agreed:
-    """Collective: the keys in ``pending`` (ascending) pending on every rank.
+class Agreement:
+    """The agreement of one manager's sync points over its private communicator.
 
-    One allreduce unless keys outside the window may be pending everywhere.
-    Raises :class:`CollectiveTimeoutError` at the deadline, or when it
-    completes here only after another rank's deadline passed.
+    Keeps the window and one message buffer between sync points: an empty
+    sync point then costs a few stores around its allreduce.
     """
-    size = comm.Get_size()
-    lo, nbits = window.lo, window.bits
-    first = int(np.searchsorted(pending, lo))
-    last = int(np.searchsorted(pending, lo + nbits))
-    inside = pending[first:last]
-    outside = (
-        np.concatenate((pending[:first], pending[last:]))
-        if first or last < pending.size
-        else pending[:0]
-    )
-    buf = np.empty(_WORDS + size + nbits // 64, dtype=np.int64)
-    seqword = head.seq * 2 + int(head.at_exit)
-    buf[0] = seqword
-    buf[1] = ~seqword
-    buf[2] = head.next_key
-    buf[3] = ~head.next_key
-    buf[4] = ~head.flags
-    buf[5] = _filter(outside)
-    slots = buf[_WORDS : _WORDS + size]
-    slots[:] = _ALL
-    slots[rank] = deadline.wall_us()
-    bitmap = np.zeros(nbits, dtype=bool)
-    bitmap[inside - lo] = True
-    buf[_WORDS + size :] = np.packbits(bitmap, bitorder="little").view(np.int64)
-    red = allreduce(comm, buf, MPI.BAND, deadline, what)
-    earliest = int(red[_WORDS : _WORDS + size].min())
-    if earliest != NO_DEADLINE:
-        deadline.agree(earliest)
-        late = deadline.late_after
-        if late is not None and time.time() > late:
-            raise CollectiveTimeoutError(
-                what() + "\n(it completed here only after the deadline of another rank had "
-                "passed: that rank gave up on this sync point)"
+
+    __slots__ = ("comm", "rank", "size", "window", "_buf", "_shape")
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.window = Window()
+        self._buf: np.ndarray[Any, Any] = np.empty(0, dtype=np.int64)
+        self._shape = (-1, -1)
+
+    def agree(
+        self,
+        head: Header,
+        pending: np.ndarray[Any, Any],
+        deadline: Deadline,
+        what: Callable[[], str],
+    ) -> Agreed:
+        """Collective: the keys in ``pending`` (ascending) pending on every rank.
+
+        One allreduce unless keys outside the window may be pending
+        everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
+        when it completes here only after another rank's deadline passed.
+        """
+        size = self.size
+        lo, nbits = self.window.lo, self.window.bits
+        end = _WORDS + size
+        buf = self._buf
+        if self._shape != (lo, nbits):
+            buf = self._buf = np.empty(end + nbits // 64, dtype=np.int64)
+            self._shape = (lo, nbits)
+        flags = head.flags
+        at = deadline.at
+        if at is not None:
+            flags |= FLAG_DEADLINE
+        seqword = head.seq * 2 + head.at_exit
+        buf[:_WORDS] = (seqword, ~seqword, head.next_key, ~head.next_key, ~flags, 0)
+        slots = buf[_WORDS:end]
+        slots.fill(-1)  # all ones: the identity of MPI_BAND
+        slots[self.rank] = NO_DEADLINE if at is None else deadline.wall_us()
+        bitmap = buf[end:]
+        inside = outside = pending
+        if pending.size:
+            first = int(pending.searchsorted(lo))
+            last = int(pending.searchsorted(lo + nbits))
+            inside = pending[first:last]
+            if first or last < pending.size:
+                outside = np.concatenate((pending[:first], pending[last:]))
+                buf[5] = _filter(outside)
+            else:
+                outside = pending[:0]
+            bits = np.zeros(nbits, dtype=bool)
+            bits[inside - lo] = True
+            bitmap[:] = np.packbits(bits, bitorder="little").view(np.int64)
+        else:
+            bitmap.fill(0)
+        if at is None:
+            # In place, completed with Wait: most of an empty sync point.
+            # Non-blocking even here: a blocking collective never matches the
+            # non-blocking one of a rank that has a deadline.
+            req = self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
+            try:
+                req.Wait()
+            except BaseException:
+                keep_alive(req, buf)  # MPI may still write into it
+                raise
+            red = buf
+        else:
+            red = allreduce(self.comm, buf, MPI.BAND, deadline, what)
+        w0, w1, w2, w3, w4, w5 = red[:_WORDS].tolist()
+        agreed_flags = ~w4
+        if agreed_flags & FLAG_DEADLINE:
+            earliest = int(red[_WORDS:end].min())
+            deadline.agree(earliest)
+            late = deadline.late_after
+            if late is not None and time.time() > late:
+                raise CollectiveTimeoutError(
+                    what() + "\n(it completed here only after the deadline of another rank "
+                    "had passed: that rank gave up on this sync point)"
+                )
+        agreed_flags &= ~FLAG_DEADLINE
+        if w0 != ~w1 or w2 != ~w3:
+            return Agreed(_NO_KEYS, agreed_flags, True, False)
+        keys = _NO_KEYS
+        if inside.size:
+            # Only bits this rank set can have survived the AND.
+            common = np.flatnonzero(
+                np.unpackbits(red[end:].view(np.uint8), count=nbits, bitorder="little")
             )
-    flags = ~int(red[4])
-    mismatch = red[0] != ~red[1] or red[2] != ~red[3]
-    if mismatch:
-        return Agreed(pending[:0], flags, True, False)
-    words = red[_WORDS + size :]
-    common = np.flatnonzero(np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little"))
-    keys = common.astype(np.int64) + lo
-    fallback = bool(red[5])
-    if fallback:
-        # Every rank saw the same filter, so every rank runs this round.
-        extra = intersect_any(comm, outside, deadline, what)
-        if extra.size:
-            keys = np.union1d(keys, extra)
-    return Agreed(keys, flags, False, fallback)
+            keys = common.astype(np.int64) + lo
+        fallback = w5 != 0
+        if fallback:
+            # Every rank saw the same filter, so every rank runs this round.
+            extra = intersect_any(self.comm, outside, deadline, what)
+            if extra.size:
+                keys = np.union1d(keys, extra)
+        return Agreed(keys, agreed_flags, False, fallback)
+
+    def any_flags(self, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
+        """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
+        buf = np.array([~flags], dtype=np.int64)
+        return ~int(allreduce(self.comm, buf, MPI.BAND, deadline, what)[0])
 
 
-def any_flags(comm: MPI.Comm, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
-    """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
-    buf = np.array([~flags], dtype=np.int64)
-    return ~int(allreduce(comm, buf, MPI.BAND, deadline, what)[0])
+_IN_PLACE = MPI.IN_PLACE
+_NO_KEYS = np.empty(0, dtype=np.int64)
 
 
 def intersect_any(

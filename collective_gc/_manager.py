@@ -6,7 +6,7 @@ user's message). A sync point, from a dead object's point of view: its
 finalizer appended its registration to the registry's inbox; the sync point
 drains the inbox into the pending keys, asks the participants for their
 votes, agrees with the other ranks on the keys pending everywhere in one
-collective (:func:`._agree.agree`), runs those destroys newest first
+collective (:meth:`._agree.Agreement.agree`), runs those destroys newest first
 (:func:`._destroy.run`), checks with one more small collective whether a
 destroy raised anywhere (only if some ran), lets the participants finish, and
 raises the same error on every rank if one did.
@@ -151,7 +151,7 @@ class Manager:
         self._on_first_collective = on_first_collective
         self._on_close = on_close
         self._registry = Registry(self, self._size > 1)
-        self._window = _agree.Window()
+        self._agreement: _agree.Agreement | None = None
         self._seq = 0
         # Sync points and explicit destroys, one thread at a time.
         self._lock = threading.RLock()
@@ -514,14 +514,14 @@ class Manager:
             # From here until the last collective, leaving by an exception on
             # this rank only makes the manager unusable (see sync).
             self._collective = True
-            comm = self._comm if self._comm is not None else self._private(dl)
+            agreement = self._agreement
+            if agreement is None:
+                agreement = self._agreement = _agree.Agreement(self._private(dl))
             head = _agree.Header(self._seq, registry.next_key, at_exit, flags)
-            agreed = _agree.agree(
-                comm, self._rank, head, registry.pend, self._window, dl, self._what("its agreement")
-            )
+            agreed = agreement.agree(head, registry.pend, dl, self._what("its agreement"))
             if agreed.mismatch:
-                raise self._mismatch(comm, dl, at_exit)
-            self._window.advance(registry.next_key)
+                raise self._mismatch(agreement.comm, dl, at_exit)
+            agreement.window.advance(registry.next_key)
             keys, flags = agreed.keys, agreed.flags
         seq = self._seq
         self._seq += 1
@@ -540,10 +540,8 @@ class Manager:
         # only after it) and takes the votes again (destroys may change them).
         if keys.size or flags & FLAG_FAILED:
             after = self._votes(parts) | (FLAG_FAILED if failures else 0)
-            if self._size > 1:
-                after = _agree.any_flags(
-                    self._private(dl), after, dl, self._what("its error check")
-                )
+            if self._agreement is not None:
+                after = self._agreement.any_flags(after, dl, self._what("its error check"))
             flags = after | (flags & FLAG_CYCLIC)
         for p in parts:
             p.finish(self, flags)
