@@ -278,30 +278,42 @@ class Window:
     rank of the communicator.
     """
 
-    __slots__ = ("lo", "bits", "mark")
+    __slots__ = ("lo", "bits", "marks", "growths")
 
     # Beyond this many keys, the window keeps the newest ones (the rest go
     # through the fallback): a bitmap costs a bit per key, the fallback's
     # merge 64 bits per pending key.
     LIMIT = 1 << 20
     MIN = 256
+    # How many sync points back the window remembers the registrations made
+    # between two sync points: a burst (a step that makes many objects,
+    # followed by a sync point that finds nothing new) must not shrink it
+    # before the next burst.
+    MEMORY = 8
 
     def __init__(self) -> None:
         self.lo = 0
         self.bits = self.MIN
-        self.mark = 0  # the agreed next key at the last sync point
+        self.marks = [0]  # the agreed next key at the last sync points, oldest first
+        self.growths: list[int] = []
 
     def advance(self, next_key: int) -> None:
-        """After a sync point agreed on ``next_key``: the registrations of the
-        last two intervals, and room for as many again as the last one had."""
-        growth = next_key - self.mark
-        lo = self.mark
-        hi = next_key + max(2 * growth, self.MIN)
+        """After a sync point agreed on ``next_key``: the keys registered since
+        the sync point before the last one, and room for twice as many new
+        ones as the most registered between two of the last sync points."""
+        marks, growths = self.marks, self.growths
+        growths.append(next_key - marks[-1])
+        marks.append(next_key)
+        if len(growths) > self.MEMORY:
+            del growths[0]
+        if len(marks) > 2:
+            del marks[0]
+        lo = marks[0]
+        hi = next_key + max(2 * max(growths), self.MIN)
         if hi - lo > self.LIMIT:
             lo = hi - self.LIMIT
         self.lo = lo
         self.bits = -(-(hi - lo) // 64) * 64
-        self.mark = next_key
 
 
 class Agreed:

@@ -14,7 +14,7 @@ from ._lookup import lookup, manager
 from ._manager import CollectStats
 from ._registration import Registration
 
-__all__ = ["register", "collect", "pending", "check_timeout"]
+__all__ = ["register", "collect", "pending", "check_timeout", "add_comm_resolver"]
 
 
 def register(
@@ -74,9 +74,25 @@ def _check_generation(generation: object) -> None:
         raise ValueError(f"generation must be 0, 1, 2 or None, not {generation!r}")
 
 
+# Adapters that know how to find the user's communicator of their objects
+# (collective_gc.petsc: a PETSc object holds PETSc's inner communicator).
+_RESOLVERS: list[Callable[[object], MPI.Comm | None]] = []
+
+
+def add_comm_resolver(resolve: Callable[[object], MPI.Comm | None]) -> None:
+    """Let :func:`collect` find the communicator of objects ``resolve`` knows
+    (it returns None for others). Local."""
+    if resolve not in _RESOLVERS:
+        _RESOLVERS.append(resolve)
+
+
 def _comm_of(obj: object) -> MPI.Comm:
     if isinstance(obj, MPI.Comm):
         return obj
+    for resolve in _RESOLVERS:
+        found = resolve(obj)
+        if found is not None:
+            return found
     inner = getattr(obj, "comm", None)
     if inner is None:
         raise TypeError(

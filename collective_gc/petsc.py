@@ -52,10 +52,10 @@ import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
 
-from ._api import register
+from ._api import add_comm_resolver, register
 from ._destroy import set_batch
 from ._errors import ExitLeakWarning, RegistrationError
-from ._lookup import manager
+from ._lookup import manager, managers
 from ._manager import Manager, Participant
 from ._registration import SPEEDUPS, Registration
 from ._scope import sync_point
@@ -232,6 +232,32 @@ def _load_internals() -> _Internals | None:
 
 
 _PETSC = _load_internals()
+
+
+def _user_comm(obj: object) -> MPI.Comm | None:
+    """The communicator a PETSc object was made on, for ``cgc.collect(obj)``.
+
+    A PETSc object holds PETSc's inner duplicate of it, not the user's, so
+    the user's is the managed one whose inner communicator that is.
+    """
+    if not isinstance(obj, PETSc.Object):
+        return None
+    handle = MPI._handleof(obj.comm.tompi4py())
+    for mgr in managers():
+        if mgr.comm_freed or mgr.broken is not None:
+            continue
+        if MPI._handleof(mgr.comm) == handle or (
+            _PETSC is not None and _PETSC.inner(mgr.comm) == handle
+        ):
+            return mgr.comm
+    raise TypeError(
+        f"cannot tell which communicator this PETSc {type(obj).__name__} was made on "
+        "(PETSc objects hold PETSc's own duplicate of it, and no managed communicator "
+        "has it): pass that communicator to collect"
+    )
+
+
+add_comm_resolver(_user_comm)
 _SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
 
 
