@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+
 from _util import CheckedLog, Obj
 
 
@@ -29,7 +30,7 @@ class CoreTests:
         for i, o in enumerate(old):
             cgc.register(o, log.destroy, ("old", i), comm=comm)
         # Many sync points with registrations move the window far past keys 0..9.
-        for step in range(12):
+        for _ in range(12):
             batch = [Obj() for _ in range(300)]
             for o in batch:
                 cgc.register(o, noop, comm=comm)
