@@ -234,6 +234,16 @@ class Manager:
         """(type, name, key, origin) of the cyclic deaths the last sync point drained."""
         return list(self._registry.last_cyclic)
 
+    def cyclic_deaths(
+        self, since: int = 0
+    ) -> list[tuple[str, str, int, traceback.StackSummary | None]]:
+        """(type, name, key, origin) of the cyclic deaths sync points have seen,
+        from the ``since``-th on (compare :attr:`cyclic`; the last 10,000 are
+        kept). Local, changes nothing."""
+        log = self._registry.cyclic_log
+        first = self._registry.cyclic_total - len(log)
+        return list(log[max(0, since - first) :])
+
     def describe(self) -> str:
         """``"communicator of size N (rank r)"``, for messages."""
         return f"communicator of size {self._size} (rank {self._rank})"

@@ -58,7 +58,11 @@ class Registry(Ledger):
         "created",
         "cyclic_total",
         "last_cyclic",
+        "cyclic_log",
     )
+
+    # How many cyclic deaths the log keeps (the oldest go first).
+    LOG = 10_000
 
     def __init__(self, owner: Owner, parallel: bool) -> None:
         super().__init__()
@@ -80,8 +84,11 @@ class Registry(Ledger):
         self.registrar_ident = 0
         self.created = 0
         self.cyclic_total = 0
-        # (type, name, key, origin) of the cyclic deaths the last drain found.
+        # (type, name, key, origin) of the cyclic deaths the last drain found,
+        # and of the last LOG ones found by any drain (cyclic_total - len of
+        # it is the ordinal of its first entry).
         self.last_cyclic: list[tuple[str, str, int, Any]] = []
+        self.cyclic_log: list[tuple[str, str, int, Any]] = []
 
     # -- registration ----------------------------------------------------------
 
@@ -180,6 +187,9 @@ class Registry(Ledger):
                     cyclic += 1
                     self.last_cyclic.append((reg.typename, reg.name, reg.key, reg.origin))
             self.cyclic_total += cyclic
+            self.cyclic_log.extend(self.last_cyclic)
+            if len(self.cyclic_log) > self.LOG:
+                del self.cyclic_log[: len(self.cyclic_log) - self.LOG]
         if self.stale:
             # Rare: explicit destroys or detaches of dead objects since the last
             # drain. Drop their keys, wherever they are.

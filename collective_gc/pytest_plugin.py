@@ -255,31 +255,9 @@ class _Watch:
     keys: dict[Manager, int] = field(default_factory=dict)
     local: set[int] = field(default_factory=set)
     cyclic: dict[Manager, int] = field(default_factory=dict)
-    hook: _CyclicRecorder | None = None
+    # Keys of the cyclic deaths left in each manager's inbox before the test.
+    before: dict[Manager, set[int]] = field(default_factory=dict)
     origins_were: bool = False
-
-
-class _CyclicRecorder:
-    """A ``gc.callbacks`` hook: at the end of each collection, note the managed
-    objects it finalized (they sit in their manager's inbox, flagged cyclic).
-
-    It only reads and records, as a GC callback must: no MPI, no destroy.
-    """
-
-    def __init__(self) -> None:
-        self.seen: set[Registration] = set()
-        self.rows: list[tuple[Registration, Manager]] = []
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase != "stop":
-            return
-        from ._lookup import managers
-
-        for mgr in managers():
-            for reg in mgr.cyclic_pending():
-                if reg not in self.seen:
-                    self.seen.add(reg)
-                    self.rows.append((reg, mgr))
 
 
 def _wants(item: pytest.Item, state: _State) -> tuple[bool, bool]:
@@ -331,10 +309,8 @@ def _begin(leak: bool, strict: bool) -> _Watch:
         # that their counts are in the baseline.
         gc.collect()
         for mgr in managers():
-            mgr.pending()
             watch.cyclic[mgr] = mgr.cyclic
-        watch.hook = _CyclicRecorder()
-        gc.callbacks.append(watch.hook)
+            watch.before[mgr] = {r.key for r in mgr.cyclic_pending()}
         # Name where each object was registered in the failure message.
         watch.origins_were = _registration.TRACK_ORIGINS[0]
         _registration.TRACK_ORIGINS[0] = True
@@ -496,33 +472,29 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
     from . import _registration
     from ._lookup import managers
 
-    hook = watch.hook
-    assert hook is not None
     try:
         gc.collect()  # cycles the test left behind die here, inside the watch
     finally:
-        gc.callbacks.remove(hook)
         _registration.TRACK_ORIGINS[0] = watch.origins_were
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     rows: list[tuple[str, str]] = []
-    for reg, mgr in hook.rows:
-        where = ""
-        if reg.origin is not None:
-            # The user's frames, not the registering adapter's.
-            frames = [f for f in reg.origin if not f.filename.startswith(_HERE)][-2:]
-            where = " registered at " + "; ".join(f"{f.filename}:{f.lineno}" for f in frames)
-        text = f"{reg.typename} {reg.name!r} (key {reg.key}) on a communicator of size {mgr.size}"
-        rows.append((str(rank), text + where))
-    # Finalizations the hook could not see (drained by a sync on another thread
-    # before the collection ended) still show in the managers' counts.
-    counted = 0
     for mgr in managers():
-        mgr.pending()
-        counted += mgr.cyclic - watch.cyclic.get(mgr, 0)
-    if counted > len(rows):
-        rows.append((str(rank), f"{counted - len(rows)} more, drained before they could be named"))
+        # Those sync points saw during the test, then those still queued.
+        before = watch.before.get(mgr, set())
+        deaths = mgr.cyclic_deaths(since=watch.cyclic.get(mgr, 0))
+        deaths += [(r.typename, r.name, r.key, r.origin) for r in mgr.cyclic_pending()]
+        for typename, name, key, origin in deaths:
+            if key in before:
+                continue  # died before the test began
+            where = ""
+            if origin is not None:
+                # The user's frames, not the registering adapter's.
+                frames = [f for f in origin if not f.filename.startswith(_HERE)][-2:]
+                where = " registered at " + "; ".join(f"{f.filename}:{f.lineno}" for f in frames)
+            text = f"{typename} {name!r} (key {key}) on a communicator of size {mgr.size}"
+            rows.append((str(rank), text + where))
     return rows
 
 
