@@ -1,7 +1,8 @@
 """Build step for the one optional C extension; all metadata is in setup.cfg.
 
-``collective_gc._speedups`` runs the two per-object hot spots in C: the weak-
-reference callback of every registration, and a sync point's PETSc destroys.
+``collective_gc._speedups`` runs the per-object steps in C: the weak-reference
+callback of every registration, a sync point's pass over its agreed
+registrations and the calls of their destroys, and its PETSc destroys.
 It needs only Python's headers (PETSc's functions are found at run time), and
 it is optional: without a C compiler the package installs without it and does
 the same from Python, more slowly.
