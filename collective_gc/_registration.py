@@ -241,36 +241,59 @@ def make_registration(
     name: str | None,
 ) -> Registration:
     """Create a registration (the weak reference to ``obj``) in the ALIVE state."""
-    # The C constructor of weakref.ref, then plain slot stores: no Python-level
-    # __new__/__init__, since registration is on the hot path of every object.
+    if kwargs:
+        destroy = functools.partial(destroy, **kwargs)
+    origin = (
+        traceback.StackSummary.from_list(traceback.extract_stack(limit=12)[:-3])
+        if TRACK_ORIGINS[0]
+        else None
+    )
     try:
-        reg = Registration(obj, _CALLBACK[0])
+        return _NEW[0](obj, _CALLBACK[0], owner, push, key, destroy, args, name, origin)
     except TypeError:
+        if not isinstance(args, tuple):
+            raise
         raise RegistrationError(
             f"cannot register {type(obj).__name__!r} object: it cannot be weakly "
             "referenced (give its class a __weakref__ slot, or register a small "
             "weak-referenceable owner object instead)"
         ) from None
+
+
+def new_registration_py(
+    obj: object,
+    callback: Callable[[Registration], None],
+    owner: Owner,
+    push: Callable[[Registration], object],
+    key: int,
+    destroy: Callable[..., object],
+    args: tuple[Any, ...],
+    name: str | None,
+    origin: traceback.StackSummary | None,
+) -> Registration:
+    """What ``_speedups.new_registration`` does, from Python (tests compare the two)."""
+    # The C constructor of weakref.ref, then plain slot stores: no Python-level
+    # __new__/__init__, since registration is on the hot path of every object.
+    reg = Registration(obj, callback)
     typename = type(obj).__name__
     reg.key = key
     reg.name = typename if name is None else name
     reg._typename = typename
-    reg.origin = (
-        traceback.StackSummary.from_list(traceback.extract_stack(limit=12)[:-3])
-        if TRACK_ORIGINS[0]
-        else None
-    )
+    reg.origin = origin
     reg.cyclic = False
     reg.queued_at = -1
     reg._state = ALIVE
     reg._owner = owner
     reg._push = push
-    if kwargs:
-        destroy = functools.partial(destroy, **kwargs)
     reg._destroy = destroy
     reg._args = args
     return reg
 
+
+# The constructor every registration uses (tests switch it to compare the two).
+_NEW: list[Callable[..., Registration]] = [
+    new_registration_py if SPEEDUPS is None else SPEEDUPS.new_registration
+]
 
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 

@@ -3,6 +3,9 @@
  * Optional: without it (no C compiler at install) the package does the same
  * from Python, more slowly. Python's GIL is held throughout.
  *
+ * new_registration: a Registration with its slots set, in one call (see
+ * collective_gc._registration.make_registration).
+ *
  * on_finalize: the weak-reference callback of every Registration (see
  * collective_gc._registration._py_on_finalize, the Python version it mirrors line by
  * line). It runs once per dropped managed object; from C it costs about a
@@ -260,6 +263,9 @@ on_finalize(PyObject *module, PyObject *reg)
 /* Registration's slots _state, _destroy and _args, by offset (set_registration_type). */
 static PyTypeObject *reg_type = NULL;
 static Py_ssize_t off_state = -1, off_destroy = -1, off_args = -1;
+/* The other slots, for new_registration. */
+static Py_ssize_t off_key = -1, off_name = -1, off_origin = -1, off_cyclic = -1,
+                  off_queued_at = -1, off_owner = -1, off_push = -1, off_typename = -1;
 
 static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
@@ -297,9 +303,25 @@ set_registration_type(PyObject *module, PyObject *cls)
     Py_ssize_t s = slot_offset(type, "_state");
     Py_ssize_t d = s < 0 ? -1 : slot_offset(type, "_destroy");
     Py_ssize_t a = d < 0 ? -1 : slot_offset(type, "_args");
-    if (a < 0) {
+    Py_ssize_t k = a < 0 ? -1 : slot_offset(type, "key");
+    Py_ssize_t n = k < 0 ? -1 : slot_offset(type, "name");
+    Py_ssize_t o = n < 0 ? -1 : slot_offset(type, "origin");
+    Py_ssize_t c = o < 0 ? -1 : slot_offset(type, "cyclic");
+    Py_ssize_t q = c < 0 ? -1 : slot_offset(type, "queued_at");
+    Py_ssize_t w = q < 0 ? -1 : slot_offset(type, "_owner");
+    Py_ssize_t p = w < 0 ? -1 : slot_offset(type, "_push");
+    Py_ssize_t t = p < 0 ? -1 : slot_offset(type, "_typename");
+    if (t < 0) {
         return NULL;
     }
+    off_key = k;
+    off_name = n;
+    off_origin = o;
+    off_cyclic = c;
+    off_queued_at = q;
+    off_owner = w;
+    off_push = p;
+    off_typename = t;
     Py_INCREF(cls);
     Py_XSETREF(reg_type, type);
     off_state = s;
@@ -368,6 +390,57 @@ segments_of(PyObject *fns, PyObject *batched)
         return NULL;
     }
     return segments;
+}
+
+PyDoc_STRVAR(new_registration_doc,
+"new_registration(obj, callback, owner, push, key, destroy, args, name, origin) -> reg\n\n"
+"What collective_gc._registration.make_registration does once kwargs are folded\n"
+"in: a Registration (weak reference to obj with callback) in the alive state,\n"
+"its slots set directly. TypeError if obj cannot be weakly referenced.");
+
+static PyObject *
+new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "new_registration: expected 9 arguments");
+        return NULL;
+    }
+    if (reg_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "new_registration: set_registration_type was not called");
+        return NULL;
+    }
+    PyObject *obj = args[0], *callback = args[1], *owner = args[2], *push = args[3];
+    PyObject *key = args[4], *destroy = args[5], *fargs = args[6], *name = args[7];
+    PyObject *origin = args[8];
+    if (!PyTuple_Check(fargs)) {
+        PyErr_SetString(PyExc_TypeError, "new_registration: args must be a tuple");
+        return NULL;
+    }
+    PyObject *typename = PyType_GetName(Py_TYPE(obj));
+    if (typename == NULL) {
+        return NULL;
+    }
+    PyObject *ctor_args[2] = {obj, callback};
+    PyObject *reg = PyObject_Vectorcall((PyObject *)reg_type, ctor_args, 2, NULL);
+    if (reg == NULL) {
+        Py_DECREF(typename);
+        return NULL;
+    }
+    /* A new object: its slots are all NULL, so plain stores, nothing to release. */
+    SLOT(reg, off_key) = Py_NewRef(key);
+    SLOT(reg, off_name) = Py_NewRef(name == Py_None ? typename : name);
+    SLOT(reg, off_typename) = typename; /* the reference PyType_GetName gave */
+    SLOT(reg, off_origin) = Py_NewRef(origin);
+    SLOT(reg, off_cyclic) = Py_NewRef(Py_False);
+    SLOT(reg, off_queued_at) = PyLong_FromLong(-1);
+    SLOT(reg, off_state) = PyLong_FromLong(0);
+    SLOT(reg, off_owner) = Py_NewRef(owner);
+    SLOT(reg, off_push) = Py_NewRef(push);
+    SLOT(reg, off_destroy) = Py_NewRef(destroy);
+    SLOT(reg, off_args) = Py_NewRef(fargs);
+    return reg;
 }
 
 PyDoc_STRVAR(take_batch_doc,
@@ -499,6 +572,8 @@ run_each(PyObject *module, PyObject *args)
 static PyMethodDef methods[] = {
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
     {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
+    {"new_registration", (PyCFunction)(void (*)(void))new_registration, METH_FASTCALL,
+     new_registration_doc},
     {"run_each", run_each, METH_VARARGS, run_each_doc},
     {"set_flags", set_flags, METH_O, set_flags_doc},
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},

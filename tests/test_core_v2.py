@@ -204,3 +204,34 @@ def test_collect_takes_a_petsc_object(petsc: Any) -> None:
         cgc.collect(other)
         comm.Free()
         other.Free()
+
+
+def test_both_registration_constructors_make_the_same_registration() -> None:
+    from collective_gc import _registration
+
+    assert _registration.SPEEDUPS is not None  # built here (test_the_c_sync_passes_are_built_here)
+    makers = [_registration.new_registration_py, _registration.SPEEDUPS.new_registration]
+    seen = []
+    for make in makers:
+        inbox: list[object] = []
+        o = Obj()
+        reg = make(o, _registration._CALLBACK[0], None, inbox.append, 7, noop, (1,), None, None)
+        named = make(o, _registration._CALLBACK[0], None, inbox.append, 8, noop, (), "n", None)
+        seen.append(
+            (
+                reg.key,
+                reg.name,
+                reg.typename,
+                reg.origin,
+                reg.cyclic,
+                reg.queued_at,
+                reg.alive,
+                named.name,
+                reg() is o,
+            )
+        )
+        del o
+        assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
+    assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
+    with pytest.raises(TypeError):
+        makers[1](3, _registration._CALLBACK[0], None, print, 0, noop, (), None, None)
