@@ -39,7 +39,7 @@ def _at_exit() -> None:
     if _registration.shut_down():
         return
     if os.getpid() != _PID:
-        _registration.shut_down(True)  # a forked child runs none of the parent's destroys
+        _registration.set_shut_down(True)  # a forked child runs none of the parent's destroys
         local.shutdown()
         return
     try:
@@ -77,7 +77,7 @@ def _at_exit() -> None:
         for mgr in reversed(_lookup.managers()):
             mgr.exit_agreement(deadline)
     finally:
-        _registration.shut_down(True)  # finalizers from now on do nothing
+        _registration.set_shut_down(True)  # finalizers from now on do nothing
         local.shutdown()
 
 

@@ -43,7 +43,12 @@ __all__ = [
     "take_batch_py",
     "put_back",
     "shut_down",
+    "set_shut_down",
     "after_fork",
+    "use_speedups",
+    "speedups",
+    "finalizer",
+    "new_registration_py",
     "ALIVE",
     "DESTROYED",
     "DETACHED",
@@ -78,11 +83,14 @@ def _gc_phase(phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS) -> N
 gc.callbacks.append(_gc_phase)
 
 
-def shut_down(now: bool = False) -> bool:
-    """Whether finalizers are switched off (at exit); ``now`` switches them off."""
-    if now:
-        _FLAGS[1] = 1
+def shut_down() -> bool:
+    """Whether finalizers are switched off (at exit, in a forked child)."""
     return bool(_FLAGS[1])
+
+
+def set_shut_down(off: bool) -> None:
+    """Switch every finalizer off (they then do nothing at all), or on again."""
+    _FLAGS[1] = int(off)
 
 
 def after_fork() -> None:
@@ -290,10 +298,30 @@ def new_registration_py(
     return reg
 
 
-# The constructor every registration uses (tests switch it to compare the two).
+# The constructor every registration uses.
 _NEW: list[Callable[..., Registration]] = [
     new_registration_py if SPEEDUPS is None else SPEEDUPS.new_registration
 ]
+
+
+def use_speedups(kind: str) -> None:
+    """``"c"`` (the default where the extension is built) or ``"python"``: which
+    finalizer and constructor new registrations get. For tests and benchmarks."""
+    if kind not in ("c", "python"):
+        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
+    c = kind == "c" and SPEEDUPS is not None
+    _CALLBACK[0] = _C_ON_FINALIZE if c and _C_ON_FINALIZE else _py_on_finalize
+    _NEW[0] = SPEEDUPS.new_registration if c and SPEEDUPS else new_registration_py
+
+
+def speedups() -> str:
+    """``"c"`` if new registrations get the C finalizer and constructor, else ``"python"``."""
+    return "c" if _CALLBACK[0] is _C_ON_FINALIZE and SPEEDUPS is not None else "python"
+
+
+def finalizer() -> Callable[[Registration], None]:
+    """The finalizer new registrations get (for tests that build registrations)."""
+    return _CALLBACK[0]
 
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 

@@ -334,20 +334,18 @@ def test_bad_communicators() -> None:
 def test_the_c_finalizer_is_built_here() -> None:
     # Optional for users (the Python one does the same), but this machine
     # builds it, so the rest of the suite runs with it.
-    assert _registration._C_ON_FINALIZE is not None
-    assert _registration._CALLBACK[0] is _registration._C_ON_FINALIZE
+    assert _registration.speedups() == "c"
 
 
 @pytest.fixture(params=["c", "python"])
 def finalizer(request: pytest.FixtureRequest) -> Iterator[str]:
-    """New registrations get the C finalizer, then the Python one."""
-    saved = _registration._CALLBACK[0]
-    if request.param == "python":
-        _registration._CALLBACK[0] = _registration._py_on_finalize
+    """New registrations get the C finalizer and constructor, then the Python ones."""
+    saved = _registration.speedups()
+    _registration.use_speedups(request.param)
     try:
         yield request.param
     finally:
-        _registration._CALLBACK[0] = saved
+        _registration.use_speedups(saved)
 
 
 def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
@@ -382,11 +380,11 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         # Once shut down (or in a forked child) a finalizer does nothing at all.
         o = Obj()
         late = cgc.register(o, log.destroy, "late", comm=comm)
-        _registration._FLAGS[1] = 1
+        _registration.set_shut_down(True)
         try:
             del o
         finally:
-            _registration._FLAGS[1] = 0
+            _registration.set_shut_down(False)
         assert cgc.manager(comm).snapshot().pending == []
         assert late.detach()
     finally:

@@ -509,7 +509,8 @@ def test_batch_passes_agree_on_a_registration_without_a_destroy() -> None:
             _registration.make_registration(o, None, inbox.append, i, noop, (i,), {}, None)  # type: ignore[arg-type]
             for i, o in enumerate(objs)
         ]
-        regs[1]._destroy = None  # as left by a destroy that ran meanwhile
+        # As left by a destroy that ran meanwhile:
+        assert _registration.Ledger().claim(regs[1], _registration.DESTROYED) is not None
         table = {r.key: r for r in regs}
         taken, fns, argss, segments = take(table, [2, 1, 0], _registration.DESTROYED, ())
         results.append(([r.key for r in taken], argss, sorted(table), segments))
