@@ -1,11 +1,36 @@
 """Python's cyclic collector under collective scopes: when it runs, and what to collect.
 
 :class:`GcPolicy` decides, for every open scope of every thread, whether the
-automatic collector is on. :func:`wanted_generation` says which generation
-the automatic collector would collect now (a managed scope's vote at each
-sync point; the ranks then collect the oldest any of them wants), and
-:func:`collect` collects it, keeping the books CPython keeps for its
-long-lived objects.
+automatic collector is on, and holds the long-lived heap it froze.
+:func:`wanted_generation` says which generation the automatic collector would
+collect now (a managed scope's vote at each sync point; the ranks then
+collect the oldest any of them wants), and :func:`collect` collects it,
+keeping the books CPython keeps for its long-lived objects.
+
+Freezing. A full collection walks every tracked object, so over a large
+long-lived heap (a mesh, caches, millions of objects) each one costs a walk
+of the heap although almost none of it is garbage. After an *agreed* full
+collection inside a managed scope (``collect(2, agreed=True)``) has left at
+least :attr:`GcPolicy.freeze_min` objects in the oldest generation, and at
+least as many as are frozen already, the policy moves them all to the
+permanent generation (``gc.freeze()``): later full collections walk only
+what was promoted since. Nothing frozen is garbage at that moment (the full
+collection just ran), but frozen objects are never collected, so:
+
+- a collection that is not agreed (a scope's exit collection) thaws the
+  frozen heap first (``gc.unfreeze()``) and collects everything: what died
+  after the freeze is found there, as it would have been without one;
+- when the last managed scope closes, the frozen heap is thawed, so that the
+  collector behaves afterwards as it did before the scope, exceptions
+  included;
+- objects that become cyclic garbage while frozen are found only then (or
+  at the next freeze-free full collection), not at the agreed collections
+  in between.
+
+If the permanent generation held objects when the policy would first freeze
+(someone called ``gc.freeze()``, a pre-fork server for instance), or more
+than it froze later, the policy leaves it alone: it neither freezes nor
+thaws what is not its own.
 """
 
 from __future__ import annotations
@@ -24,14 +49,25 @@ class GcPolicy:
     found (or what another thread's scope had set). Instead, while any
     ``gc="managed"``/``"off"`` scope is open, anywhere, it is off; else while
     any ``gc="auto"`` scope is open it is on; and when the last scope closes,
-    it is put back as it was when the first one opened.
+    it is put back as it was when the first one opened. Likewise the heap
+    frozen by agreed full collections (see the module docs) stays frozen
+    while any managed scope is open, and is thawed when the last one closes.
     """
+
+    # Below this many survivors a full collection is cheap enough that
+    # freezing them would only delay the collection of the ones that die.
+    freeze_min = 100_000
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.off = 0
         self.auto = 0
+        self.managed = 0
         self.saved = True
+        # gc.get_freeze_count() right after this policy's last freeze; 0: it
+        # froze nothing. Frozen objects freed by refcounting make the
+        # count drop, never rise: a rise means someone else froze too.
+        self.frozen = 0
 
     def enter(self, mode: str) -> None:
         with self.lock:
@@ -41,6 +77,8 @@ class GcPolicy:
                 self.auto += 1
             else:
                 self.off += 1
+                if mode == "managed":
+                    self.managed += 1
             self._apply()
 
     def leave(self, mode: str) -> None:
@@ -49,6 +87,10 @@ class GcPolicy:
                 self.auto = max(0, self.auto - 1)
             else:
                 self.off = max(0, self.off - 1)
+                if mode == "managed":
+                    self.managed = max(0, self.managed - 1)
+                    if not self.managed:
+                        self._thaw()
             self._apply()
 
     def _apply(self) -> None:
@@ -58,6 +100,34 @@ class GcPolicy:
             gc.enable()
         else:
             gc.disable()
+
+    def _thaw(self) -> None:
+        """Give back what this policy froze (with the lock held)."""
+        if self.frozen and 0 < gc.get_freeze_count() <= self.frozen:
+            gc.unfreeze()
+            # The thawed heap is in the oldest generation again.
+            _LONG_LIVED_TOTAL[0] = None
+        self.frozen = 0
+
+    def thaw(self) -> None:
+        """Thaw what this policy froze, so that a collection sees everything."""
+        with self.lock:
+            self._thaw()
+
+    def maybe_freeze(self, survivors: int) -> bool:
+        """After an agreed full collection left ``survivors`` in the oldest generation:
+        freeze them if there are enough, inside a managed scope. True if frozen."""
+        with self.lock:
+            if not self.managed:
+                return False
+            count = gc.get_freeze_count()
+            if count > self.frozen:
+                return False  # not ours
+            if survivors < max(self.freeze_min, count):
+                return False
+            gc.freeze()
+            self.frozen = gc.get_freeze_count()
+            return True
 
 
 POLICY = GcPolicy()
@@ -69,6 +139,8 @@ POLICY = GcPolicy()
 # large long-lived heap is not traversed over and over. Managed mode keeps the
 # same rule, with its own books: the objects in the oldest generation after
 # the last full collection (None: not measured yet), and those promoted since.
+# Frozen objects are in no generation, so after a freeze the books count only
+# what a full collection still walks.
 _LONG_LIVED_TOTAL: list[int | None] = [None]
 _LONG_LIVED_PENDING: list[int] = [0]
 
@@ -95,11 +167,23 @@ def wanted_generation() -> int:
     return 0
 
 
-def collect(generation: int) -> int:
-    """``gc.collect(generation)``, keeping the books of the long-lived rule."""
+def collect(generation: int, *, agreed: bool = False) -> int:
+    """``gc.collect(generation)``, keeping the books of the long-lived rule.
+
+    ``agreed=True``: a collection the ranks agreed on at a sync point of a
+    managed scope; a full one leaves the heap the policy froze frozen, and
+    may freeze what survives it. ``agreed=False`` (a scope's exit collection,
+    any collection that must find everything): a full one thaws the frozen
+    heap first.
+    """
     if generation >= 2:
+        if not agreed:
+            POLICY.thaw()
         found = gc.collect(2)
-        _LONG_LIVED_TOTAL[0] = len(gc.get_objects(2))
+        survivors = len(gc.get_objects(2))
+        if agreed and POLICY.maybe_freeze(survivors):
+            survivors = 0
+        _LONG_LIVED_TOTAL[0] = survivors
         _LONG_LIVED_PENDING[0] = 0
         return found
     if generation == 1:
