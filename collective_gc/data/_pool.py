@@ -35,6 +35,11 @@ starts is killed with it), and the parent watches the worker process itself
 (a pidfd), not only the socket: a child the function forked may hold the
 socket open after the worker died.
 
+On x86-64 a worker posts most messages into a shared-memory ring instead of
+the socket (see ``_protocol``): the consumer takes an element there with no
+system call, and sleeps on the worker's doorbell (an ``eventfd``, with the
+socket and the pidfd) only when the element it needs is not posted yet.
+
 Sends never block (what does not fit the socket stays owed and goes out when
 there is room); the consumer's waits wake up every ``_POLL`` seconds to send
 slots freed meanwhile on other threads, so a worker waiting for a slot is
@@ -59,6 +64,7 @@ import collections
 import fcntl
 import mmap
 import os
+import platform
 import queue
 import select
 import signal
@@ -73,6 +79,7 @@ import numpy as np
 
 from .._registration import Registration
 from . import _protocol as P
+from . import _shm
 from ._shm import Segment
 from ._worker import BOOT, STRIP_PREFIXES
 
@@ -98,7 +105,12 @@ _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _POLL = 0.05
 # Dead segments allowed to wait for the reaper before the consumer unmaps them itself.
 _BACKLOG = 32
+# The ring's reads without a system call rely on stores becoming visible in
+# program order (the mark after the message): x86's memory model. Elsewhere
+# every message takes the socket. Read when a pool starts its workers.
+RING = platform.machine().lower() in ("x86_64", "amd64")
 EMPTY = bytes(4)  # written over an inbox's kind: the inbox is empty
+_ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
 END = 256  # the inbox's kind once the worker's end is seen (no message has it)
 
 
@@ -195,6 +207,7 @@ class Launch:
         self, pool: Pool, count: int, window: int, env: dict[str, str], boots: list[bytes]
     ) -> None:
         self.pool, self.count, self.window, self.env, self.boots = pool, count, window, env, boots
+        self.ring = RING
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -202,7 +215,7 @@ class Launch:
         pool = self.pool
         try:
             for w in range(self.count):
-                handle = WorkerHandle.spawn(w, self.window, True, self.env)
+                handle = WorkerHandle.spawn(w, self.window, True, self.env, self.ring)
                 with pool.lock:
                     if not pool.closed:
                         pool.workers.append(handle)
@@ -240,6 +253,9 @@ class WorkerHandle:
         sentinel: int,
         boot: int,
         window: int,
+        ring: mmap.mmap | None = None,
+        bell: int = -1,
+        wake: int = -1,
     ) -> None:
         self.wid = wid
         self.proc = proc
@@ -259,6 +275,17 @@ class WorkerHandle:
         self.inbox = bytearray(P.MAX_MESSAGE)
         self.inview = memoryview(self.inbox)
         self.inbox_fd = -1  # a descriptor that came with it, not yet mapped
+        # The worker's ring (None: every message by socket) and its doorbell.
+        # stop() drops the view; the mapping goes with the last reference, so a
+        # reader holding it in a local never sees it unmapped.
+        self.ring: memoryview | None = None
+        self.shared = ring is not None  # the ring's mode, for good (ring is dropped at stop)
+        self.entries, self.control = 1, 0
+        self.bell, self.wake = bell, wake
+        self.put = 0  # FREE records written into the ring's control area
+        if ring is not None:
+            self.ring = memoryview(ring)
+            self.entries, self.control = P.ring_control(len(ring))
         self.attached = -1  # the element whose new segment was mapped last
         # Owed to the worker (see "sending" below). `freed` and `live` are also
         # touched by lease callbacks, on any thread: appends and discards only.
@@ -271,11 +298,31 @@ class WorkerHandle:
         self.slots: dict[int, Segment] = {}
 
     @classmethod
-    def spawn(cls, wid: int, window: int, pdeathsig: bool, env: dict[str, str]) -> WorkerHandle:
+    def spawn(
+        cls, wid: int, window: int, pdeathsig: bool, env: dict[str, str], ring: bool = False
+    ) -> WorkerHandle:
         """Start worker ``wid``; it waits for :meth:`send_boot`."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sentinel_r, sentinel_w = os.pipe()
         boot_r, boot_w = os.pipe()
+        ring_map: mmap.mmap | None = None
+        ring_fd = bell = wake = -1
+        try:
+            if ring:
+                ring_fd, ring_map = _shm.create(P.ring_bytes(window), f"collective_gc-ring-w{wid}")
+                _, control = P.ring_control(len(ring_map))
+                P.WORD.pack_into(ring_map, control + P.ALLOWANCE_AT, window)
+                # The worker rings `bell` for us (non-blocking: the consumer drains
+                # it before it sleeps); we ring `wake`, where it sleeps.
+                bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                wake = os.eventfd(0, os.EFD_CLOEXEC)
+        except BaseException:
+            for fd in (ring_fd, bell, wake, sentinel_r, sentinel_w, boot_r, boot_w):
+                if fd >= 0:
+                    os.close(fd)
+            parent_sock.close()
+            child_sock.close()
+            raise
         try:
             try:
                 # A big fn pickle should not make us wait for each worker's start-up.
@@ -283,9 +330,11 @@ class WorkerHandle:
             except (OSError, AttributeError):  # above the system's limit: writes just wait
                 pass
             argv = [boot_r, child_sock.fileno(), sentinel_r, int(pdeathsig), os.getpid()]
+            argv += [ring_fd, bell, wake]
+            passed = [boot_r, child_sock.fileno(), sentinel_r] + [fd for fd in argv[-3:] if fd >= 0]
             proc = subprocess.Popen(
                 [sys.executable, "-c", BOOT, *map(str, argv)],
-                pass_fds=(boot_r, child_sock.fileno(), sentinel_r),
+                pass_fds=passed,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 # Its own process group, which its watch thread kills on the way out.
@@ -295,12 +344,17 @@ class WorkerHandle:
             parent_sock.close()
             os.close(sentinel_w)
             os.close(boot_w)
+            for fd in (bell, wake):
+                if fd >= 0:
+                    os.close(fd)
             raise
         finally:
             child_sock.close()
             os.close(sentinel_r)
             os.close(boot_r)
-        return cls(wid, proc, parent_sock, sentinel_w, boot_w, window)
+            if ring_fd >= 0:
+                os.close(ring_fd)  # the worker has its own copy; ours is mapped
+        return cls(wid, proc, parent_sock, sentinel_w, boot_w, window, ring_map, bell, wake)
 
     def send_boot(self, data: bytes) -> None:
         """Write the boot data (blocks only while the worker starts, for a big pickle)."""
@@ -333,6 +387,9 @@ class WorkerHandle:
         """Send everything owed that fits; never blocks. Repeating it is harmless."""
         if _DEAD:
             collect_dead()
+        if self.shared:
+            self._write_control()
+            return
         if not self._enter():
             return
         try:
@@ -359,7 +416,56 @@ class WorkerHandle:
         finally:
             self._leave()
 
+    def _write_control(self) -> None:
+        """Write what is owed into the ring's control area, then wake the worker.
+
+        Counts are absolute and a record written twice is ignored by the
+        worker, so an interrupt anywhere here only makes the next call repeat
+        some of it. Records that do not fit wait for the worker to read the
+        others (it rings our bell when it empties a full record ring).
+        """
+        ring = self.ring  # one load: stop() may drop it meanwhile
+        if ring is None:
+            return
+        at = self.control
+        word = P.WORD.pack_into
+        wrote = False
+        consumed = self.consumed
+        if consumed != self.sent_consumed:
+            word(ring, at + P.CONSUMED_AT, consumed)
+            self.sent_consumed = consumed
+            wrote = True
+        allowance = self.allowance()
+        if allowance != self.sent_allowance:
+            word(ring, at + P.ALLOWANCE_AT, allowance)
+            self.sent_allowance = allowance
+            wrote = True
+        freed = self.freed
+        if freed:
+            put = self.put
+            room = P.FREED_RECORDS - (put - P.WORD.unpack_from(ring, at + P.TAKEN_AT)[0])
+            batch = freed[: max(0, room)]
+            record = P.FREED_RECORD.pack_into
+            for slot, seq in batch:
+                record(ring, at + P.RECORDS_AT + put % P.FREED_RECORDS * P.FREED_RECORD.size,
+                       slot, seq)  # fmt: skip
+                put += 1
+            if batch:
+                word(ring, at + P.PUT_AT, put)
+                self.put = put
+                del freed[: len(batch)]  # only those: collect_dead may append meanwhile
+                wrote = True
+        if wrote and self._enter():
+            try:
+                os.write(self.wake, _ONE)
+            except OSError:  # the worker is gone; it needs nothing more from us
+                pass
+            finally:
+                self._leave()
+
     def _owes(self) -> bool:
+        if self.shared:
+            return False  # nothing waits for room on the socket
         return bool(self.consumed != self.sent_consumed or self.freed)
 
     # -- the consumer and stop() ------------------------------------------------
@@ -393,13 +499,21 @@ class WorkerHandle:
         """Receive a message into the inbox if one is there; never blocks."""
         return self._recv(_DONTWAIT)
 
-    def wait(self) -> None:
-        """Wait until the inbox holds a message, or the worker's end.
+    def posted(self, seq: int) -> bool:
+        """Whether the worker's element ``seq`` is in its ring (see ``_protocol``)."""
+        ring = self.ring
+        if ring is None:
+            return False
+        mark: int = P.read_mark(ring, (seq % self.entries) * P.RING_ENTRY)[0]
+        return mark == seq + 1
+
+    def wait(self, seq: int) -> None:
+        """Wait until element ``seq`` is in the ring, the inbox holds a message, or the end.
 
         Sends what is owed whenever there is room, and wakes every ``_POLL``
         seconds to send slots freed meanwhile by other threads. The worker's
-        end is a header of kind ``END``: its socket reached EOF, the worker
-        exited, or the handle was stopped.
+        end is a header of kind ``END`` in the inbox: its socket reached EOF,
+        the worker exited, or the handle was stopped.
         """
         while True:
             self.flush()
@@ -407,18 +521,37 @@ class WorkerHandle:
                 self._mark_end()
                 return
             try:
+                bell = self.bell
+                if bell >= 0:
+                    # Drain the counts of posts taken already, then look again:
+                    # a post after this look rings the bell we are about to sleep on.
+                    try:
+                        os.read(bell, 8)
+                    except BlockingIOError:
+                        pass
+                    if self.posted(seq):
+                        return
                 owes = [self.sock] if self._owes() else []
-                watch: list[Any] = [self.sock] if self.pidfd < 0 else [self.sock, self.pidfd]
+                watch: list[Any] = [self.sock]
+                if bell >= 0:
+                    watch.append(bell)
+                if self.pidfd >= 0:
+                    watch.append(self.pidfd)
                 readable, _, _ = select.select(watch, owes, [], _POLL)
             finally:
                 self._leave()
             if self.sock in readable:
                 if self._recv(_DONTWAIT):
                     return
-            elif readable or (self.pidfd < 0 and self.proc.poll() is not None):
-                # The worker has exited: what it sent before is queued; after that, the end.
-                if not self._recv(_DONTWAIT):
+            elif (self.pidfd >= 0 and self.pidfd in readable) or (
+                self.pidfd < 0 and self.proc.poll() is not None
+            ):
+                # The worker has exited: what it posted or sent before is there;
+                # after that, the end.
+                if not self.posted(seq) and not self._recv(_DONTWAIT):
                     self._mark_end()
+                return
+            elif self.posted(seq):
                 return
 
     def _mark_end(self) -> None:
@@ -541,8 +674,9 @@ class WorkerHandle:
                 pass
             self.consumed = self.sent_consumed = 0
             # Segments no lease holds are unmapped now (on the reaper); the others
-            # when their last element dies.
+            # when their last element dies. The ring with the consumer's last use.
             self.slots.clear()
+            self.ring = None
             fd, self.boot = self.boot, -1
         if fd >= 0:
             os.close(fd)
@@ -562,6 +696,11 @@ class WorkerHandle:
             self.fds_closed = True
         self.sock.close()
         self._close_inbox_fd()
+        for name in ("bell", "wake"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
             os.close(fd)

@@ -49,6 +49,7 @@ T = TypeVar("T")
 
 _NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
 _unpack_head = P.HEAD.unpack_from
+_read_mark = P.read_mark
 _STATE_VERSION = 1
 
 
@@ -315,20 +316,35 @@ class ProcessPrefetch(Generic[T]):
         count = len(workers)
         offset = pos - self._start
         worker = workers[offset % count]
-        inbox = worker.inbox
-        if not (inbox[0] or inbox[1]) and not worker.poll():
-            # About to wait: every worker gets what it is owed first, so none
-            # idles for want of a credit or a slot while we wait.
-            for w in workers:
-                w.flush()
-            _pool.release_backlog()
-            worker.wait()
-        kind, slot, seq, capacity, size, nbuf = _unpack_head(inbox)
+        mine = offset // count  # the element's number in its worker's share
+        # One load: close() from another thread may drop the handle's view, and
+        # this local keeps the mapping until we are done with it.
+        ring = worker.ring
+        entry = (mine % worker.entries) * P.RING_ENTRY
+        src: Any
+        # Posted in the ring (see _protocol): read in place, no system call.
+        if ring is not None and _read_mark(ring, entry)[0] == mine + 1:
+            src, at = ring, entry + 8
+        else:
+            inbox = worker.inbox
+            if not (inbox[0] or inbox[1]) and not worker.poll():
+                # About to wait: every worker gets what it is owed first, so none
+                # idles for want of a credit or a slot while we wait.
+                for w in workers:
+                    w.flush()
+                _pool.release_backlog()
+                worker.wait(mine)
+            # The ring first: a message on the socket may be the element after it.
+            if ring is not None and _read_mark(ring, entry)[0] == mine + 1:
+                src, at = ring, entry + 8
+            else:
+                src, at = worker.inview, 0
+        kind, slot, seq, capacity, size, nbuf = _unpack_head(src, at)
         if kind == P.ITEM or kind == P.ARRAY:
-            if seq != offset // count:
+            if seq != mine:
                 self._lost(worker, pos)
             try:
-                element, lease = _build(worker, kind, slot, seq, capacity, size, nbuf)
+                element, lease = _build(worker, src, at, kind, slot, seq, capacity, size, nbuf)
             except KeyError:  # its slot table emptied: closed meanwhile from another thread
                 if not pool.closed:
                     raise
@@ -340,9 +356,10 @@ class ProcessPrefetch(Generic[T]):
             # these stores; an interrupt in flush() leaves the element in _ready.
             if lease is not None:
                 lease.delivered = True
-            worker.inview[:4] = _pool.EMPTY
+            if not at:  # from the inbox (a ring entry stays until the worker rewrites it)
+                worker.inview[:4] = _pool.EMPTY
             self._pos = pos + 1
-            consumed = worker.consumed = offset // count + 1
+            consumed = worker.consumed = mine + 1
             if consumed - worker.sent_consumed >= worker.batch:
                 self._ready = element
                 worker.flush()
@@ -351,7 +368,7 @@ class ProcessPrefetch(Generic[T]):
         if pool.closed or self._closed:  # closed meanwhile, maybe from another thread
             self._closed = True
             raise StopIteration
-        error = self._error(worker, kind, seq, size)
+        error = self._error(worker, src, at, kind, size)
         self._raise_next = error
         self.close()
         error, self._raise_next = self._raise_next, None
@@ -384,10 +401,13 @@ class ProcessPrefetch(Generic[T]):
         self.close()
         raise P.LoaderError(self._fault)
 
-    def _error(self, worker: _pool.WorkerHandle, kind: int, seq: int, size: int) -> BaseException:
+    def _error(
+        self, worker: _pool.WorkerHandle, src: memoryview, at: int, kind: int, size: int
+    ) -> BaseException:
         where = f"{worker.describe()} of {self!r}"
         if kind == P.ERROR:
-            return P.rebuild_error(bytes(worker.inview[P.HEAD.size : P.HEAD.size + size]), where)
+            start = at + P.HEAD.size
+            return P.rebuild_error(bytes(src[start : start + size]), where)
         if kind == _pool.END:  # the worker's end: it died
             text, code = worker.exit_status()
             return P.WorkerError(
@@ -397,14 +417,23 @@ class ProcessPrefetch(Generic[T]):
 
 
 def _build(
-    worker: _pool.WorkerHandle, kind: int, slot: int, seq: int, capacity: int, size: int, nbuf: int
+    worker: _pool.WorkerHandle,
+    src: memoryview,
+    at: int,
+    kind: int,
+    slot: int,
+    seq: int,
+    capacity: int,
+    size: int,
+    nbuf: int,
 ) -> tuple[Any, _pool._Lease | None]:
-    """The element in the worker's inbox, and the lease of its slot (None if inline).
+    """The element whose message is at ``src[at:]`` (its inbox or ring entry), and
+    the lease of its slot (None if inline).
 
     ``(None, None)`` with ``slot >= 0``: the segment's descriptor is gone.
     """
-    inview = worker.inview
-    start = P.HEAD.size
+    inview = src
+    start = at + P.HEAD.size
     if slot < 0:
         return pickle.loads(inview[start : start + size]), None
     if capacity and worker.attached != seq and not worker.attach(slot, capacity, seq):

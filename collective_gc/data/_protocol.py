@@ -5,7 +5,9 @@ but the error base class, so a worker stays light.
 
 Messages travel over one ``SOCK_SEQPACKET`` socket pair per worker, so every
 ``send`` is one message and a segment's file descriptor rides on the message
-that first uses it (``SCM_RIGHTS``):
+that first uses it (``SCM_RIGHTS``). On x86-64 most worker -> parent messages
+take a shared-memory ring instead (see "The ring" below); the socket keeps
+the others:
 
 * worker -> parent: a fixed header (``HEAD``) whose ``seq`` counts the
   worker's elements (0, 1, 2, ...), so the parent notices a message it failed
@@ -25,6 +27,31 @@ that first uses it (``SCM_RIGHTS``):
   ignored), so a send interrupted before its bookkeeping is simply repeated.
   Records are batched (one message per few elements), because every message
   wakes a process, and wake-ups, not bytes, cost time on a busy machine.
+
+The ring: one per worker, a shared segment created by the parent: first
+``ring_entries(window)`` entries of ``RING_ENTRY`` bytes, for the worker's
+messages. Element ``seq`` of the worker goes to entry ``seq % entries``: the
+message (the same bytes as on the socket) at offset 8, then ``seq + 1`` in the
+entry's first aligned int64 (its mark), then one count on the parent's
+doorbell (an ``eventfd``) in case the parent sleeps. The parent reads an entry
+whose mark says ``seq + 1`` with no system call at all; that needs stores to
+become visible in program order (x86's memory model: the mark is never seen
+before the message), so the ring is used on x86-64 only. An entry is
+rewritten only for element ``seq + entries``, which the worker may make only
+once the parent has said it consumed elements up to ``seq + 2`` (the window),
+so an entry is never rewritten under a parent still reading it. A message
+that carries a descriptor or does not fit an entry (a big pickle, most
+errors) takes the socket, after every element before it was posted; a worker
+killed while writing an entry leaves its mark unwritten, so the parent never
+reads half a message.
+
+Then the control area, the parent's records in the same ring: the counts
+CONSUMED and ALLOWANCE, and the FREE records in a ring of their own (the
+parent advances PUT after writing them, the worker TAKEN after reading them),
+each the same as on the socket and as harmless twice. The parent writes them
+every few elements and then rings the worker's doorbell (another
+``eventfd``, on which a worker that must wait sleeps): it rings after every
+write, so a worker that looked just before the write is woken by it.
 
 Exceptions cross pickled when they can be (the worker's exception object, its
 traceback left behind) and as type + text otherwise; the worker's formatted
@@ -51,6 +78,8 @@ __all__ = [
     "DONE",
     "ERROR",
     "FREE",
+    "MARK",
+    "WORD",
     "HEAD",
     "INLINE_MAX",
     "ITEM",
@@ -58,13 +87,19 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_RECORDS",
     "OUT_OF_BAND_MIN",
+    "RING_ENTRY",
+    "RING_MESSAGE",
     "RemoteTraceback",
     "WorkerError",
     "layout",
     "lengths_offset",
     "pack_error",
     "rebuild_array",
+    "read_mark",
     "rebuild_error",
+    "ring_bytes",
+    "ring_control",
+    "ring_entries",
 ]
 
 # worker -> parent: kind, slot (-1: inline), element number in this worker's
@@ -87,6 +122,43 @@ MAX_RECORDS = 2048
 # bigger goes through a slot.
 MAX_MESSAGE = 1 << 16
 INLINE_MAX = MAX_MESSAGE - HEAD.size - 1024
+# The ring: entry size, the longest message an entry holds (after its 8-byte
+# mark), and the entry's size in int64 units (where the worker stores marks).
+RING_ENTRY = 512
+RING_MESSAGE = RING_ENTRY - 8
+MARK = RING_ENTRY // 8
+# Whatever one process reads while the other may be writing it is one aligned
+# int64, written and read whole ("@q": native, one memory access; a standard-
+# size struct format may move it a byte at a time, and a count read half old,
+# half new could run the worker ahead).
+WORD = struct.Struct("@q")
+read_mark = WORD.unpack_from
+# After the entries, the control area (the parent's side of the ring): the
+# parent writes CONSUMED, ALLOWANCE and PUT, the count of FREE records it has
+# written; the worker writes TAKEN, the count it has read, on a cache line of
+# its own; then the records, a ring of FREED_RECORDS (slot, element) pairs.
+CONSUMED_AT, ALLOWANCE_AT, PUT_AT, TAKEN_AT, RECORDS_AT = 0, 8, 16, 64, 128
+FREED_RECORDS = 1024
+FREED_RECORD = struct.Struct("@qq")
+CONTROL_BYTES = RECORDS_AT + FREED_RECORDS * FREED_RECORD.size
+
+
+def ring_entries(window: int) -> int:
+    """Entries in a worker's ring: the window, the element after it, and its end (DONE)."""
+    return window + 2
+
+
+def ring_bytes(window: int) -> int:
+    """The size of a worker's ring segment: its entries, then its control area."""
+    return ring_entries(window) * RING_ENTRY + CONTROL_BYTES
+
+
+def ring_control(size: int) -> tuple[int, int]:
+    """``(entries, control area offset)`` of a ring segment of ``size`` bytes."""
+    entries = (size - CONTROL_BYTES) // RING_ENTRY
+    return entries, entries * RING_ENTRY
+
+
 # Smaller buffers are cheaper copied inside the pickle than tracked in a slot.
 OUT_OF_BAND_MIN = 4096
 # Every out-of-band buffer starts on a cache line; the slot itself starts on a page.

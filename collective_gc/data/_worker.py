@@ -55,8 +55,8 @@ from . import _shm
 __all__ = ["BOOT", "STRIP_PREFIXES", "Pickler", "bootstrapping", "main", "preparation"]
 
 # Run by ``python -c``; argv: boot fd, socket fd, sentinel fd, pdeathsig (0/1),
-# parent pid. Only the standard library and mpi4py are touched before the rc
-# flags are set.
+# parent pid, ring fd, the parent's doorbell fd and ours (-1: no ring). Only
+# the standard library and mpi4py are touched before the rc flags are set.
 BOOT = """\
 import os, pickle, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -182,7 +182,7 @@ def _guard_forked_child(worker_pid: int) -> None:
 
 def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn:
     """Worker entry point, called by ``BOOT`` only."""
-    sock_fd, sentinel_fd, pdeathsig, parent_pid = (int(a) for a in argv)
+    sock_fd, sentinel_fd, pdeathsig, parent_pid, ring_fd, bell_fd, wake_fd = (int(a) for a in argv)
     if pdeathsig:
         _set_pdeathsig(parent_pid)
     threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
@@ -212,7 +212,7 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
             _send_error(sock, exc, "in worker_init_fn")
             _exit(1)
     try:
-        _Server(sock, fn, worker_id, window).serve(keys)
+        _Server(sock, fn, worker_id, window, ring_fd, bell_fd, wake_fd).serve(keys)
     except _ParentGone:
         pass  # the parent closed the loader or died: nobody to report to
     _exit(0)
@@ -294,9 +294,37 @@ class Pickler(pickle.Pickler):
         return self._file.getvalue()
 
 
+_ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
+
+
 class _Server:
-    def __init__(self, sock: socket.socket, fn: Callable[[Any], Any], wid: int, window: int):
+    def __init__(
+        self,
+        sock: socket.socket,
+        fn: Callable[[Any], Any],
+        wid: int,
+        window: int,
+        ring_fd: int = -1,
+        bell_fd: int = -1,
+        wake_fd: int = -1,
+    ) -> None:
         self.sock = sock
+        # The ring (see _protocol): messages that fit go there, the rest by
+        # socket; the parent's records come from its control area. `bell`
+        # wakes the parent, `wake` (blocking) is where we sleep.
+        self.ring: memoryview | None = None
+        self.marks: memoryview | None = None
+        self.entries = self.control = 0
+        self.taken = 0  # FREE records read from the control area
+        self.bell, self.wake = bell_fd, wake_fd
+        if ring_fd >= 0:
+            size = os.fstat(ring_fd).st_size
+            mapping = mmap.mmap(ring_fd, size)
+            os.close(ring_fd)
+            self.ring = memoryview(mapping)
+            # Marks are stored as whole aligned int64 (one store), never byte by byte.
+            self.marks = self.ring.cast("q")
+            self.entries, self.control = P.ring_control(size)
         self.fn = fn
         self.wid = wid
         self.window = window
@@ -326,7 +354,45 @@ class _Server:
                 del self.leased[slot]  # a repeated FREE finds nothing here
                 self.free.append(slot)
 
+    def _take(self) -> None:
+        """Read what the parent wrote in the ring's control area (counts are absolute)."""
+        ring, at = self.ring, self.control
+        assert ring is not None
+        word = P.WORD.unpack_from
+        consumed = word(ring, at + P.CONSUMED_AT)[0]
+        if consumed > self.consumed:
+            self.consumed = consumed
+        self.allowance = word(ring, at + P.ALLOWANCE_AT)[0]
+        put, taken = word(ring, at + P.PUT_AT)[0], self.taken
+        if put == taken:
+            return
+        record, leased = P.FREED_RECORD.unpack_from, self.leased
+        for i in range(taken, put):
+            slot, seq = record(ring, at + P.RECORDS_AT + i % P.FREED_RECORDS * P.FREED_RECORD.size)
+            if leased.get(slot) == seq:
+                del leased[slot]  # a repeated record finds nothing here
+                self.free.append(slot)
+        self.taken = put
+        P.WORD.pack_into(ring, at + P.TAKEN_AT, put)
+        if put - taken >= P.FREED_RECORDS:
+            self._ring_bell()  # the records were full: the parent may hold more
+
+    def _ring_bell(self) -> None:
+        try:
+            os.write(self.bell, _ONE)
+        except OSError:  # cannot happen while the parent lives; if it is gone, so are we
+            raise _ParentGone from None
+
     def _wait(self) -> None:
+        if self.ring is not None:
+            # Returns at once if the parent wrote anything since the last read:
+            # it rings after every write, so no write is missed by sleeping here.
+            try:
+                os.read(self.wake, 8)
+            except OSError:
+                raise _ParentGone from None
+            self._take()
+            return
         try:
             data = self.sock.recv(P.MAX_MESSAGE)
         except OSError:
@@ -334,6 +400,9 @@ class _Server:
         self._handle(data)
 
     def _drain(self) -> None:
+        if self.ring is not None:
+            self._take()
+            return
         while True:
             try:
                 data = self.sock.recv(P.MAX_MESSAGE, _DONTWAIT)
@@ -393,10 +462,23 @@ class _Server:
                 raise
             except Exception as exc:  # noqa: BLE001 (any error of fn crosses to the parent)
                 blob = P.pack_error(exc, f"while loading key {key!r}")
-                self._send(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob)
+                self._post(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob)
                 return
             self.seq += 1
-        self._send(P.HEAD.pack(P.DONE, -1, self.seq, 0, 0, 0))
+        self._post(P.HEAD.pack(P.DONE, -1, self.seq, 0, 0, 0))
+
+    def _post(self, message: bytes, fd: int = -1) -> None:
+        """Send the message of element ``self.seq``: through the ring if it can, else the socket."""
+        ring = self.ring
+        if ring is not None and fd < 0 and len(message) <= P.RING_MESSAGE:
+            seq = self.seq
+            index = seq % self.entries
+            start = index * P.RING_ENTRY + 8
+            ring[start : start + len(message)] = message
+            self.marks[index * P.MARK] = seq + 1  # type: ignore[index]  # the message is whole
+            self._ring_bell()
+            return
+        self._send(message, fd)
 
     def _send(self, data: bytes, fd: int = -1) -> None:
         try:
@@ -415,7 +497,7 @@ class _Server:
         payload = self.pickler.dumps(element)
         del element
         if not buffers and len(payload) <= P.INLINE_MAX:
-            self._send(P.HEAD.pack(P.ITEM, -1, self.seq, 0, len(payload), 0) + payload)
+            self._post(P.HEAD.pack(P.ITEM, -1, self.seq, 0, len(payload), 0) + payload)
             return
         lengths = [b.nbytes for b in buffers]
         lengths_offset, offsets, total = P.layout(len(payload), lengths)
@@ -429,7 +511,7 @@ class _Server:
         self.leased[index] = self.seq
         head = P.HEAD.pack(P.ITEM, index, self.seq, capacity, len(payload), len(lengths))
         try:
-            self._send(head, fd)
+            self._post(head, fd)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -453,7 +535,7 @@ class _Server:
         head = P.HEAD.pack(P.ARRAY, index, self.seq, capacity, a.nbytes, a.ndim)
         meta = P.ARRAY_META.pack(dtype, order) + struct.pack(f"<{a.ndim}q", *a.shape)
         try:
-            self._send(head + meta, fd)
+            self._post(head + meta, fd)
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -85,6 +85,21 @@ def small(i: int) -> tuple[int, np.ndarray[Any, Any]]:
     return i, np.full(1024, i, np.float32)
 
 
+def tagged(i: int) -> np.ndarray[Any, Any]:
+    # 16 KiB: made and copied fast, so a worker spends much of its time posting.
+    return np.full(4096, i, np.int32)
+
+
+def mixed_channels(i: int) -> tuple[int, Any]:
+    # A pickle that fits a ring entry, one that does not (the socket), and an
+    # array in a slot (ring, or socket with the slot's descriptor), in turn.
+    if i % 3 == 0:
+        return i, "s"
+    if i % 3 == 1:
+        return i, "x" * (5000 + i)
+    return i, np.full(1024, i, np.float32)
+
+
 class ForkThenCrash:
     """At key ``at``: fork a child that outlives the worker (it sleeps, holding
     every descriptor the worker had), write the child's pid to ``path``, then

@@ -1,0 +1,140 @@
+"""The shared-memory ring between a worker and the consumer, used as a hostile
+user would: workers killed while they post into it, interrupts inside
+``next()`` while it is full, both message channels (ring and socket) in one
+stream, and the socket-only transport other machines use. Real processes,
+real signals, real shared memory; no mocks.
+
+Launcher tests (they start worker processes): serial session only.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from data_scripts.fns import mixed_channels, plain, slow, small, tagged
+from test_data_hostile import INTERRUPTS, TOTAL, _check_exactly_once, _consume_under_interrupts
+
+from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _pool
+
+pytestmark = pytest.mark.launcher
+
+
+@pytest.fixture(params=["ring", "socket"])
+def transport(request: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run the test over the ring (where this machine has it) and over the socket alone."""
+    if request.param == "ring" and not _pool.RING:
+        pytest.skip("no ring on this machine")
+    monkeypatch.setattr(_pool, "RING", request.param == "ring")
+    yield request.param
+    gc.collect()
+    assert not _pool._LEASES, "a lease outlived its loader and its elements"
+
+
+def test_the_ring_is_used_on_x86_64() -> None:
+    assert _pool.RING == (platform.machine().lower() in ("x86_64", "amd64"))
+    if not _pool.RING:
+        pytest.skip("no ring on this machine")
+    with ProcessPrefetch(plain, range(40), num_workers=2, buffer_size=4) as it:
+        assert list(it)[:3] == [(0, "0"), (1, "1"), (2, "2")]
+        # Every worker has its ring and posted into it (a mark beyond the first).
+        for w in it._holder.pool.workers if it._holder.pool else []:
+            assert w.shared
+
+
+def test_both_channels_in_one_stream_keep_the_order(transport: str) -> None:
+    # Small pickles fit a ring entry, medium ones take the socket, arrays take
+    # slots (their first use carries a descriptor: the socket), all interleaved.
+    with ProcessPrefetch(mixed_channels, range(300), num_workers=3, buffer_size=6) as it:
+        for i, e in enumerate(it):
+            assert e[0] == i
+            if i % 3 == 1:
+                assert len(e[1]) == 5000 + i
+            elif i % 3 == 2:
+                assert e[1].shape == (1024,) and float(e[1][0]) == i and float(e[1][-1]) == i
+
+
+def _kill_after(pid: int, delay: float) -> threading.Timer:
+    def kill() -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(delay, kill)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("fn", [plain, tagged], ids=["inline", "array"])
+def test_a_worker_killed_while_posting_never_delivers_half_an_element(
+    fn: Any, transport: str
+) -> None:
+    # The worker spends most of its time posting (tiny elements, or arrays it
+    # only copies): killed at random moments, it often dies in the middle of
+    # writing an entry. Every element before the error must be whole and in
+    # order, and the error must say the worker died.
+    rng = random.Random(7)
+    for _ in range(12):
+        it = ProcessPrefetch(fn, range(10**6), num_workers=1, buffer_size=8)
+        try:
+            first = next(it)
+            assert (first[0] if fn is plain else int(first[0])) == 0
+            worker = it._holder.pool.workers[0] if it._holder.pool else None
+            assert worker is not None
+            timer = _kill_after(worker.proc.pid, rng.uniform(0.0, 0.03))
+            n = 1
+            with pytest.raises(WorkerError) as info:
+                for e in it:
+                    if fn is plain:
+                        assert e == (n, str(n))
+                    else:
+                        assert e.shape == (4096,) and int(e[0]) == n and int(e[-1]) == n
+                        assert (e == n).all()
+                    n += 1
+            timer.join()
+            assert info.value.exitcode == -signal.SIGKILL
+            with pytest.raises(StopIteration):  # the error ended the iteration
+                next(it)
+        finally:
+            it.close()
+        e = first = None  # noqa: F841 (drop the last elements: the fixture counts leases)
+
+
+@pytest.mark.parametrize("exc", INTERRUPTS)
+def test_interrupts_inside_next_while_the_ring_is_full(
+    exc: type[BaseException], transport: str
+) -> None:
+    it = ProcessPrefetch(small, range(TOTAL), num_workers=2, buffer_size=8)
+    try:
+        assert next(it)[0] == 0
+        time.sleep(0.3)  # every worker runs a window ahead: its ring is full
+        got, interrupts, error = _consume_under_interrupts(it, exc)
+        assert interrupts > 0
+        got.insert(0, (0, np.float32(0)))
+        _check_exactly_once(got, error)
+        if error is not None:  # the only other outcome: the same clear error on every call
+            with pytest.raises(LoaderError, match="interrupt"):
+                next(it)
+    finally:
+        it.close()
+
+
+def test_close_from_another_thread_while_next_sleeps_on_the_bell(transport: str) -> None:
+    it = ProcessPrefetch(slow, range(10), num_workers=2)
+    for _ in range(4):
+        next(it)  # the next element takes 30 s: next() sleeps on the worker's doorbell
+    threading.Timer(0.3, it.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(StopIteration):
+        next(it)
+    assert time.monotonic() - t0 < 10
