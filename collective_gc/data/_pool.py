@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from .._registration import Registration
+from .. import Registration
 from . import _protocol as P
 from . import _shm
 from ._shm import Segment
