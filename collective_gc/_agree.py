@@ -344,19 +344,33 @@ def _filter(keys: np.ndarray[Any, Any]) -> int:
 class Agreement:
     """The agreement of one manager's sync points over its private communicator.
 
-    Keeps the window and one message buffer between sync points: an empty
-    sync point then costs a few stores around its allreduce.
+    Keeps the window and one message buffer between sync points (an
+    ``array.array``, whose item stores are cheap, with a numpy view of the
+    same memory for the bitmap): an empty sync point then costs a few stores
+    around its allreduce.
     """
 
-    __slots__ = ("comm", "rank", "size", "window", "_buf", "_shape")
+    __slots__ = ("comm", "rank", "size", "window", "_arr", "_np", "_ones", "_zeros", "_shape")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.window = Window()
-        self._buf: np.ndarray[Any, Any] = np.empty(0, dtype=np.int64)
+        self._ones = array.array("q", [-1] * self.size)  # all bits set: the identity of AND
         self._shape = (-1, -1)
+        self._arr = array.array("q")
+        self._np: np.ndarray[Any, Any] = np.empty(0, dtype=np.int64)
+        self._zeros = array.array("q")
+
+    def _buffer(self, lo: int, nbits: int) -> array.array[int]:
+        if self._shape != (lo, nbits):
+            words = nbits // 64
+            self._arr = array.array("q", bytes(8 * (_WORDS + self.size + words)))
+            self._np = np.frombuffer(self._arr, dtype=np.int64)
+            self._zeros = array.array("q", bytes(8 * words))
+            self._shape = (lo, nbits)
+        return self._arr
 
     def agree(
         self,
@@ -371,23 +385,22 @@ class Agreement:
         everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
         when it completes here only after another rank's deadline passed.
         """
-        size = self.size
         lo, nbits = self.window.lo, self.window.bits
-        end = _WORDS + size
-        buf = self._buf
-        if self._shape != (lo, nbits):
-            buf = self._buf = np.empty(end + nbits // 64, dtype=np.int64)
-            self._shape = (lo, nbits)
+        end = _WORDS + self.size
+        buf = self._buffer(lo, nbits)
         flags = head.flags
         at = deadline.at
         if at is not None:
             flags |= FLAG_DEADLINE
         seqword = head.seq * 2 + head.at_exit
-        buf[:_WORDS] = (seqword, ~seqword, head.next_key, ~head.next_key, ~flags, 0)
-        slots = buf[_WORDS:end]
-        slots.fill(-1)  # all ones: the identity of MPI_BAND
-        slots[self.rank] = NO_DEADLINE if at is None else deadline.wall_us()
-        bitmap = buf[end:]
+        buf[0] = seqword
+        buf[1] = ~seqword
+        buf[2] = head.next_key
+        buf[3] = ~head.next_key
+        buf[4] = ~flags
+        buf[5] = 0
+        buf[_WORDS:end] = self._ones
+        buf[_WORDS + self.rank] = NO_DEADLINE if at is None else deadline.wall_us()
         inside = outside = pending
         if pending.size:
             first = int(pending.searchsorted(lo))
@@ -400,9 +413,9 @@ class Agreement:
                 outside = pending[:0]
             bits = np.zeros(nbits, dtype=bool)
             bits[inside - lo] = True
-            bitmap[:] = np.packbits(bits, bitorder="little").view(np.int64)
+            self._np[end:] = np.packbits(bits, bitorder="little").view(np.int64)
         else:
-            bitmap.fill(0)
+            buf[end:] = self._zeros
         if at is None:
             # In place, completed with Wait: most of an empty sync point.
             # Non-blocking even here: a blocking collective never matches the
@@ -412,14 +425,18 @@ class Agreement:
                 req.Wait()
             except BaseException:
                 keep_alive(req, buf)  # MPI may still write into it
+                self._shape = (-1, -1)  # never reused
                 raise
             red = buf
         else:
-            red = allreduce(self.comm, buf, MPI.BAND, deadline, what)
-        w0, w1, w2, w3, w4, w5 = red[:_WORDS].tolist()
-        agreed_flags = ~w4
+            try:
+                red = allreduce(self.comm, buf, MPI.BAND, deadline, what)
+            except BaseException:
+                self._shape = (-1, -1)  # an abandoned send buffer is never reused
+                raise
+        agreed_flags = ~red[4]
         if agreed_flags & FLAG_DEADLINE:
-            earliest = int(red[_WORDS:end].min())
+            earliest = min(red[_WORDS:end])
             deadline.agree(earliest)
             late = deadline.late_after
             if late is not None and time.time() > late:
@@ -428,16 +445,17 @@ class Agreement:
                     "had passed: that rank gave up on this sync point)"
                 )
         agreed_flags &= ~FLAG_DEADLINE
-        if w0 != ~w1 or w2 != ~w3:
+        if red[0] != ~red[1] or red[2] != ~red[3]:
             return Agreed(_NO_KEYS, agreed_flags, True, False)
         keys = _NO_KEYS
         if inside.size:
             # Only bits this rank set can have survived the AND.
+            words = np.frombuffer(red, dtype=np.int64)[end:]
             common = np.flatnonzero(
-                np.unpackbits(red[end:].view(np.uint8), count=nbits, bitorder="little")
+                np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little")
             )
             keys = common.astype(np.int64) + lo
-        fallback = w5 != 0
+        fallback = red[5] != 0
         if fallback:
             # Every rank saw the same filter, so every rank runs this round.
             extra = intersect_any(self.comm, outside, deadline, what)
@@ -447,8 +465,8 @@ class Agreement:
 
     def any_flags(self, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
         """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
-        buf = np.array([~flags], dtype=np.int64)
-        return ~int(allreduce(self.comm, buf, MPI.BAND, deadline, what)[0])
+        buf = array.array("q", (~flags,))
+        return ~allreduce(self.comm, buf, MPI.BAND, deadline, what)[0]
 
 
 _IN_PLACE = MPI.IN_PLACE

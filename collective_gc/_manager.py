@@ -512,12 +512,18 @@ class Manager:
         parts = self._participants + list(extra) if extra else self._participants
         registry = self._registry
         failures: list[_destroy.Failure] = []
-        for p in parts:
-            failures.extend(p.prepare(self, dl.at))
-        cyclic = registry.drain(self._seq)
-        flags = (
-            self._votes(parts) | (FLAG_CYCLIC if cyclic else 0) | (FLAG_FAILED if failures else 0)
+        flags = 0
+        if parts:
+            for p in parts:
+                failures.extend(p.prepare(self, dl.at))
+            flags = self._votes(parts) | (FLAG_FAILED if failures else 0)
+        cyclic = (
+            registry.drain(self._seq)
+            if registry.inbox or registry.stale or registry.last_cyclic
+            else 0
         )
+        if cyclic:
+            flags |= FLAG_CYCLIC
         if self._size == 1:
             keys = registry.pend
         else:
