@@ -9,7 +9,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import local
+from . import _gcpolicy, local
 from ._lookup import lookup, manager
 from ._manager import CollectStats
 from ._registration import Registration
@@ -141,7 +141,12 @@ def collect(
     if generation is not None and generation != 2:
         _check_generation(generation)
     mgr = manager(_comm_of(comm))
-    collected = None if generation is None else gc.collect(generation)
+    collected = None
+    if generation is not None:
+        # A heap a managed scope froze is thawed first, so that nothing
+        # frozen that died is missed (a no-op when nothing is frozen).
+        _gcpolicy.POLICY.thaw()
+        collected = gc.collect(generation)
     deadline = None if seconds is None else time.monotonic() + seconds
     return mgr.sync(deadline=deadline, collected=collected, t0=t0)
 

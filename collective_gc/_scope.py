@@ -94,7 +94,9 @@ class _Policy(Participant):
         self.flags = flags
         generation = self.votes(flags).bit_length() - 1
         if generation >= 0:
-            _gcpolicy.collect(generation)
+            # Agreed: the same on every rank, so the frozen long-lived heap
+            # may stay frozen (see _gcpolicy).
+            _gcpolicy.collect(generation, agreed=True)
             self.collected = True
 
 
