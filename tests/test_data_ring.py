@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from data_scripts.fns import mixed_channels, plain, slow, small, tagged
+from data_scripts.fns import mixed_channels, plain, policy, slow, small, tagged
 from test_data_hostile import INTERRUPTS, TOTAL, _check_exactly_once, _consume_under_interrupts
 
 from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _pool
@@ -138,3 +138,11 @@ def test_close_from_another_thread_while_next_sleeps_on_the_bell(transport: str)
     with pytest.raises(StopIteration):
         next(it)
     assert time.monotonic() - t0 < 10
+
+
+def test_workers_never_preempt_the_rank_when_woken() -> None:
+    # SCHED_BATCH: a worker the consumer wakes (credit, slots) waits for a free
+    # moment instead of taking the consumer's core mid-step.
+    with ProcessPrefetch(policy, range(4), num_workers=2) as it:
+        assert {p for _, p in it} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the rank itself is left alone

@@ -28,6 +28,9 @@ start); a child it forks through ``os.fork`` (or multiprocessing's fork) is
 given ``PR_SET_PDEATHSIG`` of its own at once, so it dies even when the
 worker is killed outright.
 
+A worker runs under ``SCHED_BATCH`` (see :func:`_be_batch`): the parent's
+wake-ups never preempt the parent.
+
 It exits through ``os._exit``: no atexit handler (the user's, mpi4py's or
 collective_gc's) runs in a worker, so nothing is printed or finalized there.
 """
@@ -171,6 +174,18 @@ def _set_pdeathsig(parent_pid: int) -> None:
         os._exit(0)
 
 
+def _be_batch() -> None:
+    # SCHED_BATCH: the same share of the CPU as any process, but a worker woken
+    # (the parent handing it credit or slots, mid-step) never preempts the
+    # running process; it takes the next free moment, or the other core. The
+    # rank's own loop is the latency that counts; without this each wake-up
+    # can push the consumer off its core for the worker's next element.
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or refused: the default policy works too
+        return
+
+
 def _guard_forked_child(worker_pid: int) -> None:
     # In a child that the user's fn forked: die with the worker, however the
     # worker dies (a worker killed by PR_SET_PDEATHSIG runs no code to kill it).
@@ -185,6 +200,7 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
     sock_fd, sentinel_fd, pdeathsig, parent_pid, ring_fd, bell_fd, wake_fd = (int(a) for a in argv)
     if pdeathsig:
         _set_pdeathsig(parent_pid)
+    _be_batch()
     threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
     me = os.getpid()
     os.register_at_fork(after_in_child=lambda: _guard_forked_child(me))

@@ -90,6 +90,10 @@ def tagged(i: int) -> np.ndarray[Any, Any]:
     return np.full(4096, i, np.int32)
 
 
+def policy(i: int) -> tuple[int, int]:
+    return i, os.sched_getscheduler(0)
+
+
 def mixed_channels(i: int) -> tuple[int, Any]:
     # A pickle that fits a ring entry, one that does not (the socket), and an
     # array in a slot (ring, or socket with the slot's descriptor), in turn.
