@@ -440,12 +440,16 @@ def _build(
         return None, None
     view = worker.slots[slot].view
     if kind == P.ARRAY:
-        dtype, order = P.ARRAY_META.unpack_from(inview, start)
-        shape = struct.unpack_from(f"<{nbuf}q", inview, start + P.ARRAY_META.size)
+        end = start + P.ARRAY_META.size + 8 * nbuf
+        meta = bytes(inview[start:end])
+        described = _DESCRIBED.get(meta)
+        if described is None:
+            described = _describe(meta, nbuf)
+        dtype, shape, order = described
         # The element's only array views `base`, which views the slot.
-        base: np.ndarray[Any, Any] = np.frombuffer(view[:size], dtype.rstrip(b"\0").decode())
+        base: np.ndarray[Any, Any] = np.frombuffer(view, dtype, size // dtype.itemsize)
         lease = worker.lease(slot, seq, base)
-        return base.reshape(shape, order=order.decode()), lease
+        return base.reshape(shape, order=order), lease  # type: ignore[call-overload]
     lengths = struct.unpack_from(f"<{nbuf}q", view, P.lengths_offset(size))
     _, offsets, total = P.layout(size, lengths)
     # Every array of the element views `base` (numpy keeps the first non-owning
@@ -454,3 +458,20 @@ def _build(
     lease = worker.lease(slot, seq, base)
     buffers = [base[o : o + n] for o, n in zip(offsets, lengths)]
     return pickle.loads(view[:size], buffers=buffers), lease
+
+
+# ARRAY descriptions seen, decoded: elements of a stream mostly share one
+# dtype and shape, and decoding them (a dtype from its string, above all)
+# costs more than the lookup. Bounded: a stream of ever-new shapes only
+# refills it.
+_DESCRIBED: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], str]] = {}
+
+
+def _describe(meta: bytes, ndim: int) -> tuple[np.dtype[Any], tuple[int, ...], str]:
+    dtype, order = P.ARRAY_META.unpack_from(meta)
+    shape = struct.unpack_from(f"<{ndim}q", meta, P.ARRAY_META.size)
+    described = (np.dtype(dtype.rstrip(b"\0").decode()), shape, order.decode())
+    if len(_DESCRIBED) >= 256:
+        _DESCRIBED.clear()
+    _DESCRIBED[meta] = described
+    return described
