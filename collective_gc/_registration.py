@@ -68,7 +68,8 @@ _STATE_NAMES = ("alive", "queued", "destroyed", "detached")
 _FLAGS: list[int] = [0, 0]
 
 # Whether register() records a stack summary (set by collective_scope's
-# track_origins, or by tests). Off by default: extracting a stack costs ~20 us.
+# track_origins, or by tests). Off by default: extracting a stack costs many
+# times a registration.
 TRACK_ORIGINS: list[bool] = [False]
 
 
@@ -210,7 +211,8 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         Idempotent: a second call, or a call after the destroy ran at a sync point,
         does nothing.
         """
-        self._owner.destroy_registration(self)
+        if self._state == ALIVE:  # else its owner may be gone (a forked child's)
+            self._owner.destroy_registration(self)
 
     def detach(self) -> bool:
         """Cancel the registration without running the destroy.
@@ -219,12 +221,18 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         its destroy had already run or it was already detached. Local: the
         destroy is never run on this rank, so detach on every rank or none.
         """
+        if self._state != ALIVE:
+            return False
         return self._owner.detach_registration(self)
 
     def __repr__(self) -> str:
+        try:
+            where = self._owner.describe()
+        except ReferenceError:  # its owner is gone (a forked child's old reaper)
+            where = "an owner that is gone"
         return (
             f"<collective_gc.Registration key={self.key} name={self.name!r} "
-            f"{self.state} on {self._owner.describe()}>"
+            f"{self.state} on {where}>"
         )
 
     # Registrations compare and hash by identity: weakref.ref's own __eq__ and
@@ -322,6 +330,7 @@ def speedups() -> str:
 def finalizer() -> Callable[[Registration], None]:
     """The finalizer new registrations get (for tests that build registrations)."""
     return _CALLBACK[0]
+
 
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 

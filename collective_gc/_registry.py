@@ -66,7 +66,9 @@ class Registry(Ledger):
 
     def __init__(self, owner: Owner, parallel: bool) -> None:
         super().__init__()
-        self.owner = owner
+        # A proxy: registrations point to their owner, and the owner to this
+        # registry, which holds them; a strong reference would be a cycle.
+        self.owner = weakref.proxy(owner)
         self.next_key = 0
         self.inbox: list[Registration] = []
         # Keys drained and not yet destroyed, ascending, with the sync point

@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,8 @@ class _Reaper:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[Registration | threading.Event | None] = queue.SimpleQueue()
         self.ledger = Ledger()
+        # What registrations hold: the reaper holds them (in its ledger).
+        self.proxy = weakref.proxy(self)
         self.lock = threading.Lock()
         self.keys = itertools.count()
         self.thread: threading.Thread | None = None
@@ -79,7 +82,7 @@ class _Reaper:
     ) -> Registration:
         check_destroy(obj, destroy, args, kwargs)
         reg = make_registration(
-            obj, self, self.queue.put, next(self.keys), destroy, args, kwargs, name
+            obj, self.proxy, self.queue.put, next(self.keys), destroy, args, kwargs, name
         )
         self.ledger.live[reg.key] = reg
         if self.thread is None:

@@ -258,7 +258,6 @@ def _user_comm(obj: object) -> MPI.Comm | None:
 
 
 add_comm_resolver(_user_comm)
-_SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
 
 
 def garbage(comm: MPI.Comm) -> list[tuple[int, str]]:
@@ -671,9 +670,9 @@ def _forget(obj: Any) -> None:
     """After a failed destroy: make sure PETSc never destroys ``obj`` again.
 
     A destroy that raised may have run half-way, and petsc4py keeps the
-    handle. Another destroy of the wreck can crash (it segfaulted here for a
-    Mat whose Python context raised in its destroy, when the wreck, which
-    petsc4py had meanwhile handed to PETSc's garbage, was cleaned). So hold
+    handle. Another destroy of the wreck can crash (a Mat whose Python context
+    raised in its destroy, when the wreck, which petsc4py had meanwhile handed
+    to PETSc's garbage, was cleaned). So hold
     one more PETSc reference, which any later destroy or cleanup only drops,
     and null the Python object's handle: the object is leaked, safely.
     """
