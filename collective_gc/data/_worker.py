@@ -351,6 +351,7 @@ class _Server:
         self.free: list[int] = []
         self.leased: dict[int, int] = {}  # slot -> the element in it, until FREE
         self.buffers: list[memoryview] = []  # of the element being sent
+        self.described: dict[tuple[Any, ...], bytes] = {}  # see _send_array
         self.pickler = Pickler(self.buffers)
         np = sys.modules.get("numpy")
         self.ndarray: type | None = None if np is None else np.ndarray
@@ -534,22 +535,34 @@ class _Server:
 
     def _send_array(self, a: Any) -> bool:
         """A plain contiguous numpy array: straight into a slot, no pickle. False if not."""
-        if a.dtype.kind not in _PLAIN_KINDS or a.nbytes < P.OUT_OF_BAND_MIN or a.ndim > 32:
+        dtype = a.dtype
+        nbytes = a.nbytes
+        if dtype.kind not in _PLAIN_KINDS or nbytes < P.OUT_OF_BAND_MIN or a.ndim > 32:
             return False
-        dtype = a.dtype.str.encode()
-        if len(dtype) > 8:
-            return False
-        if a.flags.c_contiguous:
-            order = b"C"
-        elif a.flags.f_contiguous:
-            order = b"F"
+        flags = a.flags
+        if flags.c_contiguous:
+            order = "C"
+        elif flags.f_contiguous:
+            order = "F"
         else:
             return False
-        index, fd, capacity = self._acquire(a.nbytes)
-        self.slots[index].view[: a.nbytes] = a.reshape(-1, order=order.decode()).view("B")
+        # Its description, encoded once per distinct dtype, shape and order:
+        # a stream mostly repeats one. Bounded, as the consumer's.
+        key = (dtype, a.shape, order)
+        meta = self.described.get(key)
+        if meta is None:
+            code = dtype.str.encode()
+            if len(code) > 8:
+                return False
+            meta = P.ARRAY_META.pack(code, order.encode()) + struct.pack(f"<{a.ndim}q", *a.shape)
+            if len(self.described) >= 256:
+                self.described.clear()
+            self.described[key] = meta
+        index, fd, capacity = self._acquire(nbytes)
+        # Its bytes in memory order (the transpose of an F-ordered array is C-ordered).
+        self.slots[index].view[:nbytes] = memoryview(a if order == "C" else a.T).cast("B")
         self.leased[index] = self.seq
-        head = P.HEAD.pack(P.ARRAY, index, self.seq, capacity, a.nbytes, a.ndim)
-        meta = P.ARRAY_META.pack(dtype, order) + struct.pack(f"<{a.ndim}q", *a.shape)
+        head = P.HEAD.pack(P.ARRAY, index, self.seq, capacity, nbytes, a.ndim)
         try:
             self._post(head + meta, fd)
         finally:
