@@ -1,43 +1,62 @@
 """GC pauses in a bulk-synchronous loop: Python's automatic collector vs managed GC.
 
 The loop of the issue, on 4 ranks: every step makes cyclic garbage, in a
-different amount on each rank, next to a modest live heap, and ends in an
-Allreduce. Three ways to run it, in the same run, interleaved, median of 5:
+different amount on each rank, and ends in an Allreduce. Four ways to run
+it, in the same run, interleaved, median of 5:
 
 - automatic: Python's collector as it is;
 - managed: ``collective_scope(comm, gc="managed")`` with a sync point per
   step (the sync points' own cost is included): the ranks agree at each sync
-  point on which generation to collect, and collect it together;
+  point on which generation to collect, and collect it together; the scope
+  has ``exit_collect=0`` (a young collection before its exit sync);
+- managed, full exit: the same with the scope's default ``exit_collect=2``
+  (a full collection before the exit sync, so that nothing dropped inside
+  the scope stays queued; it walks the whole heap, once per scope);
 - by hand: gc off, a full ``gc.collect()`` on every rank every 20 steps (the
   issue's reference, measured there at 0.68-0.88 of automatic).
 
-Two workloads, both printed:
+Three workloads, all printed:
 
-- ``step-scoped`` (the target's): each step builds a tree of nodes with
-  parent pointers (think of a per-step form, an expression DAG, a cache with
-  back references) that stays alive until the step ends and only then becomes
-  cyclic garbage. The automatic collector runs in the middle of the step,
-  finds the tree alive, promotes it to older generations and later pays full
-  collections for it; collecting at the sync point finds it dead in the
-  young generation.
+- ``step-scoped``: each step builds a tree of nodes with parent pointers
+  (think of a per-step form, an expression DAG, a cache with back references)
+  that stays alive until the step ends and only then becomes cyclic garbage,
+  next to a modest live heap. The automatic collector runs in the middle of
+  the step, finds the tree alive, promotes it to older generations and later
+  pays full collections for it; collecting at the sync point finds it dead in
+  the young generation.
+- ``heap`` (issue 14's target): the step-scoped loop, unchanged, over a
+  large long-lived heap built before the loop (a mesh of cells with
+  neighbour cycles, about 2.4 million tracked objects per rank). A full
+  collection now costs a walk over the whole heap; the automatic collector
+  makes one rank pay it at a step of its own while the others wait. The heap
+  is built once, untimed; before each timed run a full collection (untimed)
+  puts every mode in the same collector state, and no collection follows the
+  run (in the other two workloads a full collection ends each timed run, so
+  that no mode leaves garbage for later).
 - ``instant``: self-referencing dicts that are garbage the moment they are
   made, the best case for the automatic collector (its young collections
   free them at once); managed GC can only tie here.
 
-Ratios are to the automatic run (< 1 is better; target for managed on the
-step-scoped loop: <= 0.70).
+Ratios are to the automatic run (< 1 is better; targets for managed: <= 0.70
+on the step-scoped loop, <= 0.60 on the heap loop, issue 14). Also printed:
+the full collections the loops made, all ranks together (a gc callback), which
+is where the automatic collector's time goes.
 
 Run: mpiexec -n 4 python bench/bench_gcpause.py   (make bench)
+``--only NAME`` runs one workload (results are saved only for a full run);
+``--repeats N`` (default 5).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -50,8 +69,8 @@ from _common import save, say, timed  # noqa: E402
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 STEPS = 200
-REPEATS = 5
 HAND_EVERY = 20
+MESH_CELLS = 400_000  # 6 tracked objects each
 
 
 class Node:
@@ -61,6 +80,27 @@ class Node:
         self.parent = parent
         self.children: list[Node] = []
         self.value = 0.0
+
+
+class Cell:
+    """A mesh cell: its vertices, its neighbours (cycles through the mesh), its fields."""
+
+    __slots__ = ("vertices", "neighbours", "fields")
+
+    def __init__(self, i: int) -> None:
+        self.vertices = [i, i + 1, i + 2]
+        self.neighbours: list[Cell] = []
+        self.fields = {"u": [0.0, 0.0], "p": [0.0]}
+
+
+def build_mesh(n: int) -> list[Cell]:
+    cells = [Cell(i) for i in range(n)]
+    for i, cell in enumerate(cells):
+        cell.neighbours.extend((cells[i - 1], cells[(i + 1) % n]))
+    return cells
+
+
+MESH: list[Cell] = []
 
 
 def step_scoped(rng: random.Random, live: list[object]) -> None:
@@ -89,21 +129,46 @@ def instant(rng: random.Random, live: list[object]) -> None:
         del live[: rng.randrange(1, 200)]
 
 
-WORKLOADS: dict[str, Callable[[random.Random, list[object]], None]] = {
-    "step-scoped": step_scoped,
-    "instant": instant,
+@dataclass
+class Workload:
+    step: Callable[[random.Random, list[object]], None]
+    live: Callable[[], list[object]]  # the long-lived list the steps grow, made in the timed run
+    exit_collect: int  # the managed scope's exit collection ("managed, full exit": 2)
+    target: str | None = None
+    heap: int = 0  # cells of the long-lived mesh built before the runs
+    clean_setup: bool = False  # a full collection, untimed, before each run (and none after)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "step-scoped": Workload(
+        step_scoped, lambda: [[{} for _ in range(10)] for _ in range(2_000)], 0, "<= 0.70"
+    ),
+    "heap": Workload(
+        step_scoped,
+        lambda: [[{} for _ in range(10)] for _ in range(2_000)],
+        0,
+        "<= 0.60",
+        heap=MESH_CELLS,
+        clean_setup=True,
+    ),
+    "instant": Workload(instant, lambda: [[{} for _ in range(10)] for _ in range(2_000)], 0),
 }
 
 
-def run(mode: str, work: Callable[[random.Random, list[object]], None]) -> None:
+FULL = [0]  # full collections (generation 2) on this rank, counted by a gc callback
+LOOP_FULL = [0]  # those of the last run's loop (scope exit included, final clean-up not)
+
+
+def run(mode: str, w: Workload) -> None:
     rng = random.Random(rank)
-    live: list[object] = [[{} for _ in range(10)] for _ in range(2_000)]
+    live = w.live()
     x = np.ones(8)
     y = np.empty_like(x)
-    if mode == "managed":
-        with cgc.collective_scope(comm, exit_collect=0) as scope:
+    if mode.startswith("managed"):
+        exit_collect = 2 if mode == "managed, full exit" else w.exit_collect
+        with cgc.collective_scope(comm, exit_collect=exit_collect) as scope:
             for _ in range(STEPS):
-                work(rng, live)
+                w.step(rng, live)
                 comm.Allreduce(x, y)
                 scope.sync()
     elif mode == "by hand":
@@ -111,7 +176,7 @@ def run(mode: str, work: Callable[[random.Random, list[object]], None]) -> None:
         gc.disable()
         try:
             for step in range(STEPS):
-                work(rng, live)
+                w.step(rng, live)
                 comm.Allreduce(x, y)
                 if step % HAND_EVERY == HAND_EVERY - 1:
                     gc.collect()
@@ -120,45 +185,90 @@ def run(mode: str, work: Callable[[random.Random, list[object]], None]) -> None:
                 gc.enable()
     else:
         for _ in range(STEPS):
-            work(rng, live)
+            w.step(rng, live)
             comm.Allreduce(x, y)
+    LOOP_FULL[0] = FULL[0]
     del live
-    gc.collect()
+    if not w.clean_setup:
+        gc.collect()
+
+
+def count_full(phase: str, info: dict[str, int]) -> None:
+    if phase == "start" and info["generation"] == 2:
+        FULL[0] += 1
+
+
+def timed_run(mode: str, w: Workload, setup: Callable[[], object] | None) -> tuple[float, int]:
+    """The slowest rank's time of one run, and the full collections all ranks made in it."""
+    if setup is not None:
+        setup()
+    FULL[0] = 0
+    t = timed(comm, lambda: run(mode, w), 1)
+    return t, comm.allreduce(LOOP_FULL[0])
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    repeats = args.repeats
     say(comm, f"bench_gcpause: {comm.Get_size()} ranks, {STEPS} steps, a sync point per step")
+    gc.callbacks.append(count_full)
     t0 = time.perf_counter()
-    modes = ("automatic", "managed", "by hand")
     rows = []
-    for name, work in WORKLOADS.items():
+    for name, w in WORKLOADS.items():
+        if args.only not in (None, name):
+            continue
+        modes = ["automatic", "managed", "by hand"]
+        if w.exit_collect != 2:
+            modes.insert(2, "managed, full exit")
+        if w.heap:
+            MESH[:] = build_mesh(w.heap)
+            gc.collect()
+            tracked = comm.allreduce(len(gc.get_objects()), op=MPI.MIN)
+            say(comm, f"{name}: long-lived heap of {tracked:,} tracked objects per rank (fewest)")
+        setup = gc.collect if w.clean_setup else None
         times: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(REPEATS):  # interleaved, so that load changes hit every mode
+        fulls: dict[str, list[int]] = {m: [] for m in modes}
+        for _ in range(repeats):  # interleaved, so that load changes hit every mode
             for m in modes:
-                times[m].append(timed(comm, lambda m=m, w=work: run(m, w), 1))
+                t, full = timed_run(m, w, setup)
+                times[m].append(t)
+                fulls[m].append(full)
+        MESH.clear()
         med = {m: statistics.median(v) for m, v in times.items()}
-        ratio = statistics.median(a / b for a, b in zip(times["managed"], times["automatic"]))
-        hand = statistics.median(a / b for a, b in zip(times["by hand"], times["automatic"]))
-        target = name == "step-scoped"
+        ratios = {
+            m: statistics.median(a / b for a, b in zip(times[m], times["automatic"])) for m in modes
+        }
         say(
             comm,
-            f"{name} loop: automatic GC {med['automatic']:.3f} s, managed GC "
-            f"{med['managed']:.3f} s, by hand {med['by hand']:.3f} s; ratio managed/automatic "
-            f"{ratio:.2f}{' (target <= 0.70)' if target else ''}, by hand/automatic {hand:.2f} "
-            f"(median of {REPEATS}; {time.perf_counter() - t0:.0f} s so far)",
+            f"{name} loop (median of {repeats}; {time.perf_counter() - t0:.0f} s so far):\n"
+            + "\n".join(
+                f"  {m:18s} {med[m]:7.3f} s  ratio to automatic {ratios[m]:.2f}"
+                f"{f' (target {w.target})' if w.target and m == 'managed' else ''}"
+                f"  full collections in the loop, all ranks: {statistics.median(fulls[m]):g}"
+                for m in modes
+            ),
         )
         row: dict[str, object] = {
             "bench": f"gcpause {name}",
             "auto_s": med["automatic"],
             "managed_s": med["managed"],
             "hand_s": med["by hand"],
-            "hand_ratio": hand,
-            "ratio": ratio,
+            "hand_ratio": ratios["by hand"],
+            "ratio": ratios["managed"],
+            "auto_full": statistics.median(fulls["automatic"]),
+            "managed_full": statistics.median(fulls["managed"]),
         }
-        if target:
-            row["target"] = "<= 0.70"
+        if "managed, full exit" in modes:
+            row["managed_full_exit_s"] = med["managed, full exit"]
+            row["full_exit_ratio"] = ratios["managed, full exit"]
+        if w.target:
+            row["target"] = w.target
         rows.append(row)
-    save("gcpause", rows, comm)
+    if args.only is None:
+        save("gcpause", rows, comm)
 
 
 if __name__ == "__main__":
