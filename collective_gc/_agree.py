@@ -158,14 +158,41 @@ def keep_alive(req: MPI.Request, *buffers: object) -> None:
         _ABANDONED.append((req, buffers))
 
 
-def dup(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, MPI.Request]:
-    """Collective, non-blocking: start duplicating ``comm``; complete with :func:`wait`.
+def dup(comm: MPI.Intracomm, deadline: Deadline | None, what: Callable[[], str]) -> MPI.Intracomm:
+    """Collective. Duplicate ``comm`` (``MPI_Comm_idup``) against ``deadline``.
 
-    The new communicator must not be used (nor wrapped again, which asks MPI
-    about it) before the request completes.
+    If the wait is abandoned (a timeout, an interrupt), the request, the new
+    handle and a hold on ``comm`` are kept for the life of the process (see
+    :func:`_hold_parent`).
     """
     new, req = comm.Idup()
-    return cast(MPI.Intracomm, new), req
+    try:
+        wait(req, deadline, what, new)
+    except BaseException:
+        if req != MPI.REQUEST_NULL:
+            _HELD.append(_hold_parent(comm))
+        raise
+    return cast(MPI.Intracomm, new)
+
+
+# Open MPI before 5 (open-mpi/ompi#12465): an MPI_Comm_idup that never
+# completes leaves, in the table MPI_Finalize walks, a second pointer to its
+# parent communicator, and finalize releases the parent through both: the
+# second release writes into freed memory, which can abort the process at
+# exit. Inactive persistent receives on the parent (local calls, never started
+# nor freed) each hold a reference to it: with three, the user's free and
+# finalize's two releases only decrement, and the parent is leaked instead.
+_HOLDS = 3
+_HELD: list[tuple[object, ...]] = []  # never freed, like _ABANDONED
+
+
+def _hold_parent(comm: MPI.Intracomm) -> tuple[object, ...]:
+    name, version = MPI.get_vendor()
+    if name != "Open MPI" or version >= (5,):
+        return ()
+    buf = bytearray(1)
+    me = comm.Get_rank()  # a real source: with MPI_PROC_NULL the request holds no communicator
+    return (buf, *(comm.Recv_init(buf, source=me, tag=0) for _ in range(_HOLDS)))
 
 
 def allreduce(

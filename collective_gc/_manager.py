@@ -413,9 +413,10 @@ class Manager:
                 )
             # Never left pending: a duplicate still in progress when the user
             # frees the communicator would be completed on freed memory.
-            comm, req = _agree.dup(self._user_comm)
             try:
-                _agree.wait(req, deadline, self._what("duplicating its communicator"))
+                comm = _agree.dup(
+                    self._user_comm, deadline, self._what("duplicating its communicator")
+                )
             except BaseException as exc:
                 self._broken = f"duplicating its communicator was abandoned ({type(exc).__name__})"
                 raise

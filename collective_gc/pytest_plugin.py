@@ -330,9 +330,8 @@ def _checks_comm(state: _State, deadline: float) -> Any:
 
     world = MPI.COMM_WORLD
     if state.comm is None and state.broken is None and world.Get_size() > 1:
-        comm, req = _agree.dup(world)
         try:
-            _agree.wait(req, _agree.Deadline(deadline), lambda: "")
+            comm = _agree.dup(world, _agree.Deadline(deadline), lambda: "")
         except CollectiveTimeoutError:
             state.broken = "making its own communicator timed out"
             return None

@@ -105,3 +105,11 @@ def test_exit_agreements_in_the_same_order_whatever_the_lookups() -> None:
         assert f"destroyed a on rank {rank}" in out, out + err
         assert f"destroyed b on rank {rank}" in out, out + err
     assert "ExitLeakWarning" not in err, err
+
+
+def test_an_abandoned_private_duplicate_does_not_crash_finalize() -> None:
+    for _ in range(3):
+        proc = run("abandoned_dup.py")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("gave-up") == 1 and proc.stdout.count("finished") == 4
+        assert "corrupted" not in proc.stderr, proc.stderr
