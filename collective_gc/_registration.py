@@ -42,6 +42,7 @@ __all__ = [
     "check_destroy",
     "take_batch_py",
     "put_back",
+    "track_origins",
     "shut_down",
     "set_shut_down",
     "after_fork",
@@ -82,6 +83,15 @@ def _gc_phase(phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS) -> N
 
 
 gc.callbacks.append(_gc_phase)
+
+
+def track_origins(on: bool | None = None) -> bool:
+    """Whether new registrations record where they are made; ``on`` sets it.
+    Returns the setting before the call."""
+    was = TRACK_ORIGINS[0]
+    if on is not None:
+        TRACK_ORIGINS[0] = bool(on)
+    return was
 
 
 def shut_down() -> bool:

@@ -201,7 +201,7 @@ class collective_scope:
                 f"{self!r} was already entered; a scope is single-use, make a new one"
             )
         self._thread = threading.get_ident()
-        self._origins_were = _registration.TRACK_ORIGINS[0]
+        self._origins_were = _registration.track_origins()
         stack = _stack()
         self._owner_stack = stack
         # Stack first, then the collector: if an interrupt lands in between,
@@ -215,7 +215,7 @@ class collective_scope:
             self._state = "exited"
             raise
         if self.track_origins:
-            _registration.TRACK_ORIGINS[0] = True
+            _registration.track_origins(True)
         return self
 
     def __exit__(
@@ -253,7 +253,7 @@ class collective_scope:
             if self in stack:
                 stack.remove(self)
             self._state = "exited"
-            _registration.TRACK_ORIGINS[0] = self._origins_were
+            _registration.track_origins(self._origins_were)
             _gcpolicy.POLICY.leave(self.gc)
         if misuse is not None:
             raise CollectiveGCError(misuse)

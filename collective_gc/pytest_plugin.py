@@ -312,8 +312,7 @@ def _begin(leak: bool, strict: bool) -> _Watch:
             watch.cyclic[mgr] = mgr.cyclic
             watch.before[mgr] = {r.key for r in mgr.cyclic_pending()}
         # Name where each object was registered in the failure message.
-        watch.origins_were = _registration.TRACK_ORIGINS[0]
-        _registration.TRACK_ORIGINS[0] = True
+        watch.origins_were = _registration.track_origins(True)
     if leak:
         watch.keys = {mgr: mgr.next_key for mgr in managers()}
         watch.local = set(local.live())
@@ -474,7 +473,7 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
     try:
         gc.collect()  # cycles the test left behind die here, inside the watch
     finally:
-        _registration.TRACK_ORIGINS[0] = watch.origins_were
+        _registration.track_origins(watch.origins_were)
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
