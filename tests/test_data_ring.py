@@ -142,7 +142,20 @@ def test_close_from_another_thread_while_next_sleeps_on_the_bell(transport: str)
 
 def test_workers_never_preempt_the_rank_when_woken() -> None:
     # SCHED_BATCH: a worker the consumer wakes (credit, slots) waits for a free
-    # moment instead of taking the consumer's core mid-step.
+    # moment instead of taking the consumer's core mid-step; fn's children too.
     with ProcessPrefetch(policy, range(4), num_workers=2) as it:
         assert {p for _, p in it} == {os.SCHED_BATCH}
     assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the rank itself is left alone
+
+
+def test_the_parent_watch_thread_keeps_the_default_policy() -> None:
+    # It ends the worker when the loader closes or the rank dies: that must not
+    # wait for a free moment.
+    with ProcessPrefetch(policy, range(40), num_workers=1) as it:
+        next(it)
+        pool = it._holder.pool
+        assert pool is not None
+        pid = pool.workers[0].proc.pid
+        policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    assert policies.pop(pid) == os.SCHED_BATCH  # the thread that runs fn
+    assert os.SCHED_OTHER in policies.values()  # the parent watch

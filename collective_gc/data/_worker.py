@@ -200,8 +200,11 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
     sock_fd, sentinel_fd, pdeathsig, parent_pid, ring_fd, bell_fd, wake_fd = (int(a) for a in argv)
     if pdeathsig:
         _set_pdeathsig(parent_pid)
-    _be_batch()
     threading.Thread(target=_watch, args=(sentinel_fd,), name="parent-watch", daemon=True).start()
+    # After the watch thread started (the policy is per thread, inherited by
+    # threads and children made later): that thread keeps the default policy,
+    # so it still takes a core at once when the parent closes the loader or dies.
+    _be_batch()
     me = os.getpid()
     os.register_at_fork(after_in_child=lambda: _guard_forked_child(me))
     sock = socket.socket(fileno=sock_fd)
