@@ -13,6 +13,7 @@ import gc
 import os
 import platform
 import random
+import select
 import signal
 import threading
 import time
@@ -21,8 +22,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from data_scripts.fns import mixed_channels, plain, policy, slow, small, tagged
-from test_data_hostile import INTERRUPTS, TOTAL, _check_exactly_once, _consume_under_interrupts
+from data_scripts.fns import (
+    mixed_channels,
+    plain,
+    policy,
+    second_by_socket,
+    slow,
+    small,
+    tagged,
+)
+from test_data_hostile import (
+    INTERRUPTS,
+    TOTAL,
+    _check_exactly_once,
+    _consume_under_interrupts,
+    _in_thread,
+)
 
 from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _pool
 
@@ -159,3 +174,30 @@ def test_the_parent_watch_thread_keeps_the_default_policy() -> None:
         policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
     assert policies.pop(pid) == os.SCHED_BATCH  # the thread that runs fn
     assert os.SCHED_OTHER in policies.values()  # the parent watch
+
+
+def test_a_socket_message_lost_before_a_ring_post_is_reported_not_awaited(
+    transport: str,
+) -> None:
+    # What an interrupt does when it strikes as a message is received: the
+    # message is gone. Here the test takes it off the socket itself. The next
+    # element is in the ring: next() must see the gap and fail, not wait for
+    # a message that will never come.
+    it = ProcessPrefetch(second_by_socket, range(8), num_workers=1, buffer_size=4)
+    try:
+        assert next(it) == (0, "x")
+        pool = it._holder.pool
+        assert pool is not None
+        worker = pool.workers[0]
+        if worker.has_message():  # taken in already, while next() waited for element 0
+            worker.done_with_inbox()
+        else:
+            assert select.select([worker.sock], [], [], 20)[0], "element 1 never came"
+            assert len(worker.sock.recv(1 << 16)) > 5000  # element 1's message
+        finished, outcome = _in_thread(lambda: next(it), 20)
+        assert finished, "next() waits for an element that was lost"
+        assert isinstance(outcome, LoaderError) and "lost element 1" in str(outcome), outcome
+        with pytest.raises(LoaderError, match="lost element 1"):  # and on every later call
+            next(it)
+    finally:
+        it.close()

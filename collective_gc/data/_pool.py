@@ -513,13 +513,18 @@ class WorkerHandle:
         Sends what is owed whenever there is room, and wakes every ``_POLL``
         seconds to send slots freed meanwhile by other threads. The worker's
         end is a header of kind ``END`` in the inbox: its socket reached EOF,
-        the worker exited, or the handle was stopped.
+        the worker exited, or the handle was stopped. Returns with the inbox
+        empty and ``seq`` not in the ring only when ``seq`` was lost (see
+        :meth:`_ring_moved`).
         """
         while True:
             self.flush()
+            if self._ring_moved(seq):
+                return
             if not self._enter():
                 self._mark_end()
                 return
+            moved = False
             try:
                 bell = self.bell
                 if bell >= 0:
@@ -529,17 +534,19 @@ class WorkerHandle:
                         os.read(bell, 8)
                     except BlockingIOError:
                         pass
-                    if self.posted(seq):
-                        return
-                owes = [self.sock] if self._owes() else []
-                watch: list[Any] = [self.sock]
-                if bell >= 0:
-                    watch.append(bell)
-                if self.pidfd >= 0:
-                    watch.append(self.pidfd)
-                readable, _, _ = select.select(watch, owes, [], _POLL)
+                    moved = self.posted(seq) or self.posted(seq + 1)
+                if not moved:
+                    owes = [self.sock] if self._owes() else []
+                    watch: list[Any] = [self.sock]
+                    if bell >= 0:
+                        watch.append(bell)
+                    if self.pidfd >= 0:
+                        watch.append(self.pidfd)
+                    readable, _, _ = select.select(watch, owes, [], _POLL)
             finally:
                 self._leave()
+            if moved:
+                continue  # _ring_moved() says what it found
             if self.sock in readable:
                 if self._recv(_DONTWAIT):
                     return
@@ -548,11 +555,26 @@ class WorkerHandle:
             ):
                 # The worker has exited: what it posted or sent before is there;
                 # after that, the end.
-                if not self.posted(seq) and not self._recv(_DONTWAIT):
+                if not self._ring_moved(seq) and not self._recv(_DONTWAIT):
                     self._mark_end()
                 return
-            elif self.posted(seq):
-                return
+
+    def _ring_moved(self, seq: int) -> bool:
+        """Whether the ring has element ``seq``, or is past it.
+
+        Past it (the worker posted ``seq + 1``, or its end there): element
+        ``seq`` went by the socket, before that post, so it is queued there,
+        and is received into the inbox now; if nothing is queued, an
+        interrupt took it as it was received, and the inbox stays empty for
+        the loader to report the loss (waiting would never end).
+        """
+        if self.posted(seq):
+            return True
+        if not self.posted(seq + 1):
+            return False
+        if not self.has_message():
+            self._recv(_DONTWAIT)
+        return True
 
     def _mark_end(self) -> None:
         P.HEAD.pack_into(self.inbox, 0, END, -1, -1, 0, 0, 0)

@@ -340,6 +340,8 @@ class ProcessPrefetch(Generic[T]):
             else:
                 src, at = worker.inview, 0
         kind, slot, seq, capacity, size, nbuf = _unpack_head(src, at)
+        if not kind:  # nothing came, yet the worker is past it (see WorkerHandle.wait)
+            self._lost(worker, pos)
         if kind == P.ITEM or kind == P.ARRAY:
             if seq != mine:
                 self._lost(worker, pos)

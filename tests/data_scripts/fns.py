@@ -90,6 +90,11 @@ def tagged(i: int) -> np.ndarray[Any, Any]:
     return np.full(4096, i, np.int32)
 
 
+def second_by_socket(i: int) -> tuple[int, str]:
+    # Element 1 is too big for a ring entry (the socket); the others fit one.
+    return i, "x" * (5000 if i == 1 else 1)
+
+
 def policy(i: int) -> tuple[int, int]:
     return i, os.sched_getscheduler(0)
 
