@@ -13,7 +13,7 @@ it, and a floor, in the same run, interleaved, median of 5:
   (a full collection before the exit sync, so that nothing dropped inside
   the scope stays queued; it walks the whole heap, once per scope);
 - by hand: gc off, a full ``gc.collect()`` on every rank every 20 steps (the
-  issue's reference, measured there at 0.68-0.88 of automatic).
+  issue's reference, measured there at 0.68-0.88 of automatic);
 - no collection: gc off, nothing collected in the loop (the garbage piles
   up): the floor any collection policy can reach on the loop, printed so
   that a ratio can be read against what is left to win.
