@@ -40,6 +40,7 @@ from test_data_hostile import (
 )
 
 from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _pool
+from collective_gc.data import _protocol as P
 
 pytestmark = pytest.mark.launcher
 
@@ -60,10 +61,13 @@ def test_the_ring_is_used_on_x86_64() -> None:
     if not _pool.RING:
         pytest.skip("no ring on this machine")
     with ProcessPrefetch(plain, range(40), num_workers=2, buffer_size=4) as it:
-        assert list(it)[:3] == [(0, "0"), (1, "1"), (2, "2")]
-        # Every worker has its ring and posted into it (a mark beyond the first).
-        for w in it._holder.pool.workers if it._holder.pool else []:
-            assert w.shared
+        assert [next(it) for _ in range(30)][:3] == [(0, "0"), (1, "1"), (2, "2")]
+        pool = it._holder.pool
+        assert pool is not None
+        for w in pool.workers:  # each has its ring, and its elements were posted there
+            assert w.shared and w.ring is not None
+            marks = [P.read_mark(w.ring, e * P.RING_ENTRY)[0] for e in range(w.entries)]
+            assert max(marks) >= 15, marks
 
 
 def test_both_channels_in_one_stream_keep_the_order(transport: str) -> None:
