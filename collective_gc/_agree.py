@@ -58,6 +58,7 @@ from ._errors import CollectiveTimeoutError
 __all__ = [
     "FLAG_CYCLIC",
     "FLAG_FAILED",
+    "FLAG_BAD_VOTE",
     "FIELD_BITS",
     "NO_KEY",
     "NO_DEADLINE",
@@ -80,6 +81,7 @@ NO_DEADLINE = NO_KEY  # a rank without a deadline: never the earliest one
 # Flags, ORed over the ranks.
 FLAG_CYCLIC = 1  # a cyclic-GC death of a managed object was drained
 FLAG_FAILED = 2  # a destroy raised (on a derived communicator, or in the sync point's own)
+FLAG_BAD_VOTE = 8  # a participant voted outside 0..255
 FIELD_BITS = 8  # participant field f owns bits [8 (f + 1), 8 (f + 2)) of the flags
 MAX_FIELDS = 6
 
@@ -87,24 +89,55 @@ MAX_FIELDS = 6
 class Deadline:
     """When a sync point gives up waiting: ``at`` (``time.monotonic()``) for
     this rank's own deadline, ``late_after`` (``time.time()``) for the earliest
-    deadline of any rank once the header has told it (see the module docs)."""
+    deadline of any rank once the agreement has told it (see the module docs).
 
-    __slots__ = ("at", "late_after")
+    With ``hold``, a KeyboardInterrupt or SystemExit raised while waiting for a
+    collective is kept in ``held`` and the wait goes on (to completion or the
+    deadline), so that the caller can finish its collectives in step with the
+    other ranks and raise it afterwards; a second one is raised at once.
+    """
 
-    def __init__(self, at: float | None) -> None:
+    __slots__ = ("at", "late_after", "hold", "held")
+
+    def __init__(self, at: float | None, hold: bool = False) -> None:
         self.at = at
         self.late_after: float | None = None
+        self.hold = hold
+        self.held: BaseException | None = None
 
     def wall_us(self) -> int:
         """This rank's deadline as wall-clock microseconds, or NO_DEADLINE."""
         if self.at is None:
             return NO_DEADLINE
-        return int((time.time() + (self.at - time.monotonic())) * 1e6)
+        us = (time.time() + (self.at - time.monotonic())) * 1e6
+        return int(min(us, NO_DEADLINE - 1))  # a timeout of centuries still fits a word
 
     def agree(self, wall_us: int) -> None:
         """Take the earliest deadline of any rank (NO_DEADLINE: none had one)."""
         if wall_us != NO_DEADLINE:
             self.late_after = wall_us / 1e6
+
+    def keep(self, exc: BaseException) -> bool:
+        """Hold ``exc`` (an interrupt during a wait) if this deadline holds one
+        and holds none yet. False: the caller must raise it now."""
+        if not self.hold or self.held is not None or isinstance(exc, Exception):
+            return False
+        self.held = exc
+        return True
+
+    def release(self) -> None:
+        """Raise the held interrupt, if any (once the collectives are done)."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.add_note(
+                "collective_gc: it arrived while this rank waited in a sync point's "
+                "collective, and was held until the sync point's collectives were done, so "
+                "that every rank ran the same destroys"
+            )
+            try:
+                raise held
+            finally:
+                held = None
 
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
@@ -124,26 +157,40 @@ def wait(
     ``buffers`` are kept alive for ever if the request is abandoned, since MPI
     may still read or write them when a late rank arrives.
     """
-    if deadline is None or deadline.at is None:
-        req.Wait()
-    else:
-        # Poll: yield the core at first (ranks may share cores with the one we
-        # wait for), then back off to a millisecond so a long wait does not
-        # burn a core.
-        delay = 0.0
-        at = deadline.at
-        try:
-            while not req.Test():
-                if time.monotonic() > at:
-                    raise CollectiveTimeoutError(what())
-                time.sleep(delay)
-                delay = min(1e-3, delay * 2 + 2e-5)
-        except BaseException:
-            # Timed out, or interrupted (KeyboardInterrupt in the sleep): the
-            # request stays pending, and so must what MPI may still touch.
-            if req != MPI.REQUEST_NULL:
-                _ABANDONED.append((req, buffers))
-            raise
+    try:
+        if deadline is None or deadline.at is None:
+            while True:
+                try:
+                    req.Wait()  # an interrupt surfaces here, once Wait has returned
+                    break
+                except BaseException as exc:
+                    if deadline is None or not deadline.keep(exc):
+                        raise
+        else:
+            # Poll: yield the core at first (ranks may share cores with the one
+            # we wait for), then back off to a millisecond so a long wait does
+            # not burn a core.
+            delay = 0.0
+            at = deadline.at
+            while True:
+                try:
+                    if req.Test():
+                        break
+                    if time.monotonic() > at:
+                        raise CollectiveTimeoutError(what())
+                    time.sleep(delay)
+                    delay = min(1e-3, delay * 2 + 2e-5)
+                except CollectiveTimeoutError:
+                    raise
+                except BaseException as exc:
+                    if not deadline.keep(exc):
+                        raise
+    except BaseException:
+        # Timed out, or interrupted again: the request stays pending, and so
+        # must what MPI may still touch.
+        if req != MPI.REQUEST_NULL:
+            _ABANDONED.append((req, buffers))
+        raise
     if deadline is not None and deadline.late_after is not None:
         if time.time() > deadline.late_after:
             raise CollectiveTimeoutError(
@@ -212,9 +259,21 @@ def allgather(
     import pickle
 
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
-    sizes = np.empty(comm.Get_size(), dtype=np.int64)
-    mine = np.array([data.size], dtype=np.int64)
-    wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
+    # Each rank's size and deadline: a rank that completes this round after
+    # another gave up on it raises now, not at its own deadline in the next.
+    pairs = np.empty(2 * comm.Get_size(), dtype=np.int64)
+    at = NO_DEADLINE if deadline is None else deadline.wall_us()
+    mine = np.array([data.size, at], dtype=np.int64)
+    wait(comm.Iallgather(mine, pairs), deadline, what, mine, pairs)
+    sizes = pairs[0::2].copy()
+    earliest = int(pairs[1::2].min())
+    if deadline is not None and earliest != NO_DEADLINE:
+        deadline.agree(earliest)
+        if deadline.late_after is not None and time.time() > deadline.late_after:
+            raise CollectiveTimeoutError(
+                what() + "\n(it completed here only after the deadline of another rank had "
+                "passed: that rank gave up on this gather)"
+            )
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
     wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
@@ -449,10 +508,9 @@ class Agreement:
             # non-blocking one of a rank that has a deadline.
             req = self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
             try:
-                req.Wait()
+                wait(req, deadline, what, buf)
             except BaseException:
-                keep_alive(req, buf)  # MPI may still write into it
-                self._shape = (-1, -1)  # never reused
+                self._shape = (-1, -1)  # MPI may still write into it: never reused
                 raise
             red = buf
         else:

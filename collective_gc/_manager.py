@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from mpi4py import MPI
 
 from . import _agree, _destroy
-from ._agree import FLAG_CYCLIC, FLAG_FAILED
+from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
@@ -479,7 +479,9 @@ class Manager:
         with self._lock:
             if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("run a sync point")
-            dl = _agree.Deadline(deadline)
+            # Holding: an interrupt while waiting for the other ranks is raised
+            # once the sync point's collectives are done (see _agree.Deadline).
+            dl = _agree.Deadline(deadline, hold=True)
             try:
                 return self._sync(dl, participants, collected, t0, at_exit)
             except CollectiveTimeoutError:
@@ -510,14 +512,18 @@ class Manager:
         t0: float,
         at_exit: bool,
     ) -> CollectStats:
-        parts = self._participants + list(extra) if extra else self._participants
+        parts = self._participants
+        if extra:
+            self._check_fields(extra)
+            parts = parts + list(extra)
         registry = self._registry
         failures: list[_destroy.Failure] = []
         flags = 0
+        bad: list[str] = []
         if parts:
             for p in parts:
                 failures.extend(p.prepare(self, dl.at))
-            flags = self._votes(parts) | (FLAG_FAILED if failures else 0)
+            flags = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
         cyclic = (
             registry.drain(self._seq)
             if registry.inbox or registry.stale or registry.last_cyclic
@@ -540,6 +546,16 @@ class Manager:
                 raise self._mismatch(agreement.comm, dl, at_exit)
             agreement.window.advance(registry.next_key)
             keys, flags = agreed.keys, agreed.flags
+        if flags & FLAG_BAD_VOTE:
+            # Seen alike by every rank, before anything is destroyed: the
+            # keys stay pending, and the manager stays usable.
+            self._collective = False
+            dl.release()
+            raise CollectiveGCError(
+                f"rank {self._rank}: a participant of the {self.describe()} voted outside "
+                f"0..255 at sync point {self._seq} (here: {'; '.join(bad) or 'none'}); "
+                "nothing was destroyed"
+            )
         seq = self._seq
         self._seq += 1
         count = 0
@@ -555,29 +571,38 @@ class Manager:
         # takes the same branch: then one more small collective says whether a
         # destroy failed anywhere (interrupts included: they are re-raised
         # only after it) and takes the votes again (destroys may change them).
+        rows: list[tuple[int, int, str, str]] = []
         if keys.size or flags & FLAG_FAILED:
-            after = self._votes(parts) | (FLAG_FAILED if failures else 0)
+            after = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
             if self._agreement is not None:
                 after = self._agreement.any_flags(after, dl, self._what("its error check"))
             flags = after | (flags & FLAG_CYCLIC)
+            if flags & FLAG_FAILED:
+                rows = _destroy.rows_of(failures, self._rank)
+                if self._size > 1:
+                    everyone = _agree.allgather(
+                        self._private(dl), rows, dl, self._what("its error report")
+                    )
+                    rows = [row for per_rank in everyone for row in per_rank]
+        # The sync point's own collectives are done: what a participant does
+        # now (PETSc's cleanup is collective) must succeed or fail alike on
+        # every rank, as the destroys themselves.
+        self._collective = False
         for p in parts:
             p.finish(self, flags)
         if flags & FLAG_FAILED:
-            rows = _destroy.rows_of(failures, self._rank)
-            if self._size > 1:
-                everyone = _agree.allgather(
-                    self._private(dl), rows, dl, self._what("its error report")
-                )
-                rows = [row for per_rank in everyone for row in per_rank]
-            self._collective = False
+            local = [e for _, _, e in failures]
+            if dl.held is not None:
+                local.insert(0, dl.held)
+                dl.held = None
             _destroy.raise_failures(
                 rows,
-                [e for _, _, e in failures],
+                local,
                 f"sync point {seq} on the {self.describe()}",
                 self._rank,
                 self._broken,
             )
-        self._collective = False
+        dl.release()
         return CollectStats(
             count,
             registry.pend.size + len(registry.inbox),
@@ -587,11 +612,31 @@ class Manager:
             collected,
         )
 
-    def _votes(self, parts: Sequence[Participant]) -> int:
+    def _check_fields(self, extra: Sequence[Participant]) -> None:
+        # The same participants on every rank (the call is collective), so
+        # refusing here, before any collective, is the same everywhere.
+        taken = {p.field for p in self._participants if p.field is not None}
+        for p in extra:
+            if p.field is None:
+                continue
+            _agree.field_shift(p.field)
+            if p.field in taken:
+                raise CollectiveGCError(
+                    f"two participants of a sync point on the {self.describe()} vote in "
+                    f"field {p.field}"
+                )
+            taken.add(p.field)
+
+    def _votes(self, parts: Sequence[Participant], bad: list[str]) -> int:
         flags = 0
         for p in parts:
             if p.field is not None:
-                flags |= (p.vote(self) & 0xFF) << _agree.field_shift(p.field)
+                vote = p.vote(self)
+                if type(vote) is not int or not 0 <= vote <= 0xFF:
+                    bad.append(f"{type(p).__name__} voted {vote!r}")
+                    flags |= FLAG_BAD_VOTE
+                    continue
+                flags |= vote << _agree.field_shift(p.field)
         return flags
 
     def _mismatch(
