@@ -112,7 +112,11 @@ class Registry(Ledger):
             held = registrar.acquire(False)
             if not held:
                 holder = self.registrar_ident
-                if not holder:  # it has the lock, and is about to write its ident
+                # 0: it has the lock and is about to write its ident (or has
+                # just cleared it, releasing): give it a moment, for the message.
+                for _ in range(50):
+                    if holder:
+                        break
                     time.sleep(0.001)
                     holder = self.registrar_ident
                 raise RegistrationError(
@@ -155,6 +159,9 @@ class Registry(Ledger):
             return reg
         finally:
             if held:
+                # Cleared first: a thread refused later must not name a thread
+                # that has finished registering (and may have exited).
+                self.registrar_ident = 0
                 registrar.release()  # type: ignore[union-attr]
 
     def retire(
