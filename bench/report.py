@@ -122,6 +122,38 @@ def plot_scale(data: dict[str, dict[str, Any]]) -> str | None:
     return out.name
 
 
+def plot_gcpause(data: dict[str, dict[str, Any]]) -> str | None:
+    blob = data.get("gcpause")
+    if blob is None:
+        return None
+    modes = {
+        "ratio": "managed",
+        "full_exit_ratio": "managed, full exit",
+        "hand_ratio": "by hand",
+        "floor_ratio": "no collection",
+    }
+    rows = blob["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(modes)
+    for i, (key, label) in enumerate(modes.items()):
+        xs = [j + i * width for j, r in enumerate(rows) if key in r]
+        ys = [r[key] for r in rows if key in r]
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([r["bench"].removeprefix("gcpause ") for r in rows])
+    ax.set_ylabel("time / automatic GC (same run)")
+    ax.set_yscale("log")
+    ax.set_title(f"Bulk-synchronous loop on {blob['meta'].get('ranks', '?')} ranks")
+    ax.legend(fontsize=8)
+    out = RESULTS / "gcpause.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out.name
+
+
 def plot_bars(
     data: dict[str, dict[str, Any]], name: str, keys: dict[str, str], title: str, ylabel: str
 ) -> str | None:
@@ -166,13 +198,7 @@ def main() -> int:
             "Loader throughput, 256 KiB float32, 2 workers",
             "elements / s",
         ),
-        plot_bars(
-            data,
-            "gcpause",
-            {"auto_s": "automatic GC", "managed_s": "managed GC"},
-            "Bulk-synchronous loop on 4 ranks",
-            "seconds",
-        ),
+        plot_gcpause(data),
     ]
     metas = {name: blob.get("meta", {}) for name, blob in data.items()}
     text = [
