@@ -388,6 +388,8 @@ class Window:
         the sync point before the last one, and room for twice as many new
         ones as the most registered between two of the last sync points."""
         marks, growths = self.marks, self.growths
+        if next_key == marks[0] == marks[-1] and len(growths) == self.MEMORY and not any(growths):
+            return  # nothing registered for a while: the window is already right
         growths.append(next_key - marks[-1])
         marks.append(next_key)
         if len(growths) > self.MEMORY:

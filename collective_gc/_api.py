@@ -143,9 +143,10 @@ def collect(
     mgr = manager(_comm_of(comm))
     collected = None
     if generation is not None:
-        # A heap a managed scope froze is thawed first, so that nothing
-        # frozen that died is missed (a no-op when nothing is frozen).
-        _gcpolicy.POLICY.thaw()
+        if generation >= 2:
+            # A heap a managed scope froze is thawed first, so that nothing
+            # frozen that died is missed (a young collection never walks it).
+            _gcpolicy.POLICY.thaw()
         collected = gc.collect(generation)
     deadline = None if seconds is None else time.monotonic() + seconds
     return mgr.sync(deadline=deadline, collected=collected, t0=t0)
