@@ -20,10 +20,11 @@ The window needs no round of its own. Between sync points, the keys whose
 destroy has not run are the same on every rank (registration is collective,
 destroys run by agreement or by collective explicit calls), so a window
 computed from what earlier sync points agreed (the registrations of the last
-two intervals, with room for as many more) is the same on every rank, and so
+few intervals, with room for twice the largest recent one) is the same on
+every rank, and so
 is the message's length, even when the ranks disagree. Pending keys outside
 the window (an object kept for many steps, a burst of registrations larger
-than the last) set bits of a 64-bit hash filter, ANDed too; only if the
+than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
 filter says a key outside the window may be pending everywhere does a
 fallback run: an allreduce of (count, lowest, highest) of those keys, then
 their intersection (a bitmap, or the sorted keys merged as PETSc's
@@ -376,6 +377,10 @@ class Window:
     # followed by a sync point that finds nothing new) must not shrink it
     # before the next burst.
     MEMORY = 8
+    # How many sync points back the window's first key was the next key: an
+    # object that outlives a few sync points (a previous step's solution, one
+    # a sync point between two steps did not see die) is still inside it.
+    SPAN = 4
 
     def __init__(self) -> None:
         self.lo = 0
@@ -385,8 +390,8 @@ class Window:
 
     def advance(self, next_key: int) -> None:
         """After a sync point agreed on ``next_key``: the keys registered since
-        the sync point before the last one, and room for twice as many new
-        ones as the most registered between two of the last sync points."""
+        the last SPAN - 1 sync points, and room for twice as many new ones as
+        the most registered between two of the last MEMORY sync points."""
         marks, growths = self.marks, self.growths
         if next_key == marks[0] == marks[-1] and len(growths) == self.MEMORY and not any(growths):
             return  # nothing registered for a while: the window is already right
@@ -394,7 +399,7 @@ class Window:
         marks.append(next_key)
         if len(growths) > self.MEMORY:
             del growths[0]
-        if len(marks) > 2:
+        if len(marks) > self.SPAN:
             del marks[0]
         lo = marks[0]
         hi = next_key + max(2 * max(growths), self.MIN)
