@@ -21,9 +21,8 @@ destroy has not run are the same on every rank (registration is collective,
 destroys run by agreement or by collective explicit calls), so a window
 computed from what earlier sync points agreed (the registrations of the last
 few intervals, with room for twice the largest recent one) is the same on
-every rank, and so
-is the message's length, even when the ranks disagree. Pending keys outside
-the window (an object kept for many steps, a burst of registrations larger
+every rank, and so is the message's length, even when the ranks disagree.
+Pending keys outside the window (an object kept for many steps, a burst of registrations larger
 than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
 filter says a key outside the window may be pending everywhere does a
 fallback run: an allreduce of (count, lowest, highest) of those keys, then
