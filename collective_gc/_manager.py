@@ -221,8 +221,8 @@ class Manager:
 
     @property
     def created(self) -> int:
-        """Registrations made on this communicator."""
-        return self._registry.created
+        """Registrations made on this communicator (the keys handed out)."""
+        return self._registry.next_key
 
     @property
     def cyclic(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,9 @@ __all__ = ["Registry", "NO_KEYS"]
 
 NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
+_FUNCTION = types.FunctionType
+_get_ident = threading.get_ident
+_getweakrefs = weakref.getweakrefs
 _CYCLIC_OF = operator.attrgetter("cyclic")
 
 
@@ -55,7 +59,6 @@ class Registry(Ledger):
         "stale",
         "registrar",
         "registrar_ident",
-        "created",
         "cyclic_total",
         "last_cyclic",
         "cyclic_log",
@@ -84,7 +87,6 @@ class Registry(Ledger):
         # refused, never made to wait.
         self.registrar: threading.RLock | None = threading.RLock() if parallel else None
         self.registrar_ident = 0
-        self.created = 0
         self.cyclic_total = 0
         # (type, name, key, origin) of the cyclic deaths the last drain found,
         # and of the last LOG ones found by any drain (cyclic_total - len of
@@ -105,64 +107,70 @@ class Registry(Ledger):
     ) -> Registration:
         """Give ``obj`` the next key, then call ``then`` (if given) while still
         the only registering thread. Local; the caller makes it collective."""
-        check_destroy(obj, destroy, args, kwargs)
+        if args or kwargs or type(destroy) is not _FUNCTION or destroy.__closure__:
+            check_destroy(obj, destroy, args, kwargs)  # else a plain function: nothing to check
         registrar = self.registrar
-        held = False
-        if registrar is not None:
-            held = registrar.acquire(False)
-            if not held:
-                holder = self.registrar_ident
-                # 0: it has the lock and is about to write its ident (or has
-                # just cleared it, releasing): give it a moment, for the message.
-                for _ in range(50):
-                    if holder:
-                        break
-                    time.sleep(0.001)
-                    holder = self.registrar_ident
-                raise RegistrationError(
-                    f"thread {threading.current_thread().name!r} tried to register an object "
-                    f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
-                    "registering one: registration on a communicator of size > 1 is "
-                    "collective, and ranks would number objects registered from two "
-                    "threads at once in different orders. Register from one thread."
-                )
-            self.registrar_ident = threading.get_ident()
-        try:
-            for ref in weakref.getweakrefs(obj):
-                if isinstance(ref, Registration) and self.live.get(ref.key) is ref:
-                    raise RegistrationError(
-                        f"this {type(obj).__name__!r} object is already registered on the "
-                        f"{self.owner.describe()} as key {ref.key} ({ref.name!r}); register "
-                        "one destroy that releases all it owns, or detach the first registration"
-                    )
-            reg = make_registration(
-                obj, self.owner, self.inbox.append, -1, destroy, args, kwargs, name
-            )
-            # Key taken and registration stored with nothing in between that
-            # allocates (no collector, so no finalizer, can register meanwhile).
-            # On a larger communicator the registrar already lets one thread
-            # at a time here, and each dict operation is atomic.
-            if registrar is None:
-                with self.lock:
-                    key = self.next_key
-                    self.next_key = key + 1
-                    reg.key = key
-                    self.live[key] = reg
-            else:
+        if registrar is None:
+            # Any thread may register: the key is taken and the registration
+            # stored under the lock (re-entrant: a finalizer run by an
+            # allocation here may register on this very thread).
+            with self.lock:
+                if _getweakrefs(obj):
+                    self._refuse_duplicate(obj)
                 key = self.next_key
+                reg = make_registration(
+                    obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
+                )
                 self.next_key = key + 1
-                reg.key = key
                 self.live[key] = reg
-            self.created += 1
+                return reg
+        if not registrar.acquire(False):
+            self._refuse_thread()
+        self.registrar_ident = _get_ident()
+        try:
+            # One registering thread at a time: no lock needed for the key.
+            if _getweakrefs(obj):
+                self._refuse_duplicate(obj)
+            key = self.next_key
+            reg = make_registration(
+                obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
+            )
+            self.next_key = key + 1
+            self.live[key] = reg
             if then is not None:
                 then()
             return reg
         finally:
-            if held:
-                # Cleared first: a thread refused later must not name a thread
-                # that has finished registering (and may have exited).
-                self.registrar_ident = 0
-                registrar.release()  # type: ignore[union-attr]
+            # Cleared first: a thread refused later must not name a thread
+            # that has finished registering (and may have exited).
+            self.registrar_ident = 0
+            registrar.release()
+
+    def _refuse_duplicate(self, obj: object) -> None:
+        for ref in _getweakrefs(obj):
+            if isinstance(ref, Registration) and self.live.get(ref.key) is ref:
+                raise RegistrationError(
+                    f"this {type(obj).__name__!r} object is already registered on the "
+                    f"{self.owner.describe()} as key {ref.key} ({ref.name!r}); register "
+                    "one destroy that releases all it owns, or detach the first registration"
+                )
+
+    def _refuse_thread(self) -> None:
+        holder = self.registrar_ident
+        # 0: it has the lock and is about to write its ident (or has just
+        # cleared it, releasing): give it a moment, for the message.
+        for _ in range(50):
+            if holder:
+                break
+            time.sleep(0.001)
+            holder = self.registrar_ident
+        raise RegistrationError(
+            f"thread {threading.current_thread().name!r} tried to register an object "
+            f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
+            "registering one: registration on a communicator of size > 1 is "
+            "collective, and ranks would number objects registered from two "
+            "threads at once in different orders. Register from one thread."
+        )
 
     def retire(
         self, reg: Registration, state: int
