@@ -125,7 +125,9 @@ class Registry(Ledger):
                 self.live[key] = reg
                 return reg
         if not registrar.acquire(False):
-            self._refuse_thread()
+            holder = self._holder_or_acquire(registrar)
+            if holder:
+                self._refuse_thread(holder)
         self.registrar_ident = _get_ident()
         try:
             # One registering thread at a time: no lock needed for the key.
@@ -155,15 +157,21 @@ class Registry(Ledger):
                     "one destroy that releases all it owns, or detach the first registration"
                 )
 
-    def _refuse_thread(self) -> None:
-        holder = self.registrar_ident
-        # 0: it has the lock and is about to write its ident (or has just
-        # cleared it, releasing): give it a moment, for the message.
+    def _holder_or_acquire(self, registrar: threading.RLock) -> int:
+        """The registrar is held by another thread: its ident, for the refusal.
+        If the holder is only about to write it, or has just cleared it on its
+        way out, look again for a moment; 0 if this thread got the registrar
+        meanwhile (no other registration was in progress after all)."""
         for _ in range(50):
-            if holder:
-                break
-            time.sleep(0.001)
             holder = self.registrar_ident
+            if holder:
+                return holder
+            time.sleep(0.001)
+            if registrar.acquire(False):
+                return 0
+        return self.registrar_ident or -1
+
+    def _refuse_thread(self, holder: int) -> None:
         raise RegistrationError(
             f"thread {threading.current_thread().name!r} tried to register an object "
             f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
