@@ -93,9 +93,10 @@ def manager(comm: MPI.Comm) -> Manager:
     Local: making a manager sends no message (its private duplicate is made
     by the first registration or sync point, which are collective anyway).
     """
-    mgr = _cached(comm)
-    if mgr is not None:
-        return mgr
+    # _cached, inline: this runs at every registration.
+    mgr = _LAST[1]
+    if mgr is not None and _LAST[0]() is comm and not mgr.comm_freed:
+        return mgr  # type: ignore[no-any-return]
     c = check_comm(comm)
     if _FREED:
         release_freed()

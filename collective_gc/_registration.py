@@ -50,6 +50,7 @@ __all__ = [
     "speedups",
     "finalizer",
     "new_registration_py",
+    "construct",
     "ALIVE",
     "DESTROYED",
     "DETACHED",
@@ -275,7 +276,7 @@ def make_registration(
         else None
     )
     try:
-        return _NEW[0](obj, _CALLBACK[0], owner, push, key, destroy, args, name, origin)
+        return _NEW[0](_CALLBACK[0], obj, owner, push, key, destroy, args, name, origin)
     except TypeError:
         if not isinstance(args, tuple):
             raise
@@ -287,8 +288,8 @@ def make_registration(
 
 
 def new_registration_py(
-    obj: object,
     callback: Callable[[Registration], None],
+    obj: object,
     owner: Owner,
     push: Callable[[Registration], object],
     key: int,
@@ -322,14 +323,27 @@ _NEW: list[Callable[..., Registration]] = [
 ]
 
 
+def _bind() -> Callable[..., Registration]:
+    return functools.partial(_NEW[0], _CALLBACK[0])
+
+
+# ``construct(obj, owner, push, key, destroy, args, name, origin)``: the
+# constructor with its finalizer bound (one C call where the extension is
+# built); a registry calls it directly when there are no keyword arguments to
+# fold in and no origin to record. TypeError if obj cannot be weakly referenced.
+construct: Callable[..., Registration] = _bind()
+
+
 def use_speedups(kind: str) -> None:
     """``"c"`` (the default where the extension is built) or ``"python"``: which
     finalizer and constructor new registrations get. For tests and benchmarks."""
+    global construct
     if kind not in ("c", "python"):
         raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
     c = kind == "c" and SPEEDUPS is not None
     _CALLBACK[0] = _C_ON_FINALIZE if c and _C_ON_FINALIZE else _py_on_finalize
     _NEW[0] = SPEEDUPS.new_registration if c and SPEEDUPS else new_registration_py
+    construct = _bind()
 
 
 def speedups() -> str:

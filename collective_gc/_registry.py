@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _registration
 from ._errors import RegistrationError
 from ._registration import (
     Ledger,
@@ -118,9 +119,15 @@ class Registry(Ledger):
                 if _getweakrefs(obj):
                     self._refuse_duplicate(obj)
                 key = self.next_key
-                reg = make_registration(
-                    obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
-                )
+                if kwargs or _registration.TRACK_ORIGINS[0]:
+                    reg = self._new(obj, key, destroy, args, kwargs, name)
+                else:
+                    try:  # the common case in one C call
+                        reg = _registration.construct(
+                            obj, self.owner, self.inbox.append, key, destroy, args, name, None
+                        )
+                    except TypeError:
+                        reg = self._new(obj, key, destroy, args, kwargs, name)  # says why
                 self.next_key = key + 1
                 self.live[key] = reg
                 return reg
@@ -134,9 +141,15 @@ class Registry(Ledger):
             if _getweakrefs(obj):
                 self._refuse_duplicate(obj)
             key = self.next_key
-            reg = make_registration(
-                obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
-            )
+            if kwargs or _registration.TRACK_ORIGINS[0]:
+                reg = self._new(obj, key, destroy, args, kwargs, name)
+            else:
+                try:  # the common case in one C call
+                    reg = _registration.construct(
+                        obj, self.owner, self.inbox.append, key, destroy, args, name, None
+                    )
+                except TypeError:
+                    reg = self._new(obj, key, destroy, args, kwargs, name)  # says why
             self.next_key = key + 1
             self.live[key] = reg
             if then is not None:
@@ -147,6 +160,19 @@ class Registry(Ledger):
             # that has finished registering (and may have exited).
             self.registrar_ident = 0
             registrar.release()
+
+    def _new(
+        self,
+        obj: object,
+        key: int,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+    ) -> Registration:
+        return make_registration(
+            obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
+        )
 
     def _refuse_duplicate(self, obj: object) -> None:
         for ref in _getweakrefs(obj):

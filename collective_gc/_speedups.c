@@ -393,7 +393,7 @@ segments_of(PyObject *fns, PyObject *batched)
 }
 
 PyDoc_STRVAR(new_registration_doc,
-"new_registration(obj, callback, owner, push, key, destroy, args, name, origin) -> reg\n\n"
+"new_registration(callback, obj, owner, push, key, destroy, args, name, origin) -> reg\n\n"
 "What collective_gc._registration.make_registration does once kwargs are folded\n"
 "in: a Registration (weak reference to obj with callback) in the alive state,\n"
 "its slots set directly. TypeError if obj cannot be weakly referenced.");
@@ -411,7 +411,8 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "new_registration: set_registration_type was not called");
         return NULL;
     }
-    PyObject *obj = args[0], *callback = args[1], *owner = args[2], *push = args[3];
+    /* The callback first, so that functools.partial can bind it. */
+    PyObject *callback = args[0], *obj = args[1], *owner = args[2], *push = args[3];
     PyObject *key = args[4], *destroy = args[5], *fargs = args[6], *name = args[7];
     PyObject *origin = args[8];
     if (!PyTuple_Check(fargs)) {

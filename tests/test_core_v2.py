@@ -215,8 +215,8 @@ def test_both_registration_constructors_make_the_same_registration() -> None:
     for make in makers:
         inbox: list[object] = []
         o = Obj()
-        reg = make(o, _registration.finalizer(), None, inbox.append, 7, noop, (1,), None, None)
-        named = make(o, _registration.finalizer(), None, inbox.append, 8, noop, (), "n", None)
+        reg = make(_registration.finalizer(), o, None, inbox.append, 7, noop, (1,), None, None)
+        named = make(_registration.finalizer(), o, None, inbox.append, 8, noop, (), "n", None)
         seen.append(
             (
                 reg.key,
@@ -234,4 +234,4 @@ def test_both_registration_constructors_make_the_same_registration() -> None:
         assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
     assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
     with pytest.raises(TypeError):
-        makers[1](3, _registration.finalizer(), None, print, 0, noop, (), None, None)
+        makers[1](_registration.finalizer(), 3, None, print, 0, noop, (), None, None)
