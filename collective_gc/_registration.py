@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import os
 import threading
 import traceback
 import types
@@ -270,11 +271,7 @@ def make_registration(
     """Create a registration (the weak reference to ``obj``) in the ALIVE state."""
     if kwargs:
         destroy = functools.partial(destroy, **kwargs)
-    origin = (
-        traceback.StackSummary.from_list(traceback.extract_stack(limit=12)[:-3])
-        if TRACK_ORIGINS[0]
-        else None
-    )
+    origin = _origin() if TRACK_ORIGINS[0] else None
     try:
         return _NEW[0](_CALLBACK[0], obj, owner, push, key, destroy, args, name, origin)
     except TypeError:
@@ -285,6 +282,18 @@ def make_registration(
             "referenced (give its class a __weakref__ slot, or register a small "
             "weak-referenceable owner object instead)"
         ) from None
+
+
+_HERE = os.path.dirname(__file__)
+
+
+def _origin() -> traceback.StackSummary:
+    # The caller's frames: this package's own (however deep the registration
+    # path is) are left out.
+    frames = traceback.extract_stack(limit=24)
+    while frames and frames[-1].filename.startswith(_HERE):
+        frames.pop()
+    return traceback.StackSummary.from_list(frames[-12:])
 
 
 def new_registration_py(
