@@ -309,3 +309,19 @@ def test_everything_dies_with_the_rank_whatever_fn_forked(mode: str) -> None:
             except ProcessLookupError:
                 pass
     assert not survivors, f"{survivors} outlived the rank"
+
+
+def test_close_is_bounded_when_an_interrupt_left_a_workers_wait_lock_held() -> None:
+    # An interrupt can land inside subprocess.Popen.wait between its lock's
+    # acquire and its try (exit_status, called from next()), leaving the lock
+    # held for ever; close() then waited for it (a hang seen once in CI). The
+    # lock is Popen's own (a CPython detail), held here as the interrupt would.
+    it = ProcessPrefetch(small, range(TOTAL), num_workers=2, buffer_size=4, close_timeout=0.5)
+    next(it)
+    workers = it._holder.pool.workers
+    for w in workers:
+        assert w.proc._waitpid_lock.acquire(False)
+    t0 = time.monotonic()
+    it.close()
+    assert time.monotonic() - t0 < 10
+    assert all(w.proc.returncode is not None for w in workers)

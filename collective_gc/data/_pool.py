@@ -728,12 +728,25 @@ class WorkerHandle:
             os.close(fd)
 
     def join(self, timeout: float) -> None:
-        """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``."""
+        """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``.
+
+        Bounded even if an interrupt left the ``Popen``'s own wait lock held
+        (it can land between CPython's acquire and its ``try``, in an earlier
+        ``wait`` cut short inside ``next()``): then the child is reaped here.
+        """
+        try:
+            self.proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            try:
+                _, status = os.waitpid(self.proc.pid, 0)  # SIGKILLed: exits at once
+            except ChildProcessError:
+                return  # reaped by someone else meanwhile
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
 
 
 class Pool:
