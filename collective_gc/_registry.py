@@ -115,64 +115,43 @@ class Registry(Ledger):
             # Any thread may register: the key is taken and the registration
             # stored under the lock (re-entrant: a finalizer run by an
             # allocation here may register on this very thread).
-            with self.lock:
-                if _getweakrefs(obj):
-                    self._refuse_duplicate(obj)
-                key = self.next_key
-                if kwargs or _registration.TRACK_ORIGINS[0]:
-                    reg = self._new(obj, key, destroy, args, kwargs, name)
-                else:
-                    try:  # the common case in one C call
-                        reg = _registration.construct(
-                            obj, self.owner, self.inbox.append, key, destroy, args, name, None
-                        )
-                    except TypeError:
-                        reg = self._new(obj, key, destroy, args, kwargs, name)  # says why
-                self.next_key = key + 1
-                self.live[key] = reg
-                return reg
-        if not registrar.acquire(False):
-            holder = self._holder_or_acquire(registrar)
-            if holder:
-                self._refuse_thread(holder)
-        self.registrar_ident = _get_ident()
+            guard = self.lock
+            guard.acquire()
+        else:
+            # One registering thread at a time: the registrar, never waited for.
+            if not registrar.acquire(False):
+                holder = self._holder_or_acquire(registrar)
+                if holder:
+                    self._refuse_thread(holder)
+            self.registrar_ident = _get_ident()
+            guard = registrar
         try:
-            # One registering thread at a time: no lock needed for the key.
             if _getweakrefs(obj):
                 self._refuse_duplicate(obj)
             key = self.next_key
-            if kwargs or _registration.TRACK_ORIGINS[0]:
-                reg = self._new(obj, key, destroy, args, kwargs, name)
-            else:
+            reg = None
+            if not kwargs and not _registration.TRACK_ORIGINS[0]:
                 try:  # the common case in one C call
                     reg = _registration.construct(
                         obj, self.owner, self.inbox.append, key, destroy, args, name, None
                     )
                 except TypeError:
-                    reg = self._new(obj, key, destroy, args, kwargs, name)  # says why
+                    pass  # make_registration below says why
+            if reg is None:
+                reg = make_registration(
+                    obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
+                )
             self.next_key = key + 1
             self.live[key] = reg
             if then is not None:
                 then()
             return reg
         finally:
-            # Cleared first: a thread refused later must not name a thread
-            # that has finished registering (and may have exited).
-            self.registrar_ident = 0
-            registrar.release()
-
-    def _new(
-        self,
-        obj: object,
-        key: int,
-        destroy: Callable[..., object],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        name: str | None,
-    ) -> Registration:
-        return make_registration(
-            obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
-        )
+            if registrar is not None:
+                # Cleared first: a thread refused later must not name a thread
+                # that has finished registering (and may have exited).
+                self.registrar_ident = 0
+            guard.release()
 
     def _refuse_duplicate(self, obj: object) -> None:
         for ref in _getweakrefs(obj):

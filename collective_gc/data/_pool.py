@@ -533,7 +533,7 @@ class WorkerHandle:
                     try:
                         os.read(bell, 8)
                     except BlockingIOError:
-                        pass
+                        pass  # no count to drain: nothing was posted since
                     moved = self.posted(seq) or self.posted(seq + 1)
                 if not moved:
                     owes = [self.sock] if self._owes() else []
