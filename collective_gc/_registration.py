@@ -52,6 +52,7 @@ __all__ = [
     "finalizer",
     "new_registration_py",
     "construct",
+    "SPEEDUPS",
     "ALIVE",
     "DESTROYED",
     "DETACHED",

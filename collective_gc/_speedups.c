@@ -11,6 +11,8 @@
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
+ * keys_of: the keys a sync point drains from its inbox, in one pass.
+ *
  * take_batch, run_each: a sync point's bookkeeping for the keys every rank
  * agreed on, in one pass, and the calls of their destroys (see
  * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
@@ -184,6 +186,17 @@ destroy_each(PyObject *module, PyObject *args)
     return finish(failures, unrecorded);
 }
 
+/* -- Registration's slots --------------------------------------------------- */
+
+/* Where collective_gc._registration.Registration keeps its slots, by offset
+ * (set_registration_type); reg_type is NULL until then. */
+static PyTypeObject *reg_type = NULL;
+static Py_ssize_t off_state = -1, off_destroy = -1, off_args = -1;
+static Py_ssize_t off_key = -1, off_name = -1, off_origin = -1, off_cyclic = -1,
+                  off_queued_at = -1, off_owner = -1, off_push = -1, off_typename = -1;
+
+#define SLOT(reg, off) (*(PyObject **)((char *)(reg) + (off)))
+
 /* -- on_finalize ---------------------------------------------------------- */
 
 /* collective_gc._registration._FLAGS: [ident of the thread running the cyclic
@@ -225,8 +238,13 @@ on_finalize(PyObject *module, PyObject *reg)
     if (off != 0) {
         return off < 0 ? NULL : Py_NewRef(Py_None);
     }
+    /* An exact Registration has its slots where set_registration_type found
+     * them: read them in place (a lookup by name costs more than the rest of
+     * the callback); anything else goes by name. */
+    int exact = Py_TYPE(reg) == reg_type && SLOT(reg, off_state) != NULL
+                && SLOT(reg, off_push) != NULL;
     /* Destroyed or detached already: nothing to queue. */
-    PyObject *state = PyObject_GetAttr(reg, s_state);
+    PyObject *state = exact ? Py_NewRef(SLOT(reg, off_state)) : PyObject_GetAttr(reg, s_state);
     if (state == NULL) {
         return NULL;
     }
@@ -241,11 +259,14 @@ on_finalize(PyObject *module, PyObject *reg)
         return NULL;
     }
     if (collecting && collecting == PyThread_get_thread_ident()) {
-        if (PyObject_SetAttr(reg, s_cyclic, Py_True) < 0) {
+        if (exact) {
+            Py_XSETREF(SLOT(reg, off_cyclic), Py_NewRef(Py_True)); /* was False: no code runs */
+        }
+        else if (PyObject_SetAttr(reg, s_cyclic, Py_True) < 0) {
             return NULL;
         }
     }
-    PyObject *push = PyObject_GetAttr(reg, s_push);
+    PyObject *push = exact ? Py_NewRef(SLOT(reg, off_push)) : PyObject_GetAttr(reg, s_push);
     if (push == NULL) {
         return NULL;
     }
@@ -259,13 +280,6 @@ on_finalize(PyObject *module, PyObject *reg)
 }
 
 /* -- take_batch, run_each -------------------------------------------------- */
-
-/* Registration's slots _state, _destroy and _args, by offset (set_registration_type). */
-static PyTypeObject *reg_type = NULL;
-static Py_ssize_t off_state = -1, off_destroy = -1, off_args = -1;
-/* The other slots, for new_registration. */
-static Py_ssize_t off_key = -1, off_name = -1, off_origin = -1, off_cyclic = -1,
-                  off_queued_at = -1, off_owner = -1, off_push = -1, off_typename = -1;
 
 static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
@@ -330,7 +344,6 @@ set_registration_type(PyObject *module, PyObject *cls)
     Py_RETURN_NONE;
 }
 
-#define SLOT(reg, off) (*(PyObject **)((char *)(reg) + (off)))
 
 /* Move an object slot's value out (the caller takes the reference) and put
  * ``value`` in its place. Runs no Python code. */
@@ -570,6 +583,51 @@ run_each(PyObject *module, PyObject *args)
     return finish(failures, unrecorded);
 }
 
+PyDoc_STRVAR(keys_of_doc,
+"keys_of(regs) -> (keys, cyclic)\n\n"
+"The keys of the Registrations in the list ``regs`` as a bytearray of native\n"
+"int64 (writable, for numpy.frombuffer), in order, and whether any has its\n"
+"``cyclic`` flag set: what a sync point's drain reads of its inbox.\n"
+"TypeError if an item is not an exact Registration with its key and flag\n"
+"set (the caller then reads them from Python).");
+
+static PyObject *
+keys_of(PyObject *module, PyObject *regs)
+{
+    (void)module;
+    if (reg_type == NULL || !PyList_CheckExact(regs)) {
+        PyErr_SetString(PyExc_TypeError, "keys_of: expected a list of Registrations");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(regs);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) {
+        return NULL;
+    }
+    /* No Python code runs from here on (a bytearray is not tracked by the
+     * collector, and exact ints convert without calls): the list cannot change. */
+    int64_t *keys = (int64_t *)PyByteArray_AS_STRING(out);
+    int cyclic = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *reg = PyList_GET_ITEM(regs, i);
+        PyObject *key = Py_TYPE(reg) == reg_type ? SLOT(reg, off_key) : NULL;
+        PyObject *flag = key == NULL ? NULL : SLOT(reg, off_cyclic);
+        if (flag == NULL || !PyLong_CheckExact(key)) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_TypeError, "keys_of: not a Registration with a key");
+            return NULL;
+        }
+        long long k = PyLong_AsLongLong(key);
+        if (k == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        keys[i] = (int64_t)k;
+        cyclic |= flag == Py_True;
+    }
+    return Py_BuildValue("(NO)", out, cyclic ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
     {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
@@ -579,6 +637,7 @@ static PyMethodDef methods[] = {
     {"set_flags", set_flags, METH_O, set_flags_doc},
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
+    {"keys_of", keys_of, METH_O, keys_of_doc},
     {NULL, NULL, 0, NULL},
 };
 
