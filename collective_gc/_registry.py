@@ -23,9 +23,9 @@ import numpy as np
 from . import _registration
 from ._errors import RegistrationError
 from ._registration import (
+    SPEEDUPS,
     Ledger,
     Owner,
-    SPEEDUPS,
     Registration,
     check_destroy,
     make_registration,
