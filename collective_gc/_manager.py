@@ -38,7 +38,7 @@ from ._errors import (
     ExitLeakWarning,
 )
 from ._registration import DESTROYED, DETACHED, Registration
-from ._registry import Registry
+from ._registry import Registry, add_plain
 
 __all__ = ["Manager", "Participant", "CollectStats", "Snapshot", "set_timeout_source"]
 
@@ -341,8 +341,14 @@ class Manager:
         """Collective. See :func:`collective_gc.register`."""
         if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
             self._check_usable("register an object")
-        first = self._first_use if self._comm is None and self._size > 1 else None
-        return self._registry.add(obj, destroy, args, kwargs, name, first)
+        if self._comm is None and self._size > 1:
+            # The first registration makes the private duplicate (see _first_use).
+            return self._registry.add(obj, destroy, args, kwargs, name, self._first_use)
+        if not kwargs:
+            reg = add_plain(self._registry, obj, destroy, args, name)
+            if reg is not None:
+                return reg
+        return self._registry.add(obj, destroy, args, kwargs, name)
 
     def _first_use(self) -> None:
         # The first registration makes the private duplicate while the

@@ -52,6 +52,7 @@ __all__ = [
     "finalizer",
     "new_registration_py",
     "construct",
+    "plain_adder",
     "SPEEDUPS",
     "ALIVE",
     "DESTROYED",
@@ -344,6 +345,26 @@ def _bind() -> Callable[..., Registration]:
 construct: Callable[..., Registration] = _bind()
 
 
+# Whether registries may register in one C call (_speedups.add_plain).
+_FAST_ADD: list[bool] = [SPEEDUPS is not None]
+
+
+def plain_adder(registry_type: type) -> Callable[..., Registration | None]:
+    """``add(registry, obj, destroy, args, name)``: a registration made and
+    stored in one C call in the common case (see ``_speedups.add_plain``), or
+    None for the registry's own ``add`` to do it. Without the extension,
+    always None."""
+    if SPEEDUPS is None:
+        return _no_plain_add
+    SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _CALLBACK, _FAST_ADD)
+    add: Callable[..., Registration | None] = SPEEDUPS.add_plain
+    return add
+
+
+def _no_plain_add(*args: object) -> None:
+    return None
+
+
 def use_speedups(kind: str) -> None:
     """``"c"`` (the default where the extension is built) or ``"python"``: which
     finalizer and constructor new registrations get. For tests and benchmarks."""
@@ -353,6 +374,7 @@ def use_speedups(kind: str) -> None:
     c = kind == "c" and SPEEDUPS is not None
     _CALLBACK[0] = _C_ON_FINALIZE if c and _C_ON_FINALIZE else _py_on_finalize
     _NEW[0] = SPEEDUPS.new_registration if c and SPEEDUPS else new_registration_py
+    _FAST_ADD[0] = c
     construct = _bind()
 
 

@@ -29,9 +29,10 @@ from ._registration import (
     Registration,
     check_destroy,
     make_registration,
+    plain_adder,
 )
 
-__all__ = ["Registry", "NO_KEYS"]
+__all__ = ["Registry", "NO_KEYS", "add_plain"]
 
 NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
@@ -73,6 +74,8 @@ class Registry(Ledger):
         "stale",
         "registrar",
         "registrar_ident",
+        "busy",
+        "push",
         "cyclic_total",
         "last_cyclic",
         "cyclic_log",
@@ -88,6 +91,9 @@ class Registry(Ledger):
         self.owner = weakref.proxy(owner)
         self.next_key = 0
         self.inbox: list[Registration] = []
+        # Every registration's finalizer appends to the inbox (one bound
+        # method for all of them).
+        self.push = self.inbox.append
         # Keys drained and not yet destroyed, ascending, with the sync point
         # at which each was drained (its age, for view).
         self.pend = NO_KEYS
@@ -101,6 +107,10 @@ class Registry(Ledger):
         # refused, never made to wait.
         self.registrar: threading.RLock | None = threading.RLock() if parallel else None
         self.registrar_ident = 0
+        # How many registrations are between taking their key and storing the
+        # next one in add (under its guard): add_plain, which takes no guard,
+        # leaves the registry to them while it is not 0.
+        self.busy = 0
         self.cyclic_total = 0
         # (type, name, key, origin) of the cyclic deaths the last drain found,
         # and of the last LOG ones found by any drain (cyclic_total - len of
@@ -138,6 +148,7 @@ class Registry(Ledger):
                     self._refuse_thread(holder)
             self.registrar_ident = _get_ident()
             guard = registrar
+        self.busy += 1
         try:
             if _getweakrefs(obj):
                 self._refuse_duplicate(obj)
@@ -146,13 +157,13 @@ class Registry(Ledger):
             if not kwargs and not _registration.TRACK_ORIGINS[0]:
                 try:  # the common case in one C call
                     reg = _registration.construct(
-                        obj, self.owner, self.inbox.append, key, destroy, args, name, None
+                        obj, self.owner, self.push, key, destroy, args, name, None
                     )
                 except TypeError:
                     pass  # make_registration below says why
             if reg is None:
                 reg = make_registration(
-                    obj, self.owner, self.inbox.append, key, destroy, args, kwargs, name
+                    obj, self.owner, self.push, key, destroy, args, kwargs, name
                 )
             self.next_key = key + 1
             self.live[key] = reg
@@ -160,6 +171,7 @@ class Registry(Ledger):
                 then()
             return reg
         finally:
+            self.busy -= 1
             if registrar is not None:
                 # Cleared first: a thread refused later must not name a thread
                 # that has finished registering (and may have exited).
@@ -305,3 +317,8 @@ class Registry(Ledger):
 
     def is_empty(self) -> bool:
         return not (self.live or self.inbox or self.pend.size)
+
+
+# add_plain(registry, obj, destroy, args, name): Registry.add's common case
+# in one C call, or None (see _registration.plain_adder).
+add_plain = plain_adder(Registry)

@@ -31,6 +31,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h> /* T_OBJECT_EX */
+#include <limits.h> /* LLONG_MAX */
 #include <stdint.h>
 
 typedef void *PetscObject;
@@ -411,27 +412,13 @@ PyDoc_STRVAR(new_registration_doc,
 "in: a Registration (weak reference to obj with callback) in the alive state,\n"
 "its slots set directly. TypeError if obj cannot be weakly referenced.");
 
+/* A Registration (weak reference to obj with callback) in the alive state,
+ * its slots set directly; NULL with TypeError if obj cannot be weakly referenced. */
 static PyObject *
-new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+build_registration(PyObject *callback, PyObject *obj, PyObject *owner, PyObject *push,
+                   PyObject *key, PyObject *destroy, PyObject *fargs, PyObject *name,
+                   PyObject *origin)
 {
-    (void)module;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "new_registration: expected 9 arguments");
-        return NULL;
-    }
-    if (reg_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "new_registration: set_registration_type was not called");
-        return NULL;
-    }
-    /* The callback first, so that functools.partial can bind it. */
-    PyObject *callback = args[0], *obj = args[1], *owner = args[2], *push = args[3];
-    PyObject *key = args[4], *destroy = args[5], *fargs = args[6], *name = args[7];
-    PyObject *origin = args[8];
-    if (!PyTuple_Check(fargs)) {
-        PyErr_SetString(PyExc_TypeError, "new_registration: args must be a tuple");
-        return NULL;
-    }
     PyObject *typename = PyType_GetName(Py_TYPE(obj));
     if (typename == NULL) {
         return NULL;
@@ -455,6 +442,205 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     SLOT(reg, off_destroy) = Py_NewRef(destroy);
     SLOT(reg, off_args) = Py_NewRef(fargs);
     return reg;
+}
+
+static PyObject *
+new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "new_registration: expected 9 arguments");
+        return NULL;
+    }
+    if (reg_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "new_registration: set_registration_type was not called");
+        return NULL;
+    }
+    if (!PyTuple_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "new_registration: args must be a tuple");
+        return NULL;
+    }
+    /* The callback first, so that functools.partial can bind it. */
+    return build_registration(args[0], args[1], args[2], args[3], args[4], args[5], args[6],
+                              args[7], args[8]);
+}
+
+/* -- add_plain ------------------------------------------------------------- */
+
+/* collective_gc._registry.Registry's slots, by offset (set_registry_type), and
+ * _registration's switches: [track origins], [the finalizer], [fast add on]. */
+static PyTypeObject *registry_type = NULL;
+static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = -1,
+                  off_rpush = -1;
+static PyObject *origins_switch = NULL, *callback_box = NULL, *fast_switch = NULL;
+
+/* The offset of an object slot found anywhere in cls's MRO (live is Ledger's). */
+static Py_ssize_t
+inherited_slot(PyObject *cls, const char *name)
+{
+    PyObject *descr = PyObject_GetAttrString(cls, name);
+    if (descr == NULL) {
+        return -1;
+    }
+    Py_ssize_t off = -1;
+    if (PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
+            off = m->offset;
+        }
+    }
+    Py_DECREF(descr);
+    if (off < 0) {
+        PyErr_Format(PyExc_TypeError, "set_registry_type: %s is not a writable object slot",
+                     name);
+    }
+    return off;
+}
+
+PyDoc_STRVAR(set_registry_type_doc,
+"set_registry_type(cls, track_origins, callback, fast) -> None\n\n"
+"Tell add_plain where collective_gc's Registry keeps its slots, and give it\n"
+"the one-item lists that say whether origins are tracked, which finalizer new\n"
+"registrations get, and whether add_plain may act at all.");
+
+static PyObject *
+set_registry_type(PyObject *module, PyObject *args)
+{
+    PyObject *cls, *origins, *callback, *fast;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:set_registry_type", &PyType_Type, &cls, &PyList_Type,
+                          &origins, &PyList_Type, &callback, &PyList_Type, &fast)) {
+        return NULL;
+    }
+    if (PyList_GET_SIZE(origins) < 1 || PyList_GET_SIZE(callback) < 1
+        || PyList_GET_SIZE(fast) < 1) {
+        PyErr_SetString(PyExc_TypeError, "set_registry_type: expected one-item lists");
+        return NULL;
+    }
+    Py_ssize_t l = inherited_slot(cls, "live");
+    Py_ssize_t k = l < 0 ? -1 : inherited_slot(cls, "next_key");
+    Py_ssize_t b = k < 0 ? -1 : inherited_slot(cls, "busy");
+    Py_ssize_t o = b < 0 ? -1 : inherited_slot(cls, "owner");
+    Py_ssize_t p = o < 0 ? -1 : inherited_slot(cls, "push");
+    if (p < 0) {
+        return NULL;
+    }
+    off_live = l;
+    off_next_key = k;
+    off_busy = b;
+    off_rowner = o;
+    off_rpush = p;
+    Py_INCREF(cls);
+    Py_XSETREF(registry_type, (PyTypeObject *)cls);
+    Py_INCREF(origins);
+    Py_XSETREF(origins_switch, origins);
+    Py_INCREF(callback);
+    Py_XSETREF(callback_box, callback);
+    Py_INCREF(fast);
+    Py_XSETREF(fast_switch, fast);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(add_plain_doc,
+"add_plain(registry, obj, destroy, args, name) -> reg or None\n\n"
+"Registry.add's common case in one call: ``destroy`` a plain function without\n"
+"a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
+"``obj`` weakly referenceable and with no other weak reference, no origin to\n"
+"record, and no other registration half-way through on ``registry`` (its busy\n"
+"count 0). Then the registration is made, given the\n"
+"next key and stored, with no Python code run between reading the key and\n"
+"storing the next one (so it needs no lock). Otherwise None, having changed\n"
+"nothing: Registry.add then does it (or says what is wrong).");
+
+static PyObject *
+add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "add_plain: expected 5 arguments");
+        return NULL;
+    }
+    PyObject *registry = args[0], *obj = args[1], *destroy = args[2], *fargs = args[3];
+    PyObject *name = args[4];
+    if (registry_type == NULL || reg_type == NULL || Py_TYPE(registry) != registry_type
+        || !PyList_CheckExact(fast_switch) || PyList_GET_SIZE(fast_switch) < 1
+        || PyList_GET_ITEM(fast_switch, 0) != Py_True || !PyList_CheckExact(origins_switch)
+        || PyList_GET_SIZE(origins_switch) < 1
+        || PyList_GET_ITEM(origins_switch, 0) != Py_False || !PyList_CheckExact(callback_box)
+        || PyList_GET_SIZE(callback_box) < 1) {
+        Py_RETURN_NONE;
+    }
+    /* What check_destroy would find nothing to refuse in, decided without
+     * calling anything: it looks only into callables (and obj itself). */
+    if (!Py_IS_TYPE(destroy, &PyFunction_Type) || PyFunction_GET_CLOSURE(destroy) != NULL
+        || !PyTuple_CheckExact(fargs) || !(name == Py_None || PyUnicode_CheckExact(name))) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fargs); i++) {
+        PyObject *a = PyTuple_GET_ITEM(fargs, i);
+        if (a == obj || Py_TYPE(a)->tp_call != NULL) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *owner = SLOT(registry, off_rowner), *push = SLOT(registry, off_rpush);
+    if (owner == NULL || push == NULL) {
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(owner);
+    Py_INCREF(push);
+    PyObject *callback = Py_NewRef(PyList_GET_ITEM(callback_box, 0));
+    /* Allocating it may start the collector, whose finalizers may run Python
+     * code and let other threads run: nothing of the registry is read before. */
+    PyObject *reg = build_registration(callback, obj, owner, push, Py_None, destroy, fargs, name,
+                                       Py_None);
+    Py_DECREF(callback);
+    Py_DECREF(owner);
+    Py_DECREF(push);
+    if (reg == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear(); /* not weakly referenceable: Registry.add says so */
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    PyObject *next = NULL;
+    /* From here to the stores, no Python code runs (an int's allocation does
+     * not start the collector, an int key's hash and comparison call nothing),
+     * so no other thread can take a key in between. */
+    PyWeakReference *wr = (PyWeakReference *)reg;
+    PyObject *busy = SLOT(registry, off_busy);
+    PyObject *key = SLOT(registry, off_next_key);
+    PyObject *live = SLOT(registry, off_live);
+    if (wr->wr_prev != NULL || wr->wr_next != NULL /* another weak reference to obj */
+        || busy == NULL || !PyLong_CheckExact(busy) || PyLong_AsLong(busy) != 0
+        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)) {
+        /* (busy: another registration is between taking its key and storing
+         * the next one, on another thread or below us on this one) */
+        goto slow;
+    }
+    long long k = PyLong_AsLongLong(key);
+    if (k < 0 || k == LLONG_MAX) {
+        PyErr_Clear();
+        goto slow;
+    }
+    next = PyLong_FromLongLong(k + 1);
+    if (next == NULL) {
+        Py_DECREF(reg);
+        return NULL;
+    }
+    Py_INCREF(key);
+    Py_SETREF(SLOT(reg, off_key), key); /* was None */
+    if (PyDict_SetItem(live, key, reg) < 0) {
+        Py_DECREF(next);
+        Py_DECREF(reg);
+        return NULL;
+    }
+    Py_SETREF(SLOT(registry, off_next_key), next);
+    return reg;
+slow:
+    Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(take_batch_doc,
@@ -638,6 +824,8 @@ static PyMethodDef methods[] = {
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
     {"keys_of", keys_of, METH_O, keys_of_doc},
+    {"set_registry_type", set_registry_type, METH_VARARGS, set_registry_type_doc},
+    {"add_plain", (PyCFunction)(void (*)(void))add_plain, METH_FASTCALL, add_plain_doc},
     {NULL, NULL, 0, NULL},
 };
 

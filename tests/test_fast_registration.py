@@ -1,0 +1,313 @@
+"""Registration in one C call (``_speedups.add_plain``) against Registry.add.
+
+The C path takes no lock: it reads the next key only after the allocations
+that may start the collector, and leaves the registry to Registry.add while
+another registration is half-way through it. The hostile cases: a
+registration held half-way on another thread (inside a collection its own
+allocation started) must not be overtaken, on one rank or on four; a
+finalizer that registers from inside the collection the C path's allocation
+started; everything the C path must leave to the Python path (another weak
+reference, an argument that refers to the object, an object that cannot be
+weakly referenced); and the switch that turns the C paths off.
+
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD; the
+ones that need other ranks are marked ``mpi``. Verdicts that could differ
+between ranks are gathered and asserted on every rank alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc import _registration, _registry
+
+from _util import Obj
+
+WORLD = MPI.COMM_WORLD
+
+needs_c = pytest.mark.skipif(
+    _registration.SPEEDUPS is None, reason="the optional C extension is not built"
+)
+
+
+def noop(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def closure_over(x: object) -> Any:
+    return lambda: x
+
+
+def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
+    return comm.allgather(value) if comm.Get_size() > 1 else [value]
+
+
+def live_keys(comm: MPI.Comm) -> list[int]:
+    return sorted(r.key for r in cgc.manager(comm).snapshot().alive)
+
+
+def holding_a_key() -> bool:
+    """Whether this thread is inside Registry.add (the Python path) with the
+    key read and the next one not yet stored: the window a registration on
+    another thread must not enter."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "add" and code.co_filename == _registry.__file__:
+            return "key" in frame.f_locals
+        frame = frame.f_back
+    return False
+
+
+class Holdup:
+    """Hold one thread inside Registry.add between reading the key and storing
+    the next one, in a collection an allocation there started, until
+    released; other threads run meanwhile."""
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self.inside = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if (
+            phase == "start"
+            and threading.get_ident() == self.thread
+            and not self.inside.is_set()
+            and holding_a_key()
+        ):
+            self.inside.set()
+            self.go.wait(30)
+
+
+@pytest.fixture
+def holdup() -> Iterator[Holdup]:
+    h = Holdup()
+    saved = gc.get_threshold()
+    gc.callbacks.append(h)
+    try:
+        yield h
+    finally:
+        h.go.set()
+        gc.callbacks.remove(h)
+        gc.set_threshold(*saved)
+
+
+@needs_c
+def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Intracomm) -> None:
+    mgr = cgc.manager(comm)
+    first = cgc.register(Obj(), noop, comm=comm)  # makes the private duplicate on size > 1
+    objs = [Obj() for _ in range(5)]
+    regs = [cgc.register(o, noop, i, "x", comm=comm, name=f"n{i}") for i, o in enumerate(objs)]
+    assert [r.key for r in regs] == list(range(first.key + 1, first.key + 6))
+    assert mgr.next_key == first.key + 6
+    assert [r.name for r in regs] == [f"n{i}" for i in range(5)]
+    assert all(r.alive and r() is o for r, o in zip(regs, objs))
+    # Made in C: the C finalizer, and no second registration for the same object.
+    assert regs[0].__callback__ is _registration.finalizer()
+    with pytest.raises(cgc.RegistrationError, match="already registered"):
+        cgc.register(objs[0], noop, comm=comm)
+    del objs
+    stats = cgc.collect(comm, generation=None, timeout=30)
+    assert stats.destroyed == 6 and mgr.registered == 0
+
+
+def test_what_the_c_path_leaves_to_registry_add(comm: MPI.Intracomm) -> None:
+    """The same refusals and the same registrations whichever path is taken."""
+    mgr = cgc.manager(comm)
+    o = Obj()
+    # Another weak reference to the object: Registry.add registers it.
+    other = weakref.ref(o)
+    r1 = cgc.register(o, noop, comm=comm)
+    assert r1.alive and other() is o and r1.key == mgr.next_key - 1
+    p = Obj()
+    for bad in (p, p.__init__, closure_over(p)):
+        with pytest.raises(cgc.RegistrationError, match="refers to the registered"):
+            cgc.register(p, noop, bad, comm=comm)
+    del bad
+    with pytest.raises(cgc.RegistrationError, match="refers to the registered"):
+        cgc.register(p, closure_over(p), comm=comm)
+    with pytest.raises(cgc.RegistrationError, match="weakly"):
+        cgc.register(object(), noop, comm=comm)
+    with pytest.raises(cgc.RegistrationError, match="callable"):
+        cgc.register(p, 42, comm=comm)  # type: ignore[arg-type]
+    # A callable argument that does not refer to the object, a closure
+    # destroy: fine, through Registry.add.
+    q = Obj()
+    seen: list[Any] = []
+    r2 = cgc.register(p, seen.append, noop, comm=comm)
+    r3 = cgc.register(q, lambda: seen.append("q"), comm=comm)
+    assert (r2.key, r3.key) == (r1.key + 1, r1.key + 2) and mgr.next_key == r1.key + 3
+    del o, p, q
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 3
+    assert seen == ["q", noop]  # newest first
+
+
+def test_the_python_switch_turns_the_c_path_off(comm: MPI.Intracomm) -> None:
+    saved = _registration.speedups()
+    _registration.use_speedups("python")
+    try:
+        o = Obj()
+        reg = cgc.register(o, noop, comm=comm)
+        assert reg.__callback__ is _registration.finalizer()
+        assert _registration.speedups() == "python"
+    finally:
+        _registration.use_speedups(saved)
+    del o
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
+
+
+def test_a_registration_half_way_on_another_thread_is_not_overtaken(holdup: Holdup) -> None:
+    """Any thread may register on COMM_SELF: a C-path registration that starts
+    while another thread is inside Registry.add (held in a collection its
+    allocation started, before it stored the next key) must wait for it, not
+    take the same key."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        mgr = cgc.manager(comm)
+        start = mgr.next_key
+        held: list[Any] = []
+        others: list[Any] = []
+        keep: list[Obj] = []
+
+        def slow_one() -> None:
+            holdup.thread = threading.get_ident()
+            o = Obj()
+            keep.append(o)
+            gc.set_threshold(1)  # the registration's allocation starts a collection
+            # A keyword argument: Registry.add, never the C path.
+            held.append(cgc.register(o, noop, comm=comm, tag="slow"))
+
+        def fast_ones() -> None:
+            for _ in range(200):
+                o = Obj()
+                keep.append(o)
+                others.append(cgc.register(o, noop, comm=comm))
+
+        a = threading.Thread(target=slow_one)
+        a.start()
+        assert holdup.inside.wait(30), "the slow registration never got held"
+        b = threading.Thread(target=fast_ones)
+        b.start()
+        b.join(0.5)  # it waits for the held registration's lock
+        holdup.go.set()
+        a.join(30)
+        b.join(30)
+        assert not a.is_alive() and not b.is_alive()
+        keys = [r.key for r in held + others]
+        assert len(keys) == 201 and len(set(keys)) == 201, keys
+        assert sorted(keys) == list(range(start, start + 201))
+        assert held[0].key == start  # it was held with its key read: the others came after
+        assert mgr.next_key == start + 201
+        assert live_keys(comm) == sorted(keys)
+        del keep[:]
+        assert cgc.collect(comm, generation=None, timeout=30).destroyed == 201
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_c_path_registration_during_a_held_one_is_refused_on_a_parallel_comm(
+    comm: MPI.Intracomm, holdup: Holdup
+) -> None:
+    """On a communicator of size > 1 a second registering thread is refused:
+    the C path must not slip past a registration held half-way through."""
+    mgr = cgc.manager(comm)
+    cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
+    start = mgr.next_key
+    keep: list[Obj] = []
+    outcome: list[str] = []
+
+    def slow_one() -> None:
+        holdup.thread = threading.get_ident()
+        o = Obj()
+        keep.append(o)
+        gc.set_threshold(1)
+        cgc.register(o, noop, comm=comm, tag="slow")
+
+    def fast_one() -> None:
+        o = Obj()
+        keep.append(o)
+        try:
+            cgc.register(o, noop, comm=comm)
+            outcome.append("ok")
+        except cgc.RegistrationError as exc:
+            outcome.append(
+                "refused" if "'held-registrar' was registering" in str(exc) else str(exc)
+            )
+
+    a = threading.Thread(target=slow_one, name="held-registrar")
+    a.start()
+    held = holdup.inside.wait(30)
+    if held:
+        b = threading.Thread(target=fast_one)
+        b.start()
+        b.join(30)
+    holdup.go.set()
+    a.join(30)
+    verdict = everyone(WORLD, (held, outcome, mgr.next_key - start))
+    assert all(v == (True, ["refused"], 1) for v in verdict), verdict
+    del keep[:]
+    cgc.collect(comm, generation=None, timeout=30)
+
+
+class Reregisters:
+    """In a cycle; when the collector finalizes it, registers a new object."""
+
+    made: list[cgc.Registration] = []
+    comm: MPI.Intracomm | None = None
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        assert Reregisters.comm is not None
+        Reregisters.made.append(cgc.register(KEEP.pop(), noop, comm=Reregisters.comm))
+
+
+KEEP: list[Obj] = []
+
+
+def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
+    """The C path's allocation may start the collector, whose finalizers may
+    register on the same communicator on this very thread: every key once."""
+    comm = MPI.COMM_SELF.Dup()
+    saved = gc.get_threshold()
+    try:
+        mgr = cgc.manager(comm)
+        start = mgr.next_key
+        Reregisters.comm, Reregisters.made = comm, []
+        KEEP[:] = [Obj() for _ in range(300)]
+        objs, regs = [], []
+        gc.collect()
+        gc.set_threshold(5)
+        for _ in range(300):
+            Reregisters()  # garbage in a cycle: finalized by some later collection
+            o = Obj()
+            objs.append(o)
+            regs.append(cgc.register(o, noop, comm=comm))
+        gc.set_threshold(*saved)
+        gc.collect()
+        made = Reregisters.made
+        assert made, "no finalizer registered anything: the test tested nothing"
+        keys = [r.key for r in regs + made]
+        assert len(set(keys)) == len(keys) == mgr.next_key - start, keys
+        assert sorted(keys) == list(range(start, mgr.next_key))
+        snap = {r.key: r for r in mgr.snapshot().alive}
+        assert all(snap.get(r.key) is r for r in regs), "a registration is not stored"
+    finally:
+        gc.set_threshold(*saved)
+        Reregisters.comm = None
+        KEEP.clear()
+        objs = regs = []
+        cgc.collect(comm, generation=None, timeout=30)
+        comm.Free()
