@@ -66,6 +66,7 @@ __all__ = [
     "Header",
     "Agreed",
     "Agreement",
+    "PERSISTENT",
     "Window",
     "allreduce",
     "intersect",
@@ -442,7 +443,19 @@ class Agreement:
     around its allreduce.
     """
 
-    __slots__ = ("comm", "rank", "size", "window", "_arr", "_np", "_ones", "_zeros", "_shape")
+    __slots__ = (
+        "comm",
+        "rank",
+        "size",
+        "window",
+        "_arr",
+        "_np",
+        "_ones",
+        "_zeros",
+        "_shape",
+        "_persistent",
+        "_preq",
+    )
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
@@ -454,9 +467,42 @@ class Agreement:
         self._arr = array.array("q")
         self._np: np.ndarray[Any, Any] = np.empty(0, dtype=np.int64)
         self._zeros = array.array("q")
+        # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
+        # its shape lasts: starting it costs less than a new Iallreduce.
+        init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
+        self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT[0] else None
+        self._preq: MPI.Prequest | None = None
+
+    def close(self) -> None:
+        """Free the persistent request, if an inactive one is kept. Local; call
+        it before freeing the communicator."""
+        self._drop_request()
+
+    def _drop_request(self) -> None:
+        req, self._preq = self._preq, None
+        if req is not None and req != MPI.REQUEST_NULL:
+            req.Free()  # inactive (completed), so local
+
+    def _start(self, buf: array.array[int]) -> MPI.Request:
+        """Start the allreduce (MPI_BAND, in place) of ``buf``."""
+        if self._persistent is not None:
+            req = self._preq
+            if req is None:
+                try:
+                    # Collective, but nonblocking; every rank makes it at the
+                    # same sync point (the buffer's shape is agreed).
+                    req = self._preq = self._persistent(_IN_PLACE, buf, MPI.BAND)
+                except NotImplementedError:
+                    # mpi4py 4 over an MPI without it: the same on every rank.
+                    self._persistent = None
+                    return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
+            req.Start()
+            return req
+        return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
 
     def _buffer(self, lo: int, nbits: int) -> array.array[int]:
         if self._shape != (lo, nbits):
+            self._drop_request()  # bound to the old buffer
             words = nbits // 64
             self._arr = array.array("q", bytes(8 * (_WORDS + self.size + words)))
             self._np = np.frombuffer(self._arr, dtype=np.int64)
@@ -508,23 +554,18 @@ class Agreement:
             self._np[end:] = np.packbits(bits, bitorder="little").view(np.int64)
         else:
             buf[end:] = self._zeros
-        if at is None:
-            # In place, completed with Wait: most of an empty sync point.
-            # Non-blocking even here: a blocking collective never matches the
-            # non-blocking one of a rank that has a deadline.
-            req = self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
-            try:
-                wait(req, deadline, what, buf)
-            except BaseException:
-                self._shape = (-1, -1)  # MPI may still write into it: never reused
-                raise
-            red = buf
-        else:
-            try:
-                red = allreduce(self.comm, buf, MPI.BAND, deadline, what)
-            except BaseException:
-                self._shape = (-1, -1)  # an abandoned send buffer is never reused
-                raise
+        # In place, against the deadline if any: most of an empty sync point.
+        # Non-blocking even without one: a blocking collective never matches
+        # the non-blocking one of a rank that has a deadline.
+        try:
+            wait(self._start(buf), deadline, what, buf)
+        except BaseException:
+            # MPI may still write into it, and the request may still be
+            # active: neither is ever used again (wait keeps them alive).
+            self._shape = (-1, -1)
+            self._preq = None
+            raise
+        red = buf
         agreed_flags = ~red[4]
         if agreed_flags & FLAG_DEADLINE:
             earliest = min(red[_WORDS:end])
@@ -562,6 +603,11 @@ class Agreement:
 
 _IN_PLACE = MPI.IN_PLACE
 _NO_KEYS = np.empty(0, dtype=np.int64)
+
+
+# Whether agreements use MPI-4's persistent allreduce where mpi4py offers it
+# (tests switch it off to run the other path on the same MPI).
+PERSISTENT = [True]
 
 
 def intersect_any(

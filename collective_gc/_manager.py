@@ -710,9 +710,15 @@ class Manager:
         with self._lock:
             self._registry.forget_all()
             if self._comm is not None and self._size > 1 and not MPI.Is_finalized():
+                self._close_agreement()
                 self._comm.Free()
             self._comm = None
             self._broken = reason
+
+    def _close_agreement(self) -> None:
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None:
+            agreement.close()
 
     def leak_text(self) -> str:
         """The pending destroys of this rank, for leak messages. Local."""
@@ -773,6 +779,7 @@ class Manager:
             if self._collective or not self._registry.is_empty():
                 return False
             if self._comm is not None and self._size > 1:
+                self._close_agreement()
                 self._comm.Free()
             self._comm = None
             if self._broken is None:

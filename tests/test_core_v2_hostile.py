@@ -22,6 +22,7 @@ import time
 import tracemalloc
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -66,14 +67,36 @@ def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
 # -- the window and its fallback: a differential test ---------------------------------
 
 
+@pytest.fixture(params=["persistent", "iallreduce"])
+def agreement_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Agreements made during the test start MPI-4's persistent allreduce
+    (where mpi4py offers it: elsewhere both run the other path) or a new
+    Iallreduce each time."""
+    saved = _agree.PERSISTENT[0]
+    _agree.PERSISTENT[0] = request.param == "persistent"
+    try:
+        yield str(request.param)
+    finally:
+        _agree.PERSISTENT[0] = saved
+
+
+def test_the_persistent_path_is_taken_where_mpi4py_offers_it(comm: MPI.Intracomm) -> None:
+    agreement = _agree.Agreement(comm)
+    try:
+        assert (agreement._persistent is not None) == hasattr(comm, "Allreduce_init")
+    finally:
+        agreement.close()
+
+
 @pytest.mark.parametrize("seed", [11, 23])
 def test_random_drops_destroy_exactly_the_keys_dropped_everywhere(
-    comm: MPI.Intracomm, seed: int
+    comm: MPI.Intracomm, seed: int, agreement_path: str
 ) -> None:
     """Bursts larger than the window, keys kept for many steps, keys dropped on
     some ranks only: each sync point must destroy exactly the keys every rank
     has dropped (no more: a live object; no fewer: a lost destroy), newest
-    first, each once, and only once its object is dead here."""
+    first, each once, and only once its object is dead here. The window's
+    shape changes often, so a persistent request is remade often."""
     rank = comm.Get_rank()
     shared = random.Random(seed)  # the same draws on every rank: what is registered
     mine = random.Random(seed * 1009 + rank)  # this rank's draws: what it drops
