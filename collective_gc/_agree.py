@@ -147,7 +147,7 @@ _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 # Requests abandoned at a deadline, with the buffers MPI may still write into
 # or read from if a late rank arrives: kept alive for the life of the process
 # (a collective cannot be cancelled), so MPI never touches freed memory.
-_ABANDONED: list[tuple[MPI.Request, tuple[object, ...]]] = []
+_ABANDONED: list[tuple[MPI.Request | None, tuple[object, ...]]] = []
 
 
 def wait(
@@ -561,7 +561,10 @@ class Agreement:
             wait(self._start(buf), deadline, what, buf)
         except BaseException:
             # MPI may still write into it, and the request may still be
-            # active: neither is ever used again (wait keeps them alive).
+            # active: neither is used again, and both are kept for ever (wait
+            # keeps what it abandons; an interrupt may also land between the
+            # start and the wait).
+            _ABANDONED.append((self._preq, (buf,)))
             self._shape = (-1, -1)
             self._preq = None
             raise
