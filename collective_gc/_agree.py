@@ -54,6 +54,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._errors import CollectiveTimeoutError
+from ._registration import SPEEDUPS
 
 __all__ = [
     "FLAG_CYCLIC",
@@ -434,6 +435,48 @@ def _filter(keys: np.ndarray[Any, Any]) -> int:
     return int(np.array(bits, dtype=np.uint64).view(np.int64))
 
 
+def pack_window_py(
+    keys: np.ndarray[Any, Any], lo: int, nbits: int, buf: array.array[int], at: int
+) -> tuple[int, int, int]:
+    """The window's bitmap of the ascending ``keys``, written into the
+    ``nbits // 64`` words of ``buf`` from word ``at`` (bit i of the window is
+    bit i % 64 of word i // 64); returns the index range [first, last) of the
+    keys inside it and the hash filter of those outside (0 if none).
+    ``_speedups.pack_window`` does the same in C."""
+    first = int(keys.searchsorted(lo))
+    last = int(keys.searchsorted(lo + nbits))
+    bits = np.zeros(nbits, dtype=bool)
+    bits[keys[first:last] - lo] = True
+    words = np.frombuffer(buf, dtype=np.int64)
+    words[at : at + nbits // 64] = np.packbits(bits, bitorder="little").view(np.int64)
+    outside = first or last < keys.size
+    return first, last, _filter(np.concatenate((keys[:first], keys[last:]))) if outside else 0
+
+
+def window_keys_py(buf: array.array[int], at: int, nbits: int, lo: int) -> np.ndarray[Any, Any]:
+    """The keys whose bits are set in a window written by :func:`pack_window_py`,
+    ascending. ``_speedups.window_keys`` does the same in C."""
+    words = np.frombuffer(buf, dtype=np.int64)[at : at + nbits // 64]
+    bits = np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little")
+    return np.flatnonzero(bits).astype(np.int64) + lo
+
+
+def _window_keys_c(buf: array.array[int], at: int, nbits: int, lo: int) -> np.ndarray[Any, Any]:
+    assert SPEEDUPS is not None
+    return np.frombuffer(SPEEDUPS.window_keys(buf, at, nbits, lo), np.int64)
+
+
+# The window's packing and reading: in C where the extension is built (a few
+# numpy calls cost more than the work when numpy is out of cache, as after
+# many destroys), else with numpy.
+_PACK: Callable[..., tuple[int, int, int]] = (
+    pack_window_py if SPEEDUPS is None else SPEEDUPS.pack_window
+)
+_WINDOW_KEYS: Callable[..., np.ndarray[Any, Any]] = (
+    window_keys_py if SPEEDUPS is None else _window_keys_c
+)
+
+
 class Agreement:
     """The agreement of one manager's sync points over its private communicator.
 
@@ -449,7 +492,6 @@ class Agreement:
         "size",
         "window",
         "_arr",
-        "_np",
         "_ones",
         "_zeros",
         "_shape",
@@ -465,7 +507,6 @@ class Agreement:
         self._ones = array.array("q", [-1] * self.size)  # all bits set: the identity of AND
         self._shape = (-1, -1)
         self._arr = array.array("q")
-        self._np: np.ndarray[Any, Any] = np.empty(0, dtype=np.int64)
         self._zeros = array.array("q")
         # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
         # its shape lasts: starting it costs less than a new Iallreduce.
@@ -505,7 +546,6 @@ class Agreement:
             self._drop_request()  # bound to the old buffer
             words = nbits // 64
             self._arr = array.array("q", bytes(8 * (_WORDS + self.size + words)))
-            self._np = np.frombuffer(self._arr, dtype=np.int64)
             self._zeros = array.array("q", bytes(8 * words))
             self._shape = (lo, nbits)
         return self._arr
@@ -539,20 +579,11 @@ class Agreement:
         buf[5] = 0
         buf[_WORDS:end] = self._ones
         buf[_WORDS + self.rank] = NO_DEADLINE if at is None else deadline.wall_us()
-        inside = outside = pending
         if pending.size:
-            first = int(pending.searchsorted(lo))
-            last = int(pending.searchsorted(lo + nbits))
-            inside = pending[first:last]
-            if first or last < pending.size:
-                outside = np.concatenate((pending[:first], pending[last:]))
-                buf[5] = _filter(outside)
-            else:
-                outside = pending[:0]
-            bits = np.zeros(nbits, dtype=bool)
-            bits[inside - lo] = True
-            self._np[end:] = np.packbits(bits, bitorder="little").view(np.int64)
+            # The keys [first, last) of pending are in the window.
+            first, last, buf[5] = _PACK(pending, lo, nbits, buf, end)
         else:
+            first = last = 0
             buf[end:] = self._zeros
         # In place, against the deadline if any: most of an empty sync point.
         # Non-blocking even without one: a blocking collective never matches
@@ -583,16 +614,12 @@ class Agreement:
         if red[0] != ~red[1] or red[2] != ~red[3]:
             return Agreed(_NO_KEYS, agreed_flags, True, False)
         keys = _NO_KEYS
-        if inside.size:
-            # Only bits this rank set can have survived the AND.
-            words = np.frombuffer(red, dtype=np.int64)[end:]
-            common = np.flatnonzero(
-                np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little")
-            )
-            keys = common.astype(np.int64) + lo
+        if last > first:  # only bits this rank set can have survived the AND
+            keys = _WINDOW_KEYS(red, end, nbits, lo)
         fallback = red[5] != 0
         if fallback:
             # Every rank saw the same filter, so every rank runs this round.
+            outside = np.concatenate((pending[:first], pending[last:]))
             extra = intersect_any(self.comm, outside, deadline, what)
             if extra.size:
                 keys = np.union1d(keys, extra)

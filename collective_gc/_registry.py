@@ -43,7 +43,8 @@ _CYCLIC_OF = operator.attrgetter("cyclic")
 
 
 def _keys_of(batch: list[Registration]) -> tuple[np.ndarray[Any, Any], bool]:
-    """The keys of ``batch`` in order, and whether any of them died in the cyclic collector."""
+    """The keys of ``batch``, ascending, and whether any of them died in the
+    cyclic collector."""
     if SPEEDUPS is not None:
         try:
             raw, cyclic = SPEEDUPS.keys_of(batch)
@@ -51,6 +52,7 @@ def _keys_of(batch: list[Registration]) -> tuple[np.ndarray[Any, Any], bool]:
         except TypeError:
             pass  # not all exact Registrations: read them one by one
     keys = np.fromiter(map(_KEY_OF, batch), np.int64, len(batch))
+    keys.sort()
     return keys, any(map(_CYCLIC_OF, batch))
 
 
@@ -256,7 +258,7 @@ class Registry(Ledger):
             keep = np.fromiter((k in live for k in self.pend.tolist()), bool, self.pend.size)
             self.pend, self.pend_seq = self.pend[keep], self.pend_seq[keep]
         if batch:
-            if self.pend.size or (new.size > 1 and (new[1:] < new[:-1]).any()):
+            if self.pend.size:
                 pend = np.concatenate((self.pend, new))
                 ages = np.concatenate((self.pend_seq, np.full(new.size, seq)))
                 order = np.argsort(pend, kind="stable")

@@ -11,7 +11,12 @@
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
- * keys_of: the keys a sync point drains from its inbox, in one pass.
+ * keys_of: the keys a sync point drains from its inbox, in one pass, sorted.
+ *
+ * pack_window, window_keys: the agreement's bitmap of pending keys, packed
+ * and read back (see collective_gc._agree, whose numpy version they mirror):
+ * a handful of numpy calls per sync point cost more than the work when
+ * numpy's own code and data are out of cache, as after many destroys.
  *
  * take_batch, run_each: a sync point's bookkeeping for the keys every rank
  * agreed on, in one pass, and the calls of their destroys (see
@@ -33,6 +38,8 @@
 #include <structmember.h> /* T_OBJECT_EX */
 #include <limits.h> /* LLONG_MAX */
 #include <stdint.h>
+#include <stdlib.h> /* qsort */
+#include <string.h> /* memset, strcmp */
 
 typedef void *PetscObject;
 typedef int (*destroy_fn)(PetscObject *);
@@ -769,10 +776,42 @@ run_each(PyObject *module, PyObject *args)
     return finish(failures, unrecorded);
 }
 
+static int
+compare_keys(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Ascending, in place: finalizers usually queue keys in one order or the
+ * other (a list is freed from its end), so those two need no sort. */
+static void
+sort_keys(int64_t *keys, Py_ssize_t n)
+{
+    Py_ssize_t i = 1;
+    while (i < n && keys[i - 1] <= keys[i]) {
+        i++;
+    }
+    if (i >= n) {
+        return;
+    }
+    for (i = 1; i < n && keys[i - 1] >= keys[i]; i++) {
+    }
+    if (i >= n) {
+        for (Py_ssize_t a = 0, b = n - 1; a < b; a++, b--) {
+            int64_t t = keys[a];
+            keys[a] = keys[b];
+            keys[b] = t;
+        }
+        return;
+    }
+    qsort(keys, (size_t)n, sizeof(int64_t), compare_keys);
+}
+
 PyDoc_STRVAR(keys_of_doc,
 "keys_of(regs) -> (keys, cyclic)\n\n"
 "The keys of the Registrations in the list ``regs`` as a bytearray of native\n"
-"int64 (writable, for numpy.frombuffer), in order, and whether any has its\n"
+"int64 (writable, for numpy.frombuffer), ascending, and whether any has its\n"
 "``cyclic`` flag set: what a sync point's drain reads of its inbox.\n"
 "TypeError if an item is not an exact Registration with its key and flag\n"
 "set (the caller then reads them from Python).");
@@ -811,7 +850,164 @@ keys_of(PyObject *module, PyObject *regs)
         keys[i] = (int64_t)k;
         cyclic |= flag == Py_True;
     }
+    sort_keys(keys, n);
     return Py_BuildValue("(NO)", out, cyclic ? Py_True : Py_False);
+}
+
+/* -- the agreement's key window -------------------------------------------- */
+
+/* A contiguous int64 buffer of the object, for reading or writing; -1 if not. */
+static int
+int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+                                          | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        return -1;
+    }
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
+    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s: expected a buffer of int64", what);
+        return -1;
+    }
+    return 0;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define POPCOUNT64(x) __builtin_popcountll(x)
+#define LOWEST_BIT64(x) __builtin_ctzll(x)
+#else
+static int
+POPCOUNT64(uint64_t x)
+{
+    int c = 0;
+    for (; x; x &= x - 1) {
+        c++;
+    }
+    return c;
+}
+static int
+LOWEST_BIT64(uint64_t x)
+{
+    int b = 0;
+    while (!(x & 1)) {
+        x >>= 1;
+        b++;
+    }
+    return b;
+}
+#endif
+
+/* Fibonacci hashing into 64 bits, as collective_gc._agree's filter does. */
+#define KEY_HASH 0x9E3779B97F4A7C15ULL
+
+PyDoc_STRVAR(pack_window_doc,
+"pack_window(keys, lo, nbits, buf, at) -> (first, last, filter)\n\n"
+"For the ascending int64 ``keys``: zero the nbits // 64 words of the int64\n"
+"buffer ``buf`` from word ``at`` and set bit k - lo (bit i is bit i % 64 of\n"
+"word i // 64) for each key k in [lo, lo + nbits); return the index range of\n"
+"those keys in ``keys`` and the 64-bit hash filter of the others, as\n"
+"collective_gc._agree's Python version does.");
+
+static PyObject *
+pack_window(PyObject *module, PyObject *args)
+{
+    PyObject *keys_obj, *buf_obj;
+    long long lo;
+    Py_ssize_t nbits, at;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OLnOn:pack_window", &keys_obj, &lo, &nbits, &buf_obj, &at)) {
+        return NULL;
+    }
+    Py_buffer kv, bv;
+    if (int64_buffer(keys_obj, &kv, 0, "pack_window") < 0) {
+        return NULL;
+    }
+    if (int64_buffer(buf_obj, &bv, 1, "pack_window") < 0) {
+        PyBuffer_Release(&kv);
+        return NULL;
+    }
+    Py_ssize_t nwords = nbits / 64, n = kv.len / 8;
+    if (nbits < 0 || nbits % 64 || at < 0 || at + nwords > bv.len / 8) {
+        PyBuffer_Release(&kv);
+        PyBuffer_Release(&bv);
+        PyErr_SetString(PyExc_ValueError, "pack_window: the window does not fit the buffer");
+        return NULL;
+    }
+    const int64_t *keys = (const int64_t *)kv.buf;
+    uint64_t *words = (uint64_t *)bv.buf + at;
+    memset(words, 0, (size_t)nwords * 8);
+    Py_ssize_t first = 0, last;
+    while (first < n && keys[first] < lo) {
+        first++;
+    }
+    uint64_t filter = 0;
+    for (Py_ssize_t i = 0; i < first; i++) {
+        filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
+    }
+    for (last = first; last < n && keys[last] - lo < nbits; last++) {
+        uint64_t bit = (uint64_t)(keys[last] - lo);
+        words[bit >> 6] |= 1ULL << (bit & 63);
+    }
+    for (Py_ssize_t i = last; i < n; i++) {
+        filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
+    }
+    PyBuffer_Release(&kv);
+    PyBuffer_Release(&bv);
+    return Py_BuildValue("(nnL)", first, last, (long long)filter);
+}
+
+PyDoc_STRVAR(window_keys_doc,
+"window_keys(buf, at, nbits, lo) -> bytearray\n\n"
+"The keys lo + i, ascending, for each bit i set in the nbits // 64 words of\n"
+"the int64 buffer ``buf`` from word ``at`` (the layout of pack_window), as\n"
+"native int64.");
+
+static PyObject *
+window_keys(PyObject *module, PyObject *args)
+{
+    PyObject *buf_obj;
+    long long lo;
+    Py_ssize_t nbits, at;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OnnL:window_keys", &buf_obj, &at, &nbits, &lo)) {
+        return NULL;
+    }
+    Py_buffer bv;
+    if (int64_buffer(buf_obj, &bv, 0, "window_keys") < 0) {
+        return NULL;
+    }
+    Py_ssize_t nwords = nbits / 64;
+    if (nbits < 0 || nbits % 64 || at < 0 || at + nwords > bv.len / 8) {
+        PyBuffer_Release(&bv);
+        PyErr_SetString(PyExc_ValueError, "window_keys: the window does not fit the buffer");
+        return NULL;
+    }
+    const uint64_t *words = (const uint64_t *)bv.buf + at;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t w = 0; w < nwords; w++) {
+        count += POPCOUNT64(words[w]);
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, count * 8);
+    if (out == NULL) {
+        PyBuffer_Release(&bv);
+        return NULL;
+    }
+    int64_t *keys = (int64_t *)PyByteArray_AS_STRING(out);
+    Py_ssize_t j = 0;
+    for (Py_ssize_t w = 0; w < nwords; w++) {
+        uint64_t word = words[w];
+        while (word) {
+            int b = LOWEST_BIT64(word);
+            keys[j++] = (int64_t)(lo + (long long)w * 64 + b);
+            word &= word - 1;
+        }
+    }
+    PyBuffer_Release(&bv);
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -824,6 +1020,8 @@ static PyMethodDef methods[] = {
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
     {"keys_of", keys_of, METH_O, keys_of_doc},
+    {"pack_window", pack_window, METH_VARARGS, pack_window_doc},
+    {"window_keys", window_keys, METH_VARARGS, window_keys_doc},
     {"set_registry_type", set_registry_type, METH_VARARGS, set_registry_type_doc},
     {"add_plain", (PyCFunction)(void (*)(void))add_plain, METH_FASTCALL, add_plain_doc},
     {NULL, NULL, 0, NULL},

@@ -311,3 +311,66 @@ def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
         objs = regs = []
         cgc.collect(comm, generation=None, timeout=30)
         comm.Free()
+
+
+# -- the agreement's window in C against numpy ----------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(6))
+def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
+    import array
+
+    import numpy as np
+
+    from collective_gc import _agree
+
+    speedups = _registration.SPEEDUPS
+    assert speedups is not None
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        lo = int(rng.integers(0, 1 << 40)) if seed % 2 else int(rng.integers(0, 300))
+        nbits = 64 * int(rng.integers(0, 40))
+        n = int(rng.integers(0, 3 * nbits + 5))
+        keys = np.unique(rng.integers(max(0, lo - 200), lo + nbits + 200, n)).astype(np.int64)
+        at = int(rng.integers(0, 5))
+        size = at + nbits // 64 + int(rng.integers(0, 3))
+        ours = array.array("q", [-1] * size)  # stale words must be cleared
+        theirs = array.array("q", [-1] * size)
+        got = speedups.pack_window(keys, lo, nbits, ours, at)
+        want = _agree.pack_window_py(keys, lo, nbits, theirs, at)
+        assert got == want and ours == theirs, (lo, nbits, keys)
+        read = np.frombuffer(speedups.window_keys(ours, at, nbits, lo), np.int64)
+        assert read.tolist() == _agree.window_keys_py(theirs, at, nbits, lo).tolist()
+        assert read.tolist() == keys[got[0] : got[1]].tolist()
+    with pytest.raises(ValueError, match="does not fit"):
+        speedups.pack_window(np.arange(3, dtype=np.int64), 0, 128, array.array("q", [0]), 0)
+    with pytest.raises(TypeError, match="int64"):
+        speedups.window_keys(array.array("i", [0] * 4), 0, 64, 0)
+
+
+@needs_c
+def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
+    """On a communicator of size 1 the drained keys are the agreed ones: any
+    order but newest first would show in the destroys."""
+    import random
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        for order in ("forward", "backward", "shuffled"):
+            objs: list[Obj | None] = [Obj() for _ in range(300)]
+            done: list[int] = []
+            regs = [cgc.register(o, done.append, i, comm=comm) for i, o in enumerate(objs)]
+            if order == "forward":
+                for i in range(len(objs)):
+                    objs[i] = None
+            elif order == "backward":
+                objs.clear()  # a list frees its items from the end
+            else:
+                for i in random.Random(5).sample(range(len(objs)), len(objs)):
+                    objs[i] = None
+            assert cgc.collect(comm, generation=None, timeout=30).destroyed == 300
+            assert done == list(range(299, -1, -1)), order
+            assert not any(r.alive for r in regs)
+    finally:
+        comm.Free()
