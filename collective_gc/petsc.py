@@ -486,14 +486,18 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
     """(label, referent) for the strong references out of ``obj`` that matter here."""
     if isinstance(obj, _OPAQUE):
         return
+    # Containers are copied by their own copy(), in one C call: list() of a
+    # dict's items allocates a tuple per item, so a collection (its callbacks,
+    # finalizers, another thread given the GIL there) may change the dict in
+    # the middle of it, and the walk would raise instead of looking.
     if isinstance(obj, dict):
-        for k, v in list(obj.items()):
+        for k, v in dict.copy(obj).items():
             yield f"[{k!r}]", v
     elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
+        for i, v in enumerate(obj):  # a list's iterator never raises for a change
             yield f"[{i}]", v
     elif isinstance(obj, (set, frozenset)):
-        for v in list(obj):
+        for v in set.copy(obj) if isinstance(obj, set) else obj:
             yield "{...}", v
     elif isinstance(obj, types.MethodType):
         yield ".__self__", obj.__self__
@@ -517,7 +521,7 @@ def _edges(obj: object) -> Iterator[tuple[str, object]]:
         inst = getattr(obj, "__dict__", None)
         for ref in gc.get_referents(obj):
             if ref is inst and isinstance(inst, dict):
-                for k, v in list(inst.items()):
+                for k, v in dict.copy(inst).items():
                     yield f".{k}", v
             else:
                 yield f".<{type(ref).__name__}>", ref

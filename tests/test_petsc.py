@@ -932,3 +932,45 @@ def test_batched_destroy_failing_on_one_rank(comm: MPI.Intracomm, batch_path: Ba
     del info, mats
     with pytest.raises(cgc.CollectiveGCError, match="differ between ranks"):
         cgc.collect(comm)
+
+
+def test_diagnostics_walk_containers_that_change_while_they_look() -> None:
+    """The walk behind immortal() and view() copies the containers it looks
+    into; a collection started by that copy runs callbacks (and, with
+    threads, other threads) that may change them: it must not raise. Here a
+    gc callback changes the dict the destroy's argument is, every time."""
+    comm = MPI.COMM_SELF.Dup()
+    shared: dict[int, Any] = {i: [i] for i in range(2000)}
+    added = [10**6]
+
+    def meddle(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            shared[added[0]] = None
+            added[0] += 1
+
+    saved = gc.get_threshold()
+    try:
+        cp.install(comm)
+        owner = _Owner()
+        cgc.register(owner, _noop_destroy, shared, comm=comm)
+        gc.callbacks.append(meddle)
+        gc.set_threshold(100, 10, 10)
+        try:
+            assert cp.immortal(comm) == []
+            cgc.view(comm, file=None)
+        finally:
+            gc.callbacks.remove(meddle)
+            gc.set_threshold(*saved)
+        assert added[0] > 10**6, "no collection ran during the walk: the test tested nothing"
+        del owner
+        assert cgc.collect(comm, generation=None).destroyed == 1
+    finally:
+        comm.Free()
+
+
+class _Owner:
+    pass
+
+
+def _noop_destroy(*args: Any) -> None:
+    pass
