@@ -154,7 +154,8 @@ def main() -> None:
     gc.disable()  # no automatic collection pauses inside the timings
     say(comm, f"bench_core: {comm.Get_size()} ranks, median of {REPEATS}, slowest rank per repeat")
     rows = per_object() + sync_costs()
-    save("core", rows, comm)
+    if "--no-save" not in sys.argv[1:]:
+        save("core", rows, comm)
 
 
 if __name__ == "__main__":
