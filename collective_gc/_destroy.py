@@ -109,10 +109,6 @@ def run(registry: Registry, keys: np.ndarray[Any, Any], seq: int) -> tuple[int, 
     begun = 0
     failures: list[Failure] = []
     try:
-        if not registry.live:
-            # A dict never shrinks, but clear() gives a large backlog's memory
-            # back (the same dict: registration on another thread may store into it).
-            registry.live.clear()
         if segments is None:  # out of memory finding the runs: one by one then
             segments = [(0, len(fns), -1)]
         registry.remove_pending(keys)

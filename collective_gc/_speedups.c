@@ -660,7 +660,8 @@ PyDoc_STRVAR(take_batch_doc,
 "(identity) of every call of the run, or -1 for a run of others.\n"
 "``segments`` is None if it could not be made (out of memory): then run\n"
 "every call one by one. Nothing can fail, and no Python code runs, between\n"
-"the first key popped and the last, so no registration is ever lost.");
+"the first key popped and the last, so no registration is ever lost. If\n"
+"``regs`` is then empty, it is cleared (its memory given back).");
 
 static PyObject *
 take_batch(PyObject *module, PyObject *args)
@@ -713,6 +714,12 @@ take_batch(PyObject *module, PyObject *args)
         count++;
     }
     Py_DECREF(empty);
+    if (PyDict_GET_SIZE(regs) == 0) {
+        /* A dict never shrinks: an empty one gives a large backlog's memory
+         * back here, where no registration can be stored in between (one
+         * stored while Python code runs after the check would be wiped). */
+        PyDict_Clear(regs);
+    }
     /* Cut the lists to the keys taken: their tail is still NULL, and a list
      * may be shorter than its allocation, so this cannot fail (PyList_SetSlice
      * may allocate, and failing here would leave NULLs in the lists). */

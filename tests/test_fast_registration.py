@@ -374,3 +374,61 @@ def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
             assert not any(r.alive for r in regs)
     finally:
         comm.Free()
+
+
+def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept() -> None:
+    """A sync point that destroys the last registrations may give the
+    registry's memory back; a registration another thread stores just then
+    (here: while the sync point's thread stands on the line after its
+    destroys were taken, held by a trace function) must not be wiped."""
+    import inspect
+
+    from collective_gc import _destroy
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        cgc.manager(comm)
+        done: list[str] = []
+        o = Obj()
+        cgc.register(o, done.append, "first", comm=comm)
+        late: list[Any] = []
+        registered = threading.Event()
+
+        def register_late() -> None:
+            p = Obj()
+            late.append(p)
+            late.append(cgc.register(p, done.append, "late", comm=comm))
+            registered.set()
+
+        source, first_line = inspect.getsourcelines(_destroy.run)
+        after_take = [
+            first_line + i
+            for i, line in enumerate(source)
+            if "registry.remove_pending" in line or "live.clear()" in line
+        ]
+        fired: list[int] = []
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code is not _destroy.run.__code__:
+                return None
+            if event == "line" and frame.f_lineno in after_take and not fired:
+                fired.append(frame.f_lineno)
+                threading.Thread(target=register_late).start()
+                assert registered.wait(30)
+            return tracer
+
+        del o
+        sys.settrace(tracer)
+        try:
+            assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
+        finally:
+            sys.settrace(None)
+        assert fired and done == ["first"], (fired, done)
+        reg = late[1]
+        assert reg.alive and cgc.manager(comm).registered == 1
+        late.clear()
+        del reg
+        assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
+        assert done == ["first", "late"]
+    finally:
+        comm.Free()
