@@ -18,7 +18,8 @@ Per seed, on a fresh duplicate of COMM_WORLD:
   seed overruns its deadline).
 
 Then the fault episodes the seed draws from :mod:`stress.episodes` (issue 11):
-registrations and drops from several threads on COMM_SELF and rank-local,
+registrations and drops from several threads on COMM_SELF and rank-local
+(diagnostics among them, on some seeds with the PETSc adapter's hooks installed),
 KeyboardInterrupt and SystemExit raised inside destroys on one rank, destroys
 that detach, register, drop and call diagnostics, late ranks against
 deadlines, communicators freed with destroys pending, diagnostics before a

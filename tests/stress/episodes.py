@@ -23,7 +23,10 @@ What a correct library must do here (issue 11):
   refusal because another thread is running destroys; on a communicator of
   size > 1 two threads registering at once is erroneous, and may be refused
   (``RegistrationError`` naming both threads), never hang;
-- diagnostics never change what a sync point sees (strict mode still raises).
+- diagnostics never change what a sync point sees (strict mode still raises),
+  and never fail while other threads register: ``view`` from any thread, also
+  with the PETSc adapter's hooks installed (which walk the live registrations'
+  destroy arguments, data those other threads are changing).
 
 Episodes: threads (defects 1, 11), interrupt (3), meddle (8), late (4),
 freed (2), strict (9), args (10, 12), racing (the erroneous case of 1).
@@ -253,6 +256,11 @@ def _raiser(
     return fire
 
 
+def _diag_error(who: str, exc: Exception, where: str) -> str:
+    at = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{who}: diagnostics{where}: {type(exc).__name__}: {exc} (at {at.filename}:{at.lineno})"
+
+
 def _join_registrars(ctx: Ctx, workers: Iterable[threading.Thread]) -> None:
     # A registering thread still running after the hang timeout is a hang.
     for t in workers:
@@ -308,10 +316,32 @@ def _link(holders: list[Any], rng: random.Random, cycles: int) -> None:
 # -- threads: registration and drops from several threads (issue 11, defect 1) --
 
 
+def _petsc_hooks(ctx: Ctx) -> Any:
+    """``collective_gc.petsc`` if this rank's threads episode is to install its
+    hooks, else None (always None without petsc4py: pip-only stacks).
+
+    The hooks make ``view`` walk, from every live registration's destroy and
+    arguments (here the ledger, whose dicts other threads are changing), the
+    paths to its owner: what a program using the PETSc adapter does when it
+    calls ``view`` from several threads. Drawn from a generator of its own, so
+    that every other draw of the seed stays what it was without this one.
+    """
+    if random.Random(f"threads/petsc-hooks/{ctx.seed}/{ctx.rank}").random() >= 0.5:
+        return None
+    try:
+        import collective_gc.petsc as cgc_petsc
+    except ImportError:
+        return None
+    return cgc_petsc
+
+
 def threads(ctx: Ctx) -> None:
     """Worker threads register and drop on a size-1 communicator and rank-local,
     while the main thread runs sync points (some of whose destroys raise
-    interrupts) and diagnostics on the same communicator."""
+    interrupts) and diagnostics on the same communicator. On a fresh duplicate,
+    some seeds install the PETSc adapter's hooks there first (when petsc4py is
+    installed), so that ``view`` also walks the live registrations' destroy
+    arguments while the other threads change them."""
     L = ctx.ledger
     L.episode = "threads"
     ctx.arm("threads", ctx.hang_timeout * 3 + 30)
@@ -319,6 +349,13 @@ def threads(ctx: Ctx) -> None:
     # (a fresh manager, whose first use comes from several threads at once).
     own = ctx.mine.random() < 0.7
     sc = MPI.COMM_SELF.Dup() if own else MPI.COMM_SELF
+    # PETSc's hooks on that duplicate only: installed on COMM_SELF they would
+    # stay for every later seed of the job (there is no uninstall), and a seed
+    # would no longer do the same thing when run alone.
+    hooks = _petsc_hooks(ctx) if own else None
+    if hooks is not None:
+        hooks.install(sc)
+    where = " (PETSc hooks installed)" if hooks is not None else ""
     label, rl = "self", "reaper"
     nthreads = ctx.mine.randrange(2, 5)
     per = ctx.mine.randrange(40, 150)
@@ -365,12 +402,19 @@ def threads(ctx: Ctx) -> None:
                     if rng.random() < 0.3:
                         cgc.view(sc, file=None)
                 except Exception as exc:
-                    where = traceback.extract_tb(exc.__traceback__)[-1]
-                    errors.append(
-                        f"thread {w}: diagnostics: {type(exc).__name__}: {exc} "
-                        f"(at {where.filename}:{where.lineno})"
-                    )
+                    errors.append(_diag_error(f"thread {w}", exc, where))
         keep.clear()
+
+    def diagnostics(view: bool) -> None:
+        # The main thread's, recorded like the workers' (an exception here
+        # would end the episode with its workers still running).
+        try:
+            if view:
+                cgc.view(sc, file=None)
+            else:
+                cgc.pending(sc)
+        except Exception as exc:
+            errors.append(_diag_error("main thread", exc, where))
 
     holders = Holders()
     fired_by: dict[int, list[str]] = {}
@@ -406,16 +450,19 @@ def threads(ctx: Ctx) -> None:
                         cls, f"sync on COMM_SELF: {res.kind} (expected {want}) {res.text[:300]}"
                     )
             elif op < 0.85:
-                cgc.pending(sc)
+                diagnostics(view=False)
             elif op < 0.95:
-                cgc.view(sc, file=None)
+                diagnostics(view=True)
             else:
                 _find_cycles_of_one(holders)
         _join_registrars(ctx, workers)
     finally:
         sys.setswitchinterval(old)
     if errors:
-        L.defect("error", f"{len(errors)} call(s) refused on worker threads, first: {errors[0]}")
+        L.defect(
+            "error",
+            f"{len(errors)} call(s) refused on worker threads or diagnostics, first: {errors[0]}",
+        )
     if gc.isenabled() != gc_was:
         L.defect("error", f"the collector is left {'en' if gc.isenabled() else 'dis'}abled")
         if gc_was:
