@@ -47,12 +47,16 @@ def _keys_of(batch: list[Registration]) -> tuple[np.ndarray[Any, Any], bool]:
     cyclic collector."""
     if SPEEDUPS is not None:
         try:
-            raw, cyclic = SPEEDUPS.keys_of(batch)
-            return np.frombuffer(raw, np.int64), cyclic
+            raw, cyclic, ascending = SPEEDUPS.keys_of(batch)
         except TypeError:
             pass  # not all exact Registrations: read them one by one
+        else:
+            keys = np.frombuffer(raw, np.int64)
+            if not ascending:
+                keys.sort(kind="stable")  # finds the runs finalizers queue
+            return keys, cyclic
     keys = np.fromiter(map(_KEY_OF, batch), np.int64, len(batch))
-    keys.sort()
+    keys.sort(kind="stable")
     return keys, any(map(_CYCLIC_OF, batch))
 
 

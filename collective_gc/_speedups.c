@@ -11,7 +11,7 @@
  * line). It runs once per dropped managed object; from C it costs about a
  * third of the Python function's call.
  *
- * keys_of: the keys a sync point drains from its inbox, in one pass, sorted.
+ * keys_of: the keys a sync point drains from its inbox, in one pass.
  *
  * pack_window, window_keys: the agreement's bitmap of pending keys, packed
  * and read back (see collective_gc._agree, whose numpy version they mirror):
@@ -38,7 +38,6 @@
 #include <structmember.h> /* T_OBJECT_EX */
 #include <limits.h> /* LLONG_MAX */
 #include <stdint.h>
-#include <stdlib.h> /* qsort */
 #include <string.h> /* memset, strcmp */
 
 typedef void *PetscObject;
@@ -783,16 +782,11 @@ run_each(PyObject *module, PyObject *args)
     return finish(failures, unrecorded);
 }
 
+/* Ascending in place if the keys are in one order or the other (a list is
+ * freed from its end, so finalizers queue its keys descending); 0 if they are
+ * in neither, left as they are for a sort that finds runs (numpy's stable
+ * sort), which a qsort here would be slower than. */
 static int
-compare_keys(const void *a, const void *b)
-{
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* Ascending, in place: finalizers usually queue keys in one order or the
- * other (a list is freed from its end), so those two need no sort. */
-static void
 sort_keys(int64_t *keys, Py_ssize_t n)
 {
     Py_ssize_t i = 1;
@@ -800,26 +794,28 @@ sort_keys(int64_t *keys, Py_ssize_t n)
         i++;
     }
     if (i >= n) {
-        return;
+        return 1;
     }
     for (i = 1; i < n && keys[i - 1] >= keys[i]; i++) {
     }
-    if (i >= n) {
-        for (Py_ssize_t a = 0, b = n - 1; a < b; a++, b--) {
-            int64_t t = keys[a];
-            keys[a] = keys[b];
-            keys[b] = t;
-        }
-        return;
+    if (i < n) {
+        return 0;
     }
-    qsort(keys, (size_t)n, sizeof(int64_t), compare_keys);
+    for (Py_ssize_t a = 0, b = n - 1; a < b; a++, b--) {
+        int64_t t = keys[a];
+        keys[a] = keys[b];
+        keys[b] = t;
+    }
+    return 1;
 }
 
 PyDoc_STRVAR(keys_of_doc,
-"keys_of(regs) -> (keys, cyclic)\n\n"
+"keys_of(regs) -> (keys, cyclic, ascending)\n\n"
 "The keys of the Registrations in the list ``regs`` as a bytearray of native\n"
-"int64 (writable, for numpy.frombuffer), ascending, and whether any has its\n"
-"``cyclic`` flag set: what a sync point's drain reads of its inbox.\n"
+"int64 (writable, for numpy.frombuffer), whether any has its ``cyclic`` flag\n"
+"set, and whether the keys are ascending: they are made so if they were in\n"
+"one order or the other, else left in list order. What a sync point's drain\n"
+"reads of its inbox.\n"
 "TypeError if an item is not an exact Registration with its key and flag\n"
 "set (the caller then reads them from Python).");
 
@@ -857,8 +853,9 @@ keys_of(PyObject *module, PyObject *regs)
         keys[i] = (int64_t)k;
         cyclic |= flag == Py_True;
     }
-    sort_keys(keys, n);
-    return Py_BuildValue("(NO)", out, cyclic ? Py_True : Py_False);
+    int sorted = sort_keys(keys, n);
+    return Py_BuildValue("(NOO)", out, cyclic ? Py_True : Py_False,
+                         sorted ? Py_True : Py_False);
 }
 
 /* -- the agreement's key window -------------------------------------------- */
