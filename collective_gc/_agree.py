@@ -132,9 +132,9 @@ class Deadline:
         held, self.held = self.held, None
         if held is not None:
             held.add_note(
-                "collective_gc: it arrived while this rank waited in a sync point's "
-                "collective, and was held until the sync point's collectives were done, so "
-                "that every rank ran the same destroys"
+                "collective_gc: it arrived during a sync point (waiting for the other "
+                "ranks, or between its destroys) and was held until the sync point's "
+                "collectives were done, so that every rank ran the same destroys"
             )
             try:
                 raise held

@@ -4,9 +4,9 @@
 (:func:`collective_gc._registration.take_batch_py`, or its C twin), then calls
 their destroys newest first, every one whatever raises, a run of consecutive
 calls to a *batched* destroy at a time (:func:`set_batch`: PETSc objects are
-destroyed from C in one call). An interrupt landing between two runs puts the
-runs not yet begun back, pending again. :func:`raise_failures` turns what
-raised on any rank into the same error on every rank.
+destroyed from C in one call). An interrupt landing between two runs does
+not stop them: it is raised once the sync point is done. :func:`raise_failures`
+turns what raised on any rank into the same error on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import DestroyError
-from ._registration import DESTROYED, SPEEDUPS, Registration, put_back, take_batch_py
+from ._registration import DESTROYED, SPEEDUPS, take_batch_py
 from ._registry import Registry
 
 __all__ = [
@@ -91,7 +91,9 @@ def passes() -> str:
     return "c" if _PASSES[0] is _C and SPEEDUPS is not None else "python"
 
 
-def run(registry: Registry, keys: np.ndarray[Any, Any], seq: int) -> tuple[int, list[Failure]]:
+def run(
+    registry: Registry, keys: np.ndarray[Any, Any], seq: int
+) -> tuple[int, list[Failure], BaseException | None]:
     """Destroy the registrations of the agreed ``keys`` (ascending), newest first.
 
     Newest first: a resource made from another (a KSP from a Mat, a
@@ -99,58 +101,72 @@ def run(registry: Registry, keys: np.ndarray[Any, Any], seq: int) -> tuple[int, 
     registration is out of the registry and marked destroyed before any
     destroy runs (a destroy reaching for another registration of the batch
     finds it destroyed), and the keys leave the pending keys (nothing a
-    destroy queues can be mistaken for them). Returns how many ran and the
-    failures; an interrupt between two runs of destroys puts the rest back.
+    destroy queues can be mistaken for them). Returns how many ran, the
+    failures, and an interrupt that landed between two runs of destroys.
+
+    Every agreed destroy runs whatever lands in between: the other ranks run
+    them all, so a rank that stopped half-way would hold objects the others
+    destroyed. An interrupt (KeyboardInterrupt, SystemExit) that lands in
+    this function's own steps is returned, for the caller to raise once the
+    sync point's collectives are done; anything else that does is a failure
+    of the sync point, reported on every rank like a destroy's.
     """
     take, run_each = _PASSES[0]
     batched, runners = _BATCHES
     with registry.lock:
         regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)
-    begun = 0
+    if segments is None:  # out of memory finding the runs: one by one then
+        segments = [(0, len(fns), -1)]
     failures: list[Failure] = []
-    try:
-        if segments is None:  # out of memory finding the runs: one by one then
-            segments = [(0, len(fns), -1)]
-        registry.remove_pending(keys)
-        for start, end, index in segments:
-            if len(segments) == 1:
-                fchunk, achunk = fns, argss
-            else:
-                fchunk, achunk = fns[start:end], argss[start:end]
-            begun += 1
-            try:
-                errors = run_each(fchunk, achunk) if index < 0 else runners[index](achunk)
-            except BaseException as runner_exc:
-                # The runner itself failed (out of memory recording a failure),
-                # after trying every call: which one is unknown.
-                errors = [(-1, runner_exc)]
-            for i, exc in errors:
-                if i < 0:
-                    failures.append((-1, f"one of {end - start} destroys", exc))
+    interrupt: BaseException | None = None
+    removed = False
+    pos = 0  # the next run to begin; it counts as begun before it is called
+    strikes = 0  # exceptions in a row at one step: past a few, the step is given up
+    while not removed or pos < len(segments):
+        try:
+            if not removed:
+                registry.remove_pending(keys)  # idempotent: may be made again
+                removed = True
+                strikes = 0
+            while pos < len(segments):
+                start, end, index = segments[pos]
+                if len(segments) == 1:
+                    fchunk, achunk = fns, argss
                 else:
-                    failures.append((regs[start + i].key, regs[start + i].name, exc))
-            del fchunk, achunk
-    except BaseException:
-        rest = segments[begun][0] if segments is not None and begun < len(segments) else len(fns)
-        _put_back(registry, regs[rest:], fns[rest:], argss[rest:], seq)
-        regs = regs[:rest]
-        raise
-    finally:
-        count = len(regs)
-        del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
-    return count, failures
-
-
-def _put_back(
-    registry: Registry,
-    regs: list[Registration],
-    fns: list[Callable[..., object]],
-    argss: list[tuple[Any, ...]],
-    seq: int,
-) -> None:
-    if regs:
-        put_back(registry, regs, fns, argss)
-        registry.add_pending([r.key for r in regs], seq)
+                    fchunk, achunk = fns[start:end], argss[start:end]
+                # Nothing that can raise from here to the runner's call, which
+                # lets nothing out (it makes every call whatever raises).
+                pos += 1
+                strikes = 0
+                try:
+                    errors = run_each(fchunk, achunk) if index < 0 else runners[index](achunk)
+                except BaseException as runner_exc:
+                    # The runner itself failed (out of memory recording a
+                    # failure), after trying every call: which one is unknown.
+                    errors = [(-1, runner_exc)]
+                for i, exc in errors:
+                    if i < 0:
+                        failures.append((-1, f"one of {end - start} destroys", exc))
+                    else:
+                        failures.append((regs[start + i].key, regs[start + i].name, exc))
+                del fchunk, achunk
+        except BaseException as exc:  # landed between two runs: the rest still run
+            if isinstance(exc, Exception):
+                failures.append((-1, "the sync point's own steps between its destroys", exc))
+            elif interrupt is None:
+                interrupt = exc
+            strikes += 1
+            if strikes >= 3:  # the same step keeps failing (out of memory): give it up
+                strikes = 0
+                if not removed:
+                    removed = True  # the keys stay pending here; their registrations are gone
+                else:
+                    start, end, _ = segments[pos]
+                    pos += 1
+                    failures.append((-1, f"{end - start} destroys that could not be begun", exc))
+    count = len(regs)
+    del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
+    return count, failures, interrupt
 
 
 def raise_failures(

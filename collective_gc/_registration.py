@@ -42,7 +42,6 @@ __all__ = [
     "make_registration",
     "check_destroy",
     "take_batch_py",
-    "put_back",
     "track_origins",
     "shut_down",
     "set_shut_down",
@@ -543,17 +542,3 @@ def take_batch_py(
         segments.append((start, end, index))
         start = end
     return taken, fns, argss, segments
-
-
-def put_back(
-    ledger: Ledger,
-    regs: list[Registration],
-    fns: list[Callable[..., object]],
-    argss: list[tuple[Any, ...]],
-) -> None:
-    """Undo :func:`take_batch` for destroys that never started (an interrupt
-    between two runs of destroys): alive and registered again, not lost."""
-    with ledger.lock:
-        for reg, fn, args in zip(regs, fns, argss):
-            reg._destroy, reg._args, reg._state = fn, args, ALIVE
-            ledger.live[reg.key] = reg

@@ -280,15 +280,6 @@ class Registry(Ledger):
             keep = ~np.isin(pend, keys, assume_unique=True)
             self.pend, self.pend_seq = pend[keep], self.pend_seq[keep]
 
-    def add_pending(self, keys: list[int], seq: int) -> None:
-        """Keys put back (their destroys never started): pending again."""
-        new = np.array(sorted(keys), dtype=np.int64)
-        new = new[~np.isin(new, self.pend)]
-        pend = np.concatenate((self.pend, new))
-        ages = np.concatenate((self.pend_seq, np.full(new.size, seq)))
-        order = np.argsort(pend, kind="stable")
-        self.pend, self.pend_seq = pend[order], ages[order]
-
     def forget_all(self) -> None:
         """In a forked child: the parent's registrations are not ours."""
         self.forget()

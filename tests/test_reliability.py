@@ -279,39 +279,85 @@ def test_interrupt_in_a_destroy_on_one_rank(
     assert log.keys == ["c", "b", "a", "d"]
 
 
-def test_interrupt_between_runs_of_destroys_puts_the_rest_back() -> None:
-    # An interrupt (a signal) can land between two runs of destroys; the runs
-    # not begun go back to pending rather than vanish (review of issue 11).
-    comm = MPI.COMM_SELF.Dup()
+class _Interrupting(list):  # type: ignore[type-arg]
+    """A runner's (empty) failure list whose reading raises, as if a signal
+    arrived right after the run: between two runs of destroys."""
+
+    def __iter__(self) -> Any:
+        raise KeyboardInterrupt
+
+
+def _interrupted_batches(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[list[str], Any]:
+    """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched one
+    whose run is followed by an interrupt where ``interrupt_here``), drop them."""
     log: list[str] = []
 
     def batched(tag: str) -> None:
         log.append(tag)
 
-    class Interrupting(list):  # type: ignore[type-arg]
-        def __iter__(self) -> Any:
-            raise KeyboardInterrupt  # as if a signal arrived right after the run
-
     def run_batch(argss: list[tuple[Any, ...]]) -> Any:
         for args in argss:
             batched(*args)
-        return Interrupting()
+        return _Interrupting() if interrupt_here else []
 
     _destroy.set_batch(batched, run_batch)
+    objs = [Obj() for _ in range(4)]
+    for i, o in enumerate(objs):
+        cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
+    del objs, o
+    return log, batched
+
+
+def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
+    # An interrupt (a signal) can land between two runs of destroys: the runs
+    # not begun still run (on more than one rank, the others run them all),
+    # and the interrupt is raised once the sync point is done.
+    comm = MPI.COMM_SELF.Dup()
+    batched = None
     try:
         with GcDisabled():
-            objs = [Obj() for _ in range(4)]
-            for i, o in enumerate(objs):  # keys 0, 1: plain; 2, 3: batched
-                cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
-            del objs, o
-            with pytest.raises(KeyboardInterrupt):
+            log, batched = _interrupted_batches(comm, True)
+            with pytest.raises(KeyboardInterrupt) as err:
                 cgc.collect(comm, generation=None)
-            assert log == ["k3", "k2"]
-            assert [r.key for r in cgc.pending(comm)] == [0, 1]
-            assert cgc.collect(comm, generation=None).destroyed == 2
+            assert "held until the sync point's collectives were done" in str(err.value.__notes__)
             assert log == ["k3", "k2", "k1", "k0"]
+            assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
+            assert cgc.manager(comm).broken is None
+            assert cgc.collect(comm, generation=None).destroyed == 0
     finally:
-        _destroy.set_batch(batched, None)
+        if batched is not None:
+            _destroy.set_batch(batched, None)
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interrupt_between_runs_on_one_rank_leaves_every_rank_in_step() -> None:
+    comm = WORLD.Dup()
+    rank = comm.Get_rank()
+    batched = None
+    try:
+        with GcDisabled():
+            log, batched = _interrupted_batches(comm, rank == 0)
+            try:
+                cgc.collect(comm, generation=None, timeout=60)
+                outcome = "ok"
+            except KeyboardInterrupt:
+                outcome = "KeyboardInterrupt"
+            everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
+            want = [
+                ("KeyboardInterrupt" if r == 0 else "ok", ["k3", "k2", "k1", "k0"], 0)
+                for r in range(comm.Get_size())
+            ]
+            assert everyone == want, everyone
+            # In step: the next sync point agrees and destroys everywhere.
+            o = Obj()
+            cgc.register(o, log.append, "k4", comm=comm)
+            del o
+            assert cgc.collect(comm, generation=None, timeout=60).destroyed == 1
+            assert log[-1] == "k4"
+    finally:
+        if batched is not None:
+            _destroy.set_batch(batched, None)
         comm.Free()
 
 
