@@ -92,7 +92,7 @@ def passes() -> str:
 
 
 def run(
-    registry: Registry, keys: np.ndarray[Any, Any], seq: int
+    registry: Registry, keys: np.ndarray[Any, Any]
 ) -> tuple[int, list[Failure], BaseException | None]:
     """Destroy the registrations of the agreed ``keys`` (ascending), newest first.
 
@@ -117,7 +117,10 @@ def run(
         regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)
     if segments is None:  # out of memory finding the runs: one by one then
         segments = [(0, len(fns), -1)]
-    failures: list[Failure] = []
+    # What each run's runner returned, appended in one step (read at the end),
+    # and what raised in this function's own steps.
+    ran: list[tuple[int, int, list[tuple[int, BaseException]]]] = []
+    own: list[Failure] = []
     interrupt: BaseException | None = None
     removed = False
     pos = 0  # the next run to begin; it counts as begun before it is called
@@ -144,17 +147,13 @@ def run(
                     # The runner itself failed (out of memory recording a
                     # failure), after trying every call: which one is unknown.
                     errors = [(-1, runner_exc)]
-                for i, exc in errors:
-                    if i < 0:
-                        failures.append((-1, f"one of {end - start} destroys", exc))
-                    else:
-                        failures.append((regs[start + i].key, regs[start + i].name, exc))
+                ran.append((start, end, errors))
                 del fchunk, achunk
         except BaseException as exc:  # landed between two runs: the rest still run
-            if isinstance(exc, Exception):
-                failures.append((-1, "the sync point's own steps between its destroys", exc))
-            elif interrupt is None:
-                interrupt = exc
+            if not isinstance(exc, Exception):
+                interrupt = interrupt or exc
+            elif strikes == 0:
+                own.append((-1, "the sync point's own steps between its destroys", exc))
             strikes += 1
             if strikes >= 3:  # the same step keeps failing (out of memory): give it up
                 strikes = 0
@@ -163,8 +162,22 @@ def run(
                 else:
                     start, end, _ = segments[pos]
                     pos += 1
-                    failures.append((-1, f"{end - start} destroys that could not be begun", exc))
+                    own.append((-1, f"{end - start} destroys that could not be begun", exc))
     count = len(regs)
+    for _ in range(3):
+        try:
+            failures = own + [
+                (regs[start + i].key, regs[start + i].name, exc)
+                if i >= 0
+                else (-1, f"one of {end - start} destroys", exc)
+                for start, end, errors in ran
+                for i, exc in errors
+            ]
+            break
+        except BaseException as exc:  # as above: the failures must still be reported
+            if not isinstance(exc, Exception):
+                interrupt = interrupt or exc
+            failures = own + [(-1, "the report of this sync point's failures", exc)]
     del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
     return count, failures, interrupt
 

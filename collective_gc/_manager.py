@@ -568,7 +568,7 @@ class Manager:
         if keys.size:
             self._destroying = threading.get_ident()
             try:
-                count, more, interrupt = _destroy.run(registry, keys, seq)
+                count, more, interrupt = _destroy.run(registry, keys)
                 if interrupt is not None and dl.held is None:
                     dl.held = interrupt  # raised once the collectives are done, as in a wait
             finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import io
 import sys
 import threading
@@ -279,17 +280,9 @@ def test_interrupt_in_a_destroy_on_one_rank(
     assert log.keys == ["c", "b", "a", "d"]
 
 
-class _Interrupting(list):  # type: ignore[type-arg]
-    """A runner's (empty) failure list whose reading raises, as if a signal
-    arrived right after the run: between two runs of destroys."""
-
-    def __iter__(self) -> Any:
-        raise KeyboardInterrupt
-
-
-def _interrupted_batches(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[list[str], Any]:
-    """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched one
-    whose run is followed by an interrupt where ``interrupt_here``), drop them."""
+def _interrupted_batches(comm: MPI.Intracomm) -> tuple[list[str], Any]:
+    """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched
+    one, so two runs of destroys: k3 k2, then k1 k0) and drop them."""
     log: list[str] = []
 
     def batched(tag: str) -> None:
@@ -298,7 +291,7 @@ def _interrupted_batches(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[lis
     def run_batch(argss: list[tuple[Any, ...]]) -> Any:
         for args in argss:
             batched(*args)
-        return _Interrupting() if interrupt_here else []
+        return []
 
     _destroy.set_batch(batched, run_batch)
     objs = [Obj() for _ in range(4)]
@@ -306,6 +299,45 @@ def _interrupted_batches(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[lis
         cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
     del objs, o
     return log, batched
+
+
+class _Between:
+    """A trace function raising KeyboardInterrupt in _destroy.run where the
+    second run of destroys is about to begin, as a signal landing there would."""
+
+    def __init__(self) -> None:
+        source, first = inspect.getsourcelines(_destroy.run)
+        self.lines = {first + i for i, line in enumerate(source) if "= segments[pos]" in line}
+        assert self.lines
+        self.fired = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not _destroy.run.__code__:
+            return None
+        if (
+            event == "line"
+            and frame.f_lineno in self.lines
+            and frame.f_locals.get("pos") == 1
+            and not self.fired
+        ):
+            self.fired += 1
+            raise KeyboardInterrupt
+        return self
+
+
+def _collect_interrupted(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[str, int]:
+    tracer = _Between()
+    if interrupt_here:
+        sys.settrace(tracer)
+    try:
+        cgc.collect(comm, generation=None, timeout=60)
+        outcome = "ok"
+    except KeyboardInterrupt as exc:
+        held = "held until the sync point's collectives were done" in str(exc.__notes__)
+        outcome = "KeyboardInterrupt, held" if held else "KeyboardInterrupt"
+    finally:
+        sys.settrace(None)
+    return outcome, tracer.fired
 
 
 def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
@@ -316,10 +348,8 @@ def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
     batched = None
     try:
         with GcDisabled():
-            log, batched = _interrupted_batches(comm, True)
-            with pytest.raises(KeyboardInterrupt) as err:
-                cgc.collect(comm, generation=None)
-            assert "held until the sync point's collectives were done" in str(err.value.__notes__)
+            log, batched = _interrupted_batches(comm)
+            assert _collect_interrupted(comm, True) == ("KeyboardInterrupt, held", 1)
             assert log == ["k3", "k2", "k1", "k0"]
             assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
             assert cgc.manager(comm).broken is None
@@ -337,15 +367,15 @@ def test_interrupt_between_runs_on_one_rank_leaves_every_rank_in_step() -> None:
     batched = None
     try:
         with GcDisabled():
-            log, batched = _interrupted_batches(comm, rank == 0)
-            try:
-                cgc.collect(comm, generation=None, timeout=60)
-                outcome = "ok"
-            except KeyboardInterrupt:
-                outcome = "KeyboardInterrupt"
+            log, batched = _interrupted_batches(comm)
+            outcome = _collect_interrupted(comm, rank == 0)
             everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
             want = [
-                ("KeyboardInterrupt" if r == 0 else "ok", ["k3", "k2", "k1", "k0"], 0)
+                (
+                    ("KeyboardInterrupt, held", 1) if r == 0 else ("ok", 0),
+                    ["k3", "k2", "k1", "k0"],
+                    0,
+                )
                 for r in range(comm.Get_size())
             ]
             assert everyone == want, everyone
