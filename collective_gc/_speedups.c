@@ -554,10 +554,10 @@ PyDoc_STRVAR(add_plain_doc,
 "a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
 "``obj`` weakly referenceable and with no other weak reference, no origin to\n"
 "record, and no other registration half-way through on ``registry`` (its busy\n"
-"count 0). Then the registration is made, given the\n"
-"next key and stored, with no Python code run between reading the key and\n"
-"storing the next one (so it needs no lock). Otherwise None, having changed\n"
-"nothing: Registry.add then does it (or says what is wrong).");
+"count 0). Then the registration is made, given the next key and stored,\n"
+"with no Python code run between reading the key and storing the next one\n"
+"(so it needs no lock). Otherwise None, having changed nothing:\n"
+"Registry.add then does it (or says what is wrong).");
 
 static PyObject *
 add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
