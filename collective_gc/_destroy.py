@@ -117,6 +117,10 @@ def run(
         regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)
     if segments is None:  # out of memory finding the runs: one by one then
         segments = [(0, len(fns), -1)]
+    # The loops test a plain name, not a call: a pending signal is raised at
+    # calls and loop back-jumps, and one raised at the outer loop's test
+    # (outside the try) would leave the sync point half-way on this rank.
+    nruns = len(segments)
     # What each run's runner returned, appended in one step (read at the end),
     # and what raised in this function's own steps.
     ran: list[tuple[int, int, list[tuple[int, BaseException]]]] = []
@@ -125,15 +129,15 @@ def run(
     removed = False
     pos = 0  # the next run to begin; it counts as begun before it is called
     strikes = 0  # exceptions in a row at one step: past a few, the step is given up
-    while not removed or pos < len(segments):
+    while not removed or pos < nruns:
         try:
             if not removed:
                 registry.remove_pending(keys)  # idempotent: may be made again
                 removed = True
                 strikes = 0
-            while pos < len(segments):
+            while pos < nruns:
                 start, end, index = segments[pos]
-                if len(segments) == 1:
+                if nruns == 1:
                     fchunk, achunk = fns, argss
                 else:
                     fchunk, achunk = fns[start:end], argss[start:end]
