@@ -288,23 +288,29 @@ on_finalize(PyObject *module, PyObject *reg)
 
 /* -- take_batch, run_each -------------------------------------------------- */
 
+/* The offset of the writable object slot ``name`` of ``type``'s instances,
+ * defined by the type or a base (a Registry's ``live`` is its Ledger's). */
 static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
 {
-    PyObject *descr = PyDict_GetItemString(type->tp_dict, name); /* borrowed */
-    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)
-        || PyDescr_TYPE(descr) != type) {
-        PyErr_Format(PyExc_TypeError, "set_registration_type: %s.%s is not a slot",
-                     type->tp_name, name);
+    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
+    if (descr == NULL) {
         return -1;
     }
-    PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-    if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
-        PyErr_Format(PyExc_TypeError, "set_registration_type: %s.%s is not a writable "
-                     "object slot", type->tp_name, name);
-        return -1;
+    Py_ssize_t off = -1;
+    if (PyObject_TypeCheck(descr, &PyMemberDescr_Type)
+        && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
+        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
+            off = m->offset;
+        }
     }
-    return m->offset;
+    Py_DECREF(descr);
+    if (off < 0) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name,
+                     name);
+    }
+    return off;
 }
 
 PyDoc_STRVAR(set_registration_type_doc,
@@ -481,29 +487,6 @@ static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = 
                   off_rpush = -1;
 static PyObject *origins_switch = NULL, *callback_box = NULL, *fast_switch = NULL;
 
-/* The offset of an object slot found anywhere in cls's MRO (live is Ledger's). */
-static Py_ssize_t
-inherited_slot(PyObject *cls, const char *name)
-{
-    PyObject *descr = PyObject_GetAttrString(cls, name);
-    if (descr == NULL) {
-        return -1;
-    }
-    Py_ssize_t off = -1;
-    if (PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
-        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
-            off = m->offset;
-        }
-    }
-    Py_DECREF(descr);
-    if (off < 0) {
-        PyErr_Format(PyExc_TypeError, "set_registry_type: %s is not a writable object slot",
-                     name);
-    }
-    return off;
-}
-
 PyDoc_STRVAR(set_registry_type_doc,
 "set_registry_type(cls, track_origins, callback, fast) -> None\n\n"
 "Tell add_plain where collective_gc's Registry keeps its slots, and give it\n"
@@ -524,11 +507,11 @@ set_registry_type(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "set_registry_type: expected one-item lists");
         return NULL;
     }
-    Py_ssize_t l = inherited_slot(cls, "live");
-    Py_ssize_t k = l < 0 ? -1 : inherited_slot(cls, "next_key");
-    Py_ssize_t b = k < 0 ? -1 : inherited_slot(cls, "busy");
-    Py_ssize_t o = b < 0 ? -1 : inherited_slot(cls, "owner");
-    Py_ssize_t p = o < 0 ? -1 : inherited_slot(cls, "push");
+    Py_ssize_t l = slot_offset((PyTypeObject *)cls, "live");
+    Py_ssize_t k = l < 0 ? -1 : slot_offset((PyTypeObject *)cls, "next_key");
+    Py_ssize_t b = k < 0 ? -1 : slot_offset((PyTypeObject *)cls, "busy");
+    Py_ssize_t o = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "owner");
+    Py_ssize_t p = o < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
     if (p < 0) {
         return NULL;
     }
