@@ -78,6 +78,15 @@ class Holdup:
         self.inside = threading.Event()
         self.go = threading.Event()
 
+    def register_held(self, comm: MPI.Intracomm, keep: list[Obj]) -> cgc.Registration:
+        """On this thread: register a new object through Registry.add (a
+        keyword argument keeps it off the C path), to be held there."""
+        self.thread = threading.get_ident()
+        o = Obj()
+        keep.append(o)
+        gc.set_threshold(1)  # the registration's allocation starts a collection
+        return cgc.register(o, noop, comm=comm, tag="slow")
+
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if (
             phase == "start"
@@ -180,12 +189,7 @@ def test_a_registration_half_way_on_another_thread_is_not_overtaken(holdup: Hold
         keep: list[Obj] = []
 
         def slow_one() -> None:
-            holdup.thread = threading.get_ident()
-            o = Obj()
-            keep.append(o)
-            gc.set_threshold(1)  # the registration's allocation starts a collection
-            # A keyword argument: Registry.add, never the C path.
-            held.append(cgc.register(o, noop, comm=comm, tag="slow"))
+            held.append(holdup.register_held(comm, keep))
 
         def fast_ones() -> None:
             for _ in range(200):
@@ -228,11 +232,7 @@ def test_a_c_path_registration_during_a_held_one_is_refused_on_a_parallel_comm(
     outcome: list[str] = []
 
     def slow_one() -> None:
-        holdup.thread = threading.get_ident()
-        o = Obj()
-        keep.append(o)
-        gc.set_threshold(1)
-        cgc.register(o, noop, comm=comm, tag="slow")
+        holdup.register_held(comm, keep)
 
     def fast_one() -> None:
         o = Obj()

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -280,9 +281,11 @@ def test_interrupt_in_a_destroy_on_one_rank(
     assert log.keys == ["c", "b", "a", "d"]
 
 
-def _interrupted_batches(comm: MPI.Intracomm) -> tuple[list[str], Any]:
+@contextlib.contextmanager
+def _interrupted_batches(comm: MPI.Intracomm) -> Iterator[list[str]]:
     """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched
-    one, so two runs of destroys: k3 k2, then k1 k0) and drop them."""
+    one, so two runs of destroys: k3 k2, then k1 k0) and drop them; yields
+    the destroy log, and frees the communicator and the batch after."""
     log: list[str] = []
 
     def batched(tag: str) -> None:
@@ -294,11 +297,16 @@ def _interrupted_batches(comm: MPI.Intracomm) -> tuple[list[str], Any]:
         return []
 
     _destroy.set_batch(batched, run_batch)
-    objs = [Obj() for _ in range(4)]
-    for i, o in enumerate(objs):
-        cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
-    del objs, o
-    return log, batched
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(4)]
+            for i, o in enumerate(objs):
+                cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
+            del objs, o
+            yield log
+    finally:
+        _destroy.set_batch(batched, None)
+        comm.Free()
 
 
 class _Between:
@@ -345,50 +353,36 @@ def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
     # not begun still run (on more than one rank, the others run them all),
     # and the interrupt is raised once the sync point is done.
     comm = MPI.COMM_SELF.Dup()
-    batched = None
-    try:
-        with GcDisabled():
-            log, batched = _interrupted_batches(comm)
-            assert _collect_interrupted(comm, True) == ("KeyboardInterrupt, held", 1)
-            assert log == ["k3", "k2", "k1", "k0"]
-            assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
-            assert cgc.manager(comm).broken is None
-            assert cgc.collect(comm, generation=None).destroyed == 0
-    finally:
-        if batched is not None:
-            _destroy.set_batch(batched, None)
-        comm.Free()
+    with _interrupted_batches(comm) as log:
+        assert _collect_interrupted(comm, True) == ("KeyboardInterrupt, held", 1)
+        assert log == ["k3", "k2", "k1", "k0"]
+        assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
+        assert cgc.manager(comm).broken is None
+        assert cgc.collect(comm, generation=None).destroyed == 0
 
 
 @pytest.mark.mpi(min_size=2)
 def test_interrupt_between_runs_on_one_rank_leaves_every_rank_in_step() -> None:
     comm = WORLD.Dup()
     rank = comm.Get_rank()
-    batched = None
-    try:
-        with GcDisabled():
-            log, batched = _interrupted_batches(comm)
-            outcome = _collect_interrupted(comm, rank == 0)
-            everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
-            want = [
-                (
-                    ("KeyboardInterrupt, held", 1) if r == 0 else ("ok", 0),
-                    ["k3", "k2", "k1", "k0"],
-                    0,
-                )
-                for r in range(comm.Get_size())
-            ]
-            assert everyone == want, everyone
-            # In step: the next sync point agrees and destroys everywhere.
-            o = Obj()
-            cgc.register(o, log.append, "k4", comm=comm)
-            del o
-            assert cgc.collect(comm, generation=None, timeout=60).destroyed == 1
-            assert log[-1] == "k4"
-    finally:
-        if batched is not None:
-            _destroy.set_batch(batched, None)
-        comm.Free()
+    with _interrupted_batches(comm) as log:
+        outcome = _collect_interrupted(comm, rank == 0)
+        everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
+        want = [
+            (
+                ("KeyboardInterrupt, held", 1) if r == 0 else ("ok", 0),
+                ["k3", "k2", "k1", "k0"],
+                0,
+            )
+            for r in range(comm.Get_size())
+        ]
+        assert everyone == want, everyone
+        # In step: the next sync point agrees and destroys everywhere.
+        o = Obj()
+        cgc.register(o, log.append, "k4", comm=comm)
+        del o
+        assert cgc.collect(comm, generation=None, timeout=60).destroyed == 1
+        assert log[-1] == "k4"
 
 
 @pytest.mark.mpi(min_size=3)
