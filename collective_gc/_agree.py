@@ -366,7 +366,7 @@ class Window:
     rank of the communicator.
     """
 
-    __slots__ = ("lo", "bits", "marks", "growths")
+    __slots__ = ("lo", "bits", "marks", "growths", "idle")
 
     # Beyond this many keys, the window keeps the newest ones (the rest go
     # through the fallback): a bitmap costs a bit per key, the fallback's
@@ -388,14 +388,22 @@ class Window:
         self.bits = self.MIN
         self.marks = [0]  # the agreed next key at the last sync points, oldest first
         self.growths: list[int] = []
+        self.idle = 0  # sync points in a row (up to MEMORY) that found nothing registered
 
     def advance(self, next_key: int) -> None:
         """After a sync point agreed on ``next_key``: the keys registered since
         the last SPAN - 1 sync points, and room for twice as many new ones as
         the most registered between two of the last MEMORY sync points."""
         marks, growths = self.marks, self.growths
-        if next_key == marks[0] == marks[-1] and len(growths) == self.MEMORY and not any(growths):
-            return  # nothing registered for a while: the window is already right
+        if next_key == marks[-1]:
+            if self.idle == self.MEMORY:
+                # Nothing registered for MEMORY sync points: every growth
+                # remembered is 0 and every mark is next_key, so advancing
+                # would change nothing.
+                return
+            self.idle += 1
+        else:
+            self.idle = 0
         growths.append(next_key - marks[-1])
         marks.append(next_key)
         if len(growths) > self.MEMORY:
@@ -492,9 +500,9 @@ class Agreement:
         "size",
         "window",
         "_arr",
-        "_ones",
-        "_zeros",
-        "_shape",
+        "_blank",
+        "_lo",
+        "_nbits",
         "_persistent",
         "_preq",
     )
@@ -504,10 +512,9 @@ class Agreement:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.window = Window()
-        self._ones = array.array("q", [-1] * self.size)  # all bits set: the identity of AND
-        self._shape = (-1, -1)
+        self._lo = self._nbits = -1  # the window the buffers are shaped for
         self._arr = array.array("q")
-        self._zeros = array.array("q")
+        self._blank = array.array("q")
         # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
         # its shape lasts: starting it costs less than a new Iallreduce.
         init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
@@ -541,14 +548,23 @@ class Agreement:
             return req
         return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
 
-    def _buffer(self, lo: int, nbits: int) -> array.array[int]:
-        if self._shape != (lo, nbits):
-            self._drop_request()  # bound to the old buffer
-            words = nbits // 64
-            self._arr = array.array("q", bytes(8 * (_WORDS + self.size + words)))
-            self._zeros = array.array("q", bytes(8 * words))
-            self._shape = (lo, nbits)
-        return self._arr
+    def _reshape(self, lo: int, nbits: int) -> None:
+        """New buffers for the window ``[lo, lo + nbits)`` (agreed, so on every rank)."""
+        self._drop_request()  # bound to the old buffer
+        size = _WORDS + self.size + nbits // 64
+        self._arr = array.array("q", bytes(8 * size))
+        # What every message starts from, copied in one step: the header
+        # words zero, the other ranks' deadline words all ones (the identity
+        # of AND), this rank's NO_DEADLINE until it has one, an empty bitmap.
+        blank = self._blank = array.array("q", bytes(8 * size))
+        blank[_WORDS : _WORDS + self.size] = array.array("q", [-1] * self.size)
+        blank[_WORDS + self.rank] = NO_DEADLINE
+        self._lo, self._nbits = lo, nbits
+
+    def _forget_buffers(self) -> None:
+        """After an abandoned collective: MPI may still use the buffer, so never again."""
+        self._lo = self._nbits = -1
+        self._preq = None
 
     def agree(
         self,
@@ -563,28 +579,29 @@ class Agreement:
         everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
         when it completes here only after another rank's deadline passed.
         """
-        lo, nbits = self.window.lo, self.window.bits
+        window = self.window
+        lo, nbits = window.lo, window.bits
+        if lo != self._lo or nbits != self._nbits:
+            self._reshape(lo, nbits)
         end = _WORDS + self.size
-        buf = self._buffer(lo, nbits)
+        buf = self._arr
+        buf[:] = self._blank  # same length: the memory MPI may be bound to stays
         flags = head.flags
         at = deadline.at
         if at is not None:
             flags |= FLAG_DEADLINE
+            buf[_WORDS + self.rank] = deadline.wall_us()
         seqword = head.seq * 2 + head.at_exit
         buf[0] = seqword
         buf[1] = ~seqword
         buf[2] = head.next_key
         buf[3] = ~head.next_key
         buf[4] = ~flags
-        buf[5] = 0
-        buf[_WORDS:end] = self._ones
-        buf[_WORDS + self.rank] = NO_DEADLINE if at is None else deadline.wall_us()
         if pending.size:
             # The keys [first, last) of pending are in the window.
             first, last, buf[5] = _PACK(pending, lo, nbits, buf, end)
         else:
             first = last = 0
-            buf[end:] = self._zeros
         # In place, against the deadline if any: most of an empty sync point.
         # Non-blocking even without one: a blocking collective never matches
         # the non-blocking one of a rank that has a deadline.
@@ -596,8 +613,7 @@ class Agreement:
             # keeps what it abandons; an interrupt may also land between the
             # start and the wait).
             _ABANDONED.append((self._preq, (buf,)))
-            self._shape = (-1, -1)
-            self._preq = None
+            self._forget_buffers()
             raise
         red = buf
         agreed_flags = ~red[4]
@@ -613,10 +629,12 @@ class Agreement:
         agreed_flags &= ~FLAG_DEADLINE
         if red[0] != ~red[1] or red[2] != ~red[3]:
             return Agreed(_NO_KEYS, agreed_flags, True, False)
+        fallback = red[5] != 0
+        if last == first and not fallback and not agreed_flags:
+            return _NOTHING  # the steady state: nothing to destroy, nothing to say
         keys = _NO_KEYS
         if last > first:  # only bits this rank set can have survived the AND
             keys = _WINDOW_KEYS(red, end, nbits, lo)
-        fallback = red[5] != 0
         if fallback:
             # Every rank saw the same filter, so every rank runs this round.
             outside = np.concatenate((pending[:first], pending[last:]))
@@ -633,6 +651,8 @@ class Agreement:
 
 _IN_PLACE = MPI.IN_PLACE
 _NO_KEYS = np.empty(0, dtype=np.int64)
+_NO_KEYS.flags.writeable = False  # shared by every agreement that found none
+_NOTHING = Agreed(_NO_KEYS, 0, False, False)  # read only, never changed
 
 
 # Whether agreements use MPI-4's persistent allreduce where mpi4py offers it
