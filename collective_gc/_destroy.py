@@ -201,7 +201,10 @@ def raise_failures(
     :class:`DestroyError`.
     """
     lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in rows)
-    text = f"{len(rows)} destroy(s) raised at {where}; every other agreed destroy ran:\n{lines}"
+    text = (
+        f"{len(rows)} destroy(s) or participant finish(es) raised at {where}; every other "
+        f"agreed destroy ran:\n{lines}"
+    )
     if broken is not None:
         text += f"\nThis communicator is unusable from now on: {broken}"
     interrupt = next((e for e in local if not isinstance(e, Exception)), None)

@@ -38,7 +38,9 @@ class DestroyError(CollectiveGCError):
 
     Raised on every rank of the communicator together, after every agreed destroy
     has run. :attr:`failures` lists ``(rank, key, name, message)`` for each failed
-    destroy on any rank; :attr:`local` holds this rank's own exceptions.
+    destroy on any rank; :attr:`local` holds this rank's own exceptions. A
+    participant's ``finish`` that raised (PETSc's garbage cleanup, say) is
+    reported the same way, with key -1 and a name that says which.
     """
 
     def __init__(

@@ -25,7 +25,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from mpi4py import MPI
 
@@ -108,7 +108,21 @@ class Participant:
 
     def finish(self, mgr: Manager, flags: int) -> None:
         """After the destroys, with the agreed flags (the votes taken again
-        after the destroys, if any ran). May make collective calls on ``mgr.comm``."""
+        after the destroys, if any ran). May make collective calls on ``mgr.comm``.
+
+        If it raises on any rank (when :meth:`may_raise` said it could), every
+        rank raises :class:`DestroyError` naming it, after the other
+        participants' finishes ran (an interrupt is re-raised on its rank)."""
+
+    def may_raise(self, flags: int) -> bool:
+        """Whether :meth:`finish`, given the agreed ``flags``, might raise on
+        some ranks only. Then the sync point runs one more small collective
+        after the finishes, so that a failure anywhere is raised on every
+        rank. Answer from ``flags`` alone, so that every rank answers alike.
+
+        The default: True if the class overrides :meth:`finish`. A finish that
+        raises where this said False raises on its own rank only."""
+        return type(self).finish is not Participant.finish
 
     def votes(self, flags: int) -> int:
         """This participant's byte of the agreed ``flags``."""
@@ -125,6 +139,23 @@ _TIMEOUT_SOURCE: list[Callable[[], float | None]] = [lambda: None]
 def set_timeout_source(source: Callable[[], float | None]) -> None:
     """Where the first registration on a communicator finds its timeout (seconds or None)."""
     _TIMEOUT_SOURCE[0] = source
+
+
+def _raise_own(failures: list[_destroy.Failure], dl: _agree.Deadline) -> NoReturn:
+    """Raise the first of this rank's ``failures`` (the others as its notes),
+    or the interrupt ``dl`` holds, with them as notes."""
+    _, what, first = failures[0]
+    notes = [f"collective_gc: {w} raised too: {exc!r}" for _, w, exc in failures[1:]]
+    failures.clear()  # the caller's frame must not hold what its traceback holds
+    for note in notes:
+        first.add_note(note)
+    if dl.held is not None:
+        dl.held.add_note(f"collective_gc: {what} raised too: {first!r}")
+        dl.release()
+    try:
+        raise first
+    finally:
+        del first
 
 
 class Manager:
@@ -579,26 +610,27 @@ class Manager:
         # takes the same branch: then one more small collective says whether a
         # destroy failed anywhere (interrupts included: they are re-raised
         # only after it) and takes the votes again (destroys may change them).
-        rows: list[tuple[int, int, str, str]] = []
         if keys.size or flags & FLAG_FAILED:
             after = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
             if self._agreement is not None:
                 after = self._agreement.any_flags(after, dl, self._what("its error check"))
             flags = after | (flags & FLAG_CYCLIC)
-            if flags & FLAG_FAILED:
-                rows = _destroy.rows_of(failures, self._rank)
-                if self._size > 1:
-                    everyone = _agree.allgather(
-                        self._private(dl), rows, dl, self._what("its error report")
-                    )
-                    rows = [row for per_rank in everyone for row in per_rank]
-        # The sync point's own collectives are done: what a participant does
-        # now (PETSc's cleanup is collective) must succeed or fail alike on
-        # every rank, as the destroys themselves.
+        if parts:
+            flags = self._finish(parts, flags, failures, dl)
         self._collective = False
-        for p in parts:
-            p.finish(self, flags)
+        if failures and not flags & FLAG_FAILED:
+            # A finish that said it could not raise did, on this rank: the
+            # others know nothing of it, so it is raised here only, as is.
+            _raise_own(failures, dl)
         if flags & FLAG_FAILED:
+            rows = _destroy.rows_of(failures, self._rank)
+            if self._size > 1:
+                self._collective = True
+                everyone = _agree.allgather(
+                    self._private(dl), rows, dl, self._what("its error report")
+                )
+                self._collective = False
+                rows = [row for per_rank in everyone for row in per_rank]
             local = [e for _, _, e in failures]
             if dl.held is not None:
                 local.insert(0, dl.held)
@@ -619,6 +651,29 @@ class Manager:
             seq,
             collected,
         )
+
+    def _finish(
+        self,
+        parts: Sequence[Participant],
+        flags: int,
+        failures: list[_destroy.Failure],
+        dl: _agree.Deadline,
+    ) -> int:
+        """Every participant's finish, whatever raises; then, if any of them
+        said it might raise (agreed, so on every rank alike), one more word
+        says whether anything failed anywhere. Returns the flags, with
+        FLAG_FAILED if a destroy or a finish failed on any rank."""
+        # Decided before any finish runs, from agreed values only.
+        check = self._size > 1 and any([p.may_raise(flags) for p in parts])
+        for p in parts:
+            try:
+                p.finish(self, flags)
+            except BaseException as exc:  # every participant finishes; reported after
+                failures.append((-1, f"the finish of {type(p).__name__}", exc))
+        if not check or self._agreement is None:
+            return flags
+        mine = FLAG_FAILED if failures else 0
+        return flags | self._agreement.any_flags(mine, dl, self._what("its finish check"))
 
     def _check_fields(self, extra: Sequence[Participant]) -> None:
         # The same participants on every rank (the call is collective), so

@@ -315,6 +315,7 @@ _HAS_GARBAGE = 1  # this rank holds PETSc garbage on the communicator
 _HAS_INNER = 2  # this rank has PETSc's inner communicator for it
 _LACKS_INNER = 4  # this rank does not
 _FAILED = 8  # a managed PETSc destroy raised on this rank
+_SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
 
 
 class _Cleanup(Participant):
@@ -323,18 +324,30 @@ class _Cleanup(Participant):
     field = 1
 
     def vote(self, mgr: Manager) -> int:
-        """This rank's vote: whether it holds garbage, has PETSc's inner
-        communicator, and saw a managed destroy fail. Local."""
+        """This rank's vote: whether it holds garbage (on the communicator, on
+        COMM_SELF), has PETSc's inner communicator, and saw a managed destroy
+        fail. Local."""
         state = _STATES.get(mgr)
         failed = _FAILED if state is not None and state.failed > 0 else 0
+        if _PETSC is None:
+            return failed
+        mine = failed | (_SELF_GARBAGE if _self_garbage() else 0)
         # No look once the user's communicator is freed (collectively, so on
         # every rank alike): its handle is dead.
-        if _PETSC is None or mgr.comm_freed:
-            return failed
+        if mgr.comm_freed:
+            return mine
         inner = _PETSC.inner(mgr.comm)
         if inner is None:
-            return failed | _LACKS_INNER
-        return failed | _HAS_INNER | (_HAS_GARBAGE if _count(inner) else 0)
+            return mine | _LACKS_INNER
+        return mine | _HAS_INNER | (_HAS_GARBAGE if _count(inner) else 0)
+
+    def may_raise(self, flags: int) -> bool:
+        """Whether a cleanup (its destroys may raise on some ranks only) runs."""
+        votes = self.votes(flags)
+        if _PETSC is None or votes & _SELF_GARBAGE:
+            return True
+        wanted = votes & _HAS_GARBAGE and not votes & (_LACKS_INNER | _FAILED)
+        return bool(wanted)
 
     def finish(self, mgr: Manager, flags: int) -> None:
         """Collective over ``mgr.comm``: clean PETSc's garbage there and on COMM_SELF.
@@ -343,7 +356,9 @@ class _Cleanup(Participant):
         nothing to clean, so it runs only when the agreed vote (carried in the
         sync point's own collectives, taken again after its destroys, which
         may have made garbage) says some rank holds garbage and every rank
-        has PETSc's inner communicator: it costs no message of its own.
+        has PETSc's inner communicator: it costs no message of its own but
+        one word after it (see :meth:`may_raise`), which says whether a
+        cleanup raised on any rank, so that every rank raises alike.
 
         If a managed PETSc destroy raised on any rank, PETSc's objects of the
         communicator may differ between ranks (the wreck, and PETSc's inner
@@ -371,22 +386,24 @@ class _Cleanup(Participant):
             inner = _PETSC.inner(comm)
             if inner is not None and _count(inner):
                 PETSc.garbage_cleanup(comm)
-        if _PETSC is not None or comm != MPI.COMM_SELF:  # unlooked: not the same one twice
-            _clean_self()
+        if _PETSC is None:
+            if comm != MPI.COMM_SELF:  # unlooked: not the same one twice
+                PETSc.garbage_cleanup(MPI.COMM_SELF)
+        elif votes & _SELF_GARBAGE and _self_garbage():
+            # Rank-local, but only when the vote said so: then every rank
+            # knows a cleanup may raise (see may_raise). Garbage made since
+            # the vote waits for the next sync point.
+            PETSc.garbage_cleanup(MPI.COMM_SELF)
 
 
-def _clean_self() -> None:
-    """Clean this rank's COMM_SELF garbage: rank-local, so any sync point may."""
-    if _PETSC is None:
-        PETSc.garbage_cleanup(MPI.COMM_SELF)
-        return
-    if not _SERIAL_DELAYED:
-        return  # PETSc destroys serial objects at once: COMM_SELF's map stays empty
+def _self_garbage() -> bool:
+    """Whether this rank holds PETSc garbage on COMM_SELF. Local."""
+    if _PETSC is None or not _SERIAL_DELAYED:
+        return False  # PETSc destroys serial objects at once: COMM_SELF's map stays empty
     # Look first: an empty cleanup of COMM_SELF is not free (PETSc
     # duplicates and frees an inner communicator to find nothing).
     self_inner = _PETSC.inner(MPI.COMM_SELF)
-    if self_inner is not None and _count(self_inner):
-        PETSc.garbage_cleanup(MPI.COMM_SELF)
+    return self_inner is not None and _count(self_inner) > 0
 
 
 def _refuse(mgr: Manager) -> None:

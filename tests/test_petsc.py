@@ -587,6 +587,30 @@ def test_failed_serial_destroy_on_one_rank_leaves_the_communicator_usable(
     assert cgc.collect(comm).destroyed == 1
 
 
+@pytest.mark.mpi(min_size=2)
+def test_self_garbage_on_one_rank_is_cleaned_by_an_agreed_vote(comm: MPI.Intracomm) -> None:
+    # A sync point cleans COMM_SELF's garbage only when the agreed vote says
+    # some rank holds some, so that every rank knows a cleanup (whose
+    # destroys may raise on that rank alone) ran and checks it afterwards.
+    # Here one rank alone holds such garbage: it must still be cleaned.
+    rank, holder = comm.Get_rank(), comm.Get_size() - 1
+    cp.install(comm)
+    cgc.collect(comm, timeout=30)
+    assert cp.garbage(MPI.COMM_SELF) == []
+    log: list[Any] = []
+    if rank == holder:
+        mat = PETSc.Mat().createPython([2, 2], Probe("raw", log), comm=MPI.COMM_SELF)
+        mat.setUp()
+        del mat  # a raw object: before 3.20, parked in COMM_SELF's garbage
+    parked = [c for _, c in cp.garbage(MPI.COMM_SELF)]
+    expected = ["Mat"] if rank == holder and SERIAL_DELAYED else []
+    assert parked == expected, parked
+    assert cgc.collect(comm, timeout=30).destroyed == 0
+    assert log == (["raw"] if rank == holder else [])
+    assert cp.garbage(MPI.COMM_SELF) == []
+    assert cgc.manager(comm).broken is None
+
+
 def test_failed_serial_destroy_is_never_repeated() -> None:
     # A serial wreck must never be destroyed again (that segfaulted, on
     # PETSc 3.18, when the wreck had landed in COMM_SELF's garbage and was
