@@ -129,6 +129,9 @@ class _Children(Participant):
         self.records = [r for r in self.records if not r.released]
         return failures
 
+    def may_raise(self, flags: int) -> bool:
+        return False
+
     def finish(self, mgr: Manager, flags: int) -> None:
         # Those dropped at this sync point were released by their destroys.
         self.records = [r for r in self.records if not r.released]

@@ -90,6 +90,10 @@ class _Policy(Participant):
         # over the ranks is the code of the oldest generation anyone wants.
         return (1 << (_gcpolicy.wanted_generation() + 1)) - 1
 
+    def may_raise(self, flags: int) -> bool:
+        # Only a collection runs code that may raise (an interrupt in a finalizer).
+        return self.votes(flags) != 0
+
     def finish(self, mgr: Manager, flags: int) -> None:
         self.flags = flags
         generation = self.votes(flags).bit_length() - 1
@@ -105,6 +109,9 @@ class _Seen(Participant):
 
     def __init__(self) -> None:
         self.flags = 0
+
+    def may_raise(self, flags: int) -> bool:
+        return False
 
     def finish(self, mgr: Manager, flags: int) -> None:
         self.flags = flags

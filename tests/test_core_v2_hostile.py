@@ -31,7 +31,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _agree, _registration
 
-from _util import GcDisabled, Obj
+from _util import GcDisabled, Obj, same_on_all
 
 WORLD = MPI.COMM_WORLD
 
@@ -605,6 +605,33 @@ def test_a_finish_that_said_it_would_not_raise_raises_on_its_rank_only(
     assert [v[0] for v in verdict] == ["ValueError"] + ["ok"] * (len(verdict) - 1), verdict
     assert all(v[1] == ["liar", "after"] and v[2] is None for v in verdict), verdict
     assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_quiet_scope_sync_point_makes_no_finish_check(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scope's own participants (its policy, strict mode's flags, derived
+    # communicators) say may_raise only when they run code that can raise:
+    # a sync point that neither destroys nor collects stays one collective.
+    checks: list[int] = []
+    real = _agree.Agreement.any_flags
+
+    def counted(self: _agree.Agreement, *args: Any, **kwargs: Any) -> int:
+        checks.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_agree.Agreement, "any_flags", counted)
+    cgc.dup(comm).Free()  # a derived communicator: its participant is on the manager
+    with cgc.collective_scope(comm, gc="managed", strict=True, exit_collect=None, timeout=30) as s:
+        s.sync()
+        gc.collect()  # nothing is due to the collector now: no rank votes for a collection
+        before = len(checks)
+        for _ in range(5):
+            s.sync()
+        after = len(checks)
+    assert same_on_all(comm, (before, after))
+    assert after == before, (before, after)
 
 
 def test_a_participant_that_does_not_override_finish_adds_no_collective() -> None:
