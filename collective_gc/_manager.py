@@ -663,14 +663,38 @@ class Manager:
         said it might raise (agreed, so on every rank alike), one more word
         says whether anything failed anywhere. Returns the flags, with
         FLAG_FAILED if a destroy or a finish failed on any rank."""
-        # Decided before any finish runs, from agreed values only.
-        check = self._size > 1 and any([p.may_raise(flags) for p in parts])
-        for p in parts:
+        # Whether to check is asked of every participant before any finish
+        # runs, from agreed values only, so it is decided alike on every rank.
+        # Each loop's counter moves before its call, and what lands between
+        # two calls (an interrupt at a loop's back-jump) is held or recorded:
+        # the rest still run, as the other ranks run them.
+        n = len(parts)
+        check = False
+        asked = ran = 0
+        while asked < n or ran < n:
             try:
-                p.finish(self, flags)
-            except BaseException as exc:  # every participant finishes; reported after
-                failures.append((-1, f"the finish of {type(p).__name__}", exc))
-        if not check or self._agreement is None:
+                while asked < n:
+                    p = parts[asked]
+                    asked += 1
+                    try:
+                        check = p.may_raise(flags) or check
+                    except BaseException as exc:
+                        if isinstance(exc, Exception) or not dl.keep(exc):
+                            check = True  # no answer: taken for a yes, and reported
+                            failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
+                        else:
+                            asked -= 1  # an interrupt, held: ask again
+                while ran < n:
+                    p = parts[ran]
+                    ran += 1
+                    try:
+                        p.finish(self, flags)
+                    except BaseException as exc:  # every participant finishes; reported after
+                        failures.append((-1, f"the finish of {type(p).__name__}", exc))
+            except BaseException as exc:  # landed between two calls
+                if isinstance(exc, Exception) or not dl.keep(exc):
+                    failures.append((-1, "the sync point's own steps among its finishes", exc))
+        if self._size == 1 or not check or self._agreement is None:
             return flags
         mine = FLAG_FAILED if failures else 0
         return flags | self._agreement.any_flags(mine, dl, self._what("its finish check"))

@@ -607,6 +607,60 @@ def test_a_finish_that_said_it_would_not_raise_raises_on_its_rank_only(
     assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
 
 
+class _Asked(_Finisher):
+    """may_raise raises ``exc`` on ``rank`` the first time it is asked."""
+
+    def __init__(self, rank: int, exc: BaseException) -> None:
+        super().__init__("asked", -1, None, True)
+        self.pending: BaseException | None = exc
+        self.asked_rank = rank
+        self.asked = 0
+
+    def may_raise(self, flags: int) -> bool:
+        self.asked += 1
+        exc, self.pending = self.pending, None
+        if exc is not None and self.asked_rank in (-1, WORLD.Get_rank()):
+            raise exc
+        return True
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_while_asking_may_raise_is_held_and_the_question_asked_again(
+    comm: MPI.Intracomm,
+) -> None:
+    mgr = cgc.manager(comm)
+    asked = _Asked(1, KeyboardInterrupt())
+    _FINISHED.clear()
+    seen = outcome_of(lambda: mgr.sync(deadline=time.monotonic() + 30, participants=(asked,)))
+    verdict = everyone(comm, (seen, asked.asked, list(_FINISHED), mgr.broken))
+    # Rank 1 got its interrupt back once the sync point was done, after
+    # asking again; every rank finished and checked alike.
+    assert [v[0] for v in verdict] == [
+        "KeyboardInterrupt" if r == 1 else "ok" for r in range(len(verdict))
+    ], verdict
+    assert [v[1] for v in verdict] == [2 if r == 1 else 1 for r in range(len(verdict))], verdict
+    assert all(v[2] == ["asked"] and v[3] is None for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_may_raise_that_raises_is_a_yes_and_an_error_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    mgr = cgc.manager(comm)
+    asked = _Asked(-1, ValueError("may_raise is broken"))
+    _FINISHED.clear()
+    failures: Any = None
+    try:
+        mgr.sync(deadline=time.monotonic() + 30, participants=(asked,))
+    except cgc.DestroyError as exc:
+        failures = [(r, k, n) for r, k, n, _ in exc.failures]
+        del exc
+    verdict = everyone(comm, (failures, list(_FINISHED), mgr.broken))
+    expected = [(r, -1, "the may_raise of _Asked") for r in range(comm.Get_size())]
+    assert all(v == (expected, ["asked"], None) for v in verdict), verdict
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_quiet_scope_sync_point_makes_no_finish_check(
     comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
