@@ -210,7 +210,8 @@ def raise_failures(
     interrupt = next((e for e in local if not isinstance(e, Exception)), None)
     if interrupt is not None:
         interrupt.add_note(
-            f"collective_gc: raised by a destroy on rank {rank}; every agreed destroy ran, "
+            f"collective_gc: raised by a destroy or a participant's finish on rank {rank}; "
+            "every agreed destroy ran, "
             "and the other ranks raised DestroyError. " + text
         )
         try:
@@ -227,4 +228,13 @@ def raise_failures(
 
 def rows_of(failures: list[Failure], rank: int) -> list[tuple[int, int, str, str]]:
     """This rank's failures as picklable rows for :func:`raise_failures`."""
-    return [(rank, k, n, f"{type(e).__name__}: {e}") for k, n, e in failures]
+    return [(rank, k, n, _message(e)) for k, n, e in failures]
+
+
+def _message(exc: BaseException) -> str:
+    # The other ranks wait for these rows: an exception whose str() raises
+    # still gets one.
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as err:  # noqa: BLE001
+        return f"{type(exc).__name__}: <str() raised {type(err).__name__}>"

@@ -120,8 +120,11 @@ class Participant:
         after the finishes, so that a failure anywhere is raised on every
         rank. Answer from ``flags`` alone, so that every rank answers alike.
 
-        The default: True if the class overrides :meth:`finish`. A finish that
-        raises where this said False raises on its own rank only."""
+        It must not raise (if it does, alike on every rank, that counts as a
+        yes and is reported). The default: True if the class overrides
+        :meth:`finish`. A finish that raises where this said False raises on
+        its own rank only, unless the sync point reports another failure
+        anyway (then it is in that DestroyError)."""
         return type(self).finish is not Participant.finish
 
     def votes(self, flags: int) -> int:
@@ -187,8 +190,10 @@ class Manager:
         # Sync points and explicit destroys, one thread at a time.
         self._lock = threading.RLock()
         self._destroying = 0  # ident of the thread running this manager's destroys
-        # True while a sync point is inside its collectives on this rank:
-        # leaving it by an exception then makes the manager unusable.
+        # True while a sync point is inside its collectives on this rank
+        # (from its agreement to its error report, participants' finishes
+        # included): leaving it by an exception then makes the manager
+        # unusable, and the private communicator is not released under it.
         self._collective = False
         self._broken: str | None = None
         self._comm_freed = False
@@ -617,20 +622,19 @@ class Manager:
             flags = after | (flags & FLAG_CYCLIC)
         if parts:
             flags = self._finish(parts, flags, failures, dl)
-        self._collective = False
         if failures and not flags & FLAG_FAILED:
             # A finish that said it could not raise did, on this rank: the
             # others know nothing of it, so it is raised here only, as is.
+            self._collective = False
             _raise_own(failures, dl)
         if flags & FLAG_FAILED:
             rows = _destroy.rows_of(failures, self._rank)
             if self._size > 1:
-                self._collective = True
                 everyone = _agree.allgather(
                     self._private(dl), rows, dl, self._what("its error report")
                 )
-                self._collective = False
                 rows = [row for per_rank in everyone for row in per_rank]
+            self._collective = False
             local = [e for _, _, e in failures]
             if dl.held is not None:
                 local.insert(0, dl.held)
@@ -642,6 +646,7 @@ class Manager:
                 self._rank,
                 self._broken,
             )
+        self._collective = False
         dl.release()
         return CollectStats(
             count,
@@ -678,12 +683,16 @@ class Manager:
                     asked += 1
                     try:
                         check = p.may_raise(flags) or check
+                    except Exception as exc:  # a yes (alike on every rank: see may_raise)
+                        check = True
+                        failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
                     except BaseException as exc:
-                        if isinstance(exc, Exception) or not dl.keep(exc):
-                            check = True  # no answer: taken for a yes, and reported
-                            failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
-                        else:
-                            asked -= 1  # an interrupt, held: ask again
+                        # An interrupt: held (a second one is dropped, noted
+                        # on the first), and the question asked again, so that
+                        # this rank does not decide the check alone.
+                        if not dl.keep(exc) and dl.held is not None:
+                            dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
+                        asked -= 1
                 while ran < n:
                     p = parts[ran]
                     ran += 1
@@ -694,9 +703,11 @@ class Manager:
             except BaseException as exc:  # landed between two calls
                 if isinstance(exc, Exception) or not dl.keep(exc):
                     failures.append((-1, "the sync point's own steps among its finishes", exc))
-        if self._size == 1 or not check or self._agreement is None:
+        if not check:
             return flags
         mine = FLAG_FAILED if failures else 0
+        if self._size == 1 or self._agreement is None:
+            return flags | mine  # reported as on a larger communicator
         return flags | self._agreement.any_flags(mine, dl, self._what("its finish check"))
 
     def _check_fields(self, extra: Sequence[Participant]) -> None:

@@ -366,10 +366,21 @@ class _Cleanup(Participant):
         collective PETSc call on it may hang: the manager is made unusable on
         every rank, with that explanation, and nothing is cleaned there.
         """
-        if mgr.comm_freed:
-            return
-        comm = mgr.comm
         votes = self.votes(flags)
+        if not mgr.comm_freed:
+            self._clean(mgr, votes)
+        if _PETSC is None:
+            if mgr.comm_freed or mgr.comm != MPI.COMM_SELF:  # unlooked: not the same one twice
+                PETSc.garbage_cleanup(MPI.COMM_SELF)
+        elif votes & _SELF_GARBAGE and _self_garbage():
+            # Rank-local, but only when the vote said so: then every rank
+            # knows a cleanup may raise (see may_raise). Garbage made since
+            # the vote waits for the next sync point.
+            PETSc.garbage_cleanup(MPI.COMM_SELF)
+
+    def _clean(self, mgr: Manager, votes: int) -> None:
+        # The communicator's own garbage (not freed, so its handle is live).
+        comm = mgr.comm
         if mgr.size > 1 and votes & _FAILED:
             _refuse(mgr)  # nothing collective on comm any more
         elif _PETSC is None:
@@ -386,14 +397,6 @@ class _Cleanup(Participant):
             inner = _PETSC.inner(comm)
             if inner is not None and _count(inner):
                 PETSc.garbage_cleanup(comm)
-        if _PETSC is None:
-            if comm != MPI.COMM_SELF:  # unlooked: not the same one twice
-                PETSc.garbage_cleanup(MPI.COMM_SELF)
-        elif votes & _SELF_GARBAGE and _self_garbage():
-            # Rank-local, but only when the vote said so: then every rank
-            # knows a cleanup may raise (see may_raise). Garbage made since
-            # the vote waits for the next sync point.
-            PETSc.garbage_cleanup(MPI.COMM_SELF)
 
 
 def _self_garbage() -> bool:

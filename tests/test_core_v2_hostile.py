@@ -591,6 +591,26 @@ def test_an_interrupt_in_a_finish_is_its_rank_s_and_a_destroy_error_elsewhere(
     assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
 
 
+def test_a_finish_raising_on_rank_0_is_a_destroy_error_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    # On any size, one rank included: the same report as a destroy's.
+    mgr = cgc.manager(comm)
+    fragile = _Finisher("fragile", 0, ValueError("finish failed"), True)
+    after = _Finisher("after", -1, None, False)
+    _FINISHED.clear()
+    failures: Any = None
+    try:
+        mgr.sync(deadline=time.monotonic() + 30, participants=(fragile, after))
+    except cgc.DestroyError as exc:
+        failures = exc.failures
+        del exc
+    verdict = everyone(comm, (failures, list(_FINISHED), mgr.broken))
+    expected = [(0, -1, "the finish of _Finisher", "ValueError: finish failed")]
+    assert all(v == (expected, ["fragile", "after"], None) for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+
+
 def test_a_finish_that_said_it_would_not_raise_raises_on_its_rank_only(
     comm: MPI.Intracomm,
 ) -> None:
