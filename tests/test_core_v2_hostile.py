@@ -557,6 +557,13 @@ class _Finisher(cgc.Participant):
 _FINISHED: list[str] = []
 
 
+def _sync_with(mgr: cgc.Manager, *parts: cgc.Participant) -> object:
+    """One sync point of ``mgr`` with ``parts`` as its own participants, the
+    finish log emptied first."""
+    _FINISHED.clear()
+    return mgr.sync(deadline=time.monotonic() + 30, participants=parts)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_an_interrupt_in_a_finish_is_its_rank_s_and_a_destroy_error_elsewhere(
     comm: MPI.Intracomm,
@@ -568,11 +575,10 @@ def test_an_interrupt_in_a_finish_is_its_rank_s_and_a_destroy_error_elsewhere(
     del o
     first = _Finisher("first", 1, KeyboardInterrupt(), True)
     second = _Finisher("second", -1, None, False)
-    _FINISHED.clear()
     text = ""
     try:
         # With a destroy to run, so the error check comes before the finishes.
-        mgr.sync(deadline=time.monotonic() + 30, participants=(first, second))
+        _sync_with(mgr, first, second)
     except BaseException as exc:  # noqa: BLE001 (the interrupt is the point)
         text = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}"
     seen = "ok" if mgr.destroyed == 1 else f"destroyed {mgr.destroyed}"
@@ -598,10 +604,9 @@ def test_a_finish_raising_on_rank_0_is_a_destroy_error_on_every_rank(
     mgr = cgc.manager(comm)
     fragile = _Finisher("fragile", 0, ValueError("finish failed"), True)
     after = _Finisher("after", -1, None, False)
-    _FINISHED.clear()
     failures: Any = None
     try:
-        mgr.sync(deadline=time.monotonic() + 30, participants=(fragile, after))
+        _sync_with(mgr, fragile, after)
     except cgc.DestroyError as exc:
         failures = exc.failures
         del exc
@@ -617,8 +622,7 @@ def test_a_finish_that_said_it_would_not_raise_raises_on_its_rank_only(
     mgr = cgc.manager(comm)
     liar = _Finisher("liar", 0, ValueError("unexpected"), False)
     after = _Finisher("after", -1, None, False)
-    _FINISHED.clear()
-    seen = outcome_of(lambda: mgr.sync(deadline=time.monotonic() + 30, participants=(liar, after)))
+    seen = outcome_of(lambda: _sync_with(mgr, liar, after))
     verdict = everyone(comm, (seen, list(_FINISHED), mgr.broken))
     # No collective was left half-way: the others returned, and every rank is
     # in step for the next sync point.
@@ -650,8 +654,7 @@ def test_an_interrupt_while_asking_may_raise_is_held_and_the_question_asked_agai
 ) -> None:
     mgr = cgc.manager(comm)
     asked = _Asked(1, KeyboardInterrupt())
-    _FINISHED.clear()
-    seen = outcome_of(lambda: mgr.sync(deadline=time.monotonic() + 30, participants=(asked,)))
+    seen = outcome_of(lambda: _sync_with(mgr, asked))
     verdict = everyone(comm, (seen, asked.asked, list(_FINISHED), mgr.broken))
     # Rank 1 got its interrupt back once the sync point was done, after
     # asking again; every rank finished and checked alike.
@@ -669,10 +672,9 @@ def test_a_may_raise_that_raises_is_a_yes_and_an_error_on_every_rank(
 ) -> None:
     mgr = cgc.manager(comm)
     asked = _Asked(-1, ValueError("may_raise is broken"))
-    _FINISHED.clear()
     failures: Any = None
     try:
-        mgr.sync(deadline=time.monotonic() + 30, participants=(asked,))
+        _sync_with(mgr, asked)
     except cgc.DestroyError as exc:
         failures = [(r, k, n) for r, k, n, _ in exc.failures]
         del exc
