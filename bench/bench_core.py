@@ -3,15 +3,20 @@
 1. register + drop + queue per object, beside a bare weakref.finalize create + drop.
 2. sync-point cost with 0, 1e3, 1e4, 1e5 pending, beside one Allreduce of 8 int64,
    and the empty sync again after the large backlog was destroyed.
+3. the floor of the empty sync point: its own allreduce alone, started and
+   completed as the sync point does (non-blocking, so that a rank with a
+   timeout can give up), with no Python around it; beside the same Allreduce.
 
 Run: mpiexec -n 4 python bench/bench_core.py   (make bench)
 """
 
 from __future__ import annotations
 
+import array
 import gc
 import sys
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -100,6 +105,7 @@ def sync_costs() -> list[dict[str, object]]:
         f"sync,      0 pending: {t_empty * 1e6:10.1f} us   "
         f"ratio to Allreduce {r_empty:7.2f} (issue 14 target <= 1.3)",
     )
+    rows.append(floor(c, allreduce, k, t_empty))
     holders: list[Res] = []
 
     def fill(n: int) -> None:
@@ -148,6 +154,54 @@ def sync_costs() -> list[dict[str, object]]:
         f"ratio to Allreduce {r_after:.2f}   (before: {r_empty:.2f})",
     )
     return rows
+
+
+def floor(
+    c: MPI.Intracomm, allreduce: Callable[[], None], k: int, t_empty: float
+) -> dict[str, object]:
+    """The empty sync point's allreduce alone: MPI_BAND in place over a message
+    of its length (6 header words, a deadline word per rank, a 256-bit window),
+    persistent where mpi4py and the MPI offer it (mpi4py 4), else Iallreduce;
+    completed with Wait, as a sync point without a timeout does. What the
+    sync point costs beyond this is its Python."""
+    buf = array.array("q", bytes(8 * (6 + c.Get_size() + 4)))
+    how = "Iallreduce"
+    pers = None
+    init = getattr(c, "Allreduce_init", None)
+    if init is not None:
+        try:
+            pers = init(MPI.IN_PLACE, buf, MPI.BAND)
+            how = "persistent Allreduce_init"
+        except NotImplementedError:
+            pass
+
+    def own() -> None:
+        if pers is not None:
+            for _ in range(k):
+                pers.Start()
+                pers.Wait()
+        else:
+            for _ in range(k):
+                c.Iallreduce(MPI.IN_PLACE, buf, MPI.BAND).Wait()
+
+    t_own, t_ar, r_own = paired(comm, own, allreduce, REPEATS)
+    if pers is not None:
+        pers.Free()
+    t_own, t_ar = t_own / k, t_ar / k
+    say(
+        comm,
+        f"floor: the sync point's own allreduce alone ({how} + Wait): "
+        f"{t_own * 1e6:.1f} us, ratio to Allreduce {r_own:.2f}; "
+        f"the empty sync point is {t_empty / t_own:.2f}x its own allreduce",
+    )
+    return {
+        "bench": "sync_floor",
+        "how": how,
+        "own_us": t_own * 1e6,
+        "allreduce_us": t_ar * 1e6,
+        "ratio": r_own,
+        "sync_over_own": t_empty / t_own,
+    }
 
 
 def main() -> None:
