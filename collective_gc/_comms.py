@@ -91,7 +91,10 @@ class _Derived:
                     failures.append((-1, f"the sync point of {self.label}", exc))
         if self.dropped:
             self._try_release()
-        return failures
+        try:
+            return failures
+        finally:
+            del failures  # see _destroy.Failure
 
     def _try_release(self) -> None:
         handle = self.handle

@@ -32,6 +32,14 @@ __all__ = [
 ]
 
 # (key, name, exception) of a destroy that raised; key -1 when unknown.
+#
+# A function that catches exceptions and keeps them past its return (in a
+# list of failures) unbinds that list before it returns. A caught exception's
+# traceback holds the frame that caught it and, through f_back, every frame
+# above it; a frame that still held the exception would close a reference
+# cycle that only the cyclic collector frees, and with it everything those
+# frames hold (a failed destroy's arguments, a batch of destroyed objects).
+# Our users run with that collector off.
 Failure = tuple[int, str, BaseException]
 
 Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
@@ -70,7 +78,10 @@ def run_each_py(
             fn(*args)
         except BaseException as exc:  # every call is made; the caller raises after
             errors.append((i, exc))
-    return errors
+    try:
+        return errors
+    finally:
+        del errors  # see Failure
 
 
 _PY = (take_batch_py, run_each_py)
@@ -124,6 +135,7 @@ def run(
     # What each run's runner returned, appended in one step (read at the end),
     # and what raised in this function's own steps.
     ran: list[tuple[int, int, list[tuple[int, BaseException]]]] = []
+    errors: list[tuple[int, BaseException]] = []
     own: list[Failure] = []
     interrupt: BaseException | None = None
     removed = False
@@ -183,7 +195,10 @@ def run(
                 interrupt = interrupt or exc
             failures = own + [(-1, "the report of this sync point's failures", exc)]
     del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
-    return count, failures, interrupt
+    try:
+        return count, failures, interrupt
+    finally:
+        del ran, errors, own, failures, interrupt  # see Failure
 
 
 def raise_failures(
@@ -218,6 +233,7 @@ def raise_failures(
             raise interrupt
         finally:
             interrupt = None
+            del local  # it holds the interrupt, whose traceback holds this frame
     error = DestroyError(text, rows, local)
     cause = local[0] if local else None
     try:

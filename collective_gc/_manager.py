@@ -554,108 +554,114 @@ class Manager:
         t0: float,
         at_exit: bool,
     ) -> CollectStats:
-        parts = self._participants
-        if extra:
-            self._check_fields(extra)
-            parts = parts + list(extra)
-        registry = self._registry
         failures: list[_destroy.Failure] = []
-        flags = 0
-        bad: list[str] = []
-        if parts:
-            for p in parts:
-                failures.extend(p.prepare(self, dl.at))
-            flags = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
-        cyclic = (
-            registry.drain(self._seq)
-            if registry.inbox or registry.stale or registry.last_cyclic
-            else 0
-        )
-        if cyclic:
-            flags |= FLAG_CYCLIC
-        if self._size == 1:
-            keys = registry.pend
-        else:
-            # From here until the last collective, leaving by an exception on
-            # this rank only makes the manager unusable (see sync).
-            self._collective = True
-            agreement = self._agreement
-            if agreement is None:
-                agreement = self._agreement = _agree.Agreement(self._private(dl))
-            head = _agree.Header(self._seq, registry.next_key, at_exit, flags)
-            agreed = agreement.agree(head, registry.pend, dl, self._what("its agreement"))
-            if agreed.mismatch:
-                raise self._mismatch(agreement.comm, dl, at_exit)
-            agreement.window.advance(registry.next_key)
-            keys, flags = agreed.keys, agreed.flags
-        if flags & FLAG_BAD_VOTE:
-            # Seen alike by every rank, before anything is destroyed: the
-            # keys stay pending, and the manager stays usable.
+        more: list[_destroy.Failure] = []
+        local: list[BaseException] = []
+        interrupt: BaseException | None = None
+        try:
+            parts = self._participants
+            if extra:
+                self._check_fields(extra)
+                parts = parts + list(extra)
+            registry = self._registry
+            flags = 0
+            bad: list[str] = []
+            if parts:
+                for p in parts:
+                    failures.extend(p.prepare(self, dl.at))
+                flags = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
+            cyclic = (
+                registry.drain(self._seq)
+                if registry.inbox or registry.stale or registry.last_cyclic
+                else 0
+            )
+            if cyclic:
+                flags |= FLAG_CYCLIC
+            if self._size == 1:
+                keys = registry.pend
+            else:
+                # From here until the last collective, leaving by an exception on
+                # this rank only makes the manager unusable (see sync).
+                self._collective = True
+                agreement = self._agreement
+                if agreement is None:
+                    agreement = self._agreement = _agree.Agreement(self._private(dl))
+                head = _agree.Header(self._seq, registry.next_key, at_exit, flags)
+                agreed = agreement.agree(head, registry.pend, dl, self._what("its agreement"))
+                if agreed.mismatch:
+                    raise self._mismatch(agreement.comm, dl, at_exit)
+                agreement.window.advance(registry.next_key)
+                keys, flags = agreed.keys, agreed.flags
+            if flags & FLAG_BAD_VOTE:
+                # Seen alike by every rank, before anything is destroyed: the
+                # keys stay pending, and the manager stays usable.
+                self._collective = False
+                dl.release()
+                raise CollectiveGCError(
+                    f"rank {self._rank}: a participant of the {self.describe()} voted outside "
+                    f"0..255 at sync point {self._seq} (here: {'; '.join(bad) or 'none'}); "
+                    "nothing was destroyed"
+                )
+            seq = self._seq
+            self._seq += 1
+            count = 0
+            if keys.size:
+                self._destroying = threading.get_ident()
+                try:
+                    count, more, interrupt = _destroy.run(registry, keys)
+                    if interrupt is not None and dl.held is None:
+                        dl.held = interrupt  # raised once the collectives are done, as in a wait
+                finally:
+                    self._destroying = 0
+                    self.destroyed += count
+                failures.extend(more)
+            # Whether anything ran depends only on agreed values, so every rank
+            # takes the same branch: then one more small collective says whether a
+            # destroy failed anywhere (interrupts included: they are re-raised
+            # only after it) and takes the votes again (destroys may change them).
+            if keys.size or flags & FLAG_FAILED:
+                after = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
+                if self._agreement is not None:
+                    after = self._agreement.any_flags(after, dl, self._what("its error check"))
+                flags = after | (flags & FLAG_CYCLIC)
+            if parts:
+                flags = self._finish(parts, flags, failures, dl)
+            if failures and not flags & FLAG_FAILED:
+                # A finish that said it could not raise did, on this rank: the
+                # others know nothing of it, so it is raised here only, as is.
+                self._collective = False
+                _raise_own(failures, dl)
+            if flags & FLAG_FAILED:
+                rows = _destroy.rows_of(failures, self._rank)
+                if self._size > 1:
+                    everyone = _agree.allgather(
+                        self._private(dl), rows, dl, self._what("its error report")
+                    )
+                    rows = [row for per_rank in everyone for row in per_rank]
+                self._collective = False
+                local = [e for _, _, e in failures]
+                if dl.held is not None:
+                    local.insert(0, dl.held)
+                    dl.held = None
+                _destroy.raise_failures(
+                    rows,
+                    local,
+                    f"sync point {seq} on the {self.describe()}",
+                    self._rank,
+                    self._broken,
+                )
             self._collective = False
             dl.release()
-            raise CollectiveGCError(
-                f"rank {self._rank}: a participant of the {self.describe()} voted outside "
-                f"0..255 at sync point {self._seq} (here: {'; '.join(bad) or 'none'}); "
-                "nothing was destroyed"
+            return CollectStats(
+                count,
+                registry.pend.size + len(registry.inbox),
+                cyclic,
+                time.perf_counter() - t0,
+                seq,
+                collected,
             )
-        seq = self._seq
-        self._seq += 1
-        count = 0
-        if keys.size:
-            self._destroying = threading.get_ident()
-            try:
-                count, more, interrupt = _destroy.run(registry, keys)
-                if interrupt is not None and dl.held is None:
-                    dl.held = interrupt  # raised once the collectives are done, as in a wait
-            finally:
-                self._destroying = 0
-                self.destroyed += count
-            failures.extend(more)
-        # Whether anything ran depends only on agreed values, so every rank
-        # takes the same branch: then one more small collective says whether a
-        # destroy failed anywhere (interrupts included: they are re-raised
-        # only after it) and takes the votes again (destroys may change them).
-        if keys.size or flags & FLAG_FAILED:
-            after = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
-            if self._agreement is not None:
-                after = self._agreement.any_flags(after, dl, self._what("its error check"))
-            flags = after | (flags & FLAG_CYCLIC)
-        if parts:
-            flags = self._finish(parts, flags, failures, dl)
-        if failures and not flags & FLAG_FAILED:
-            # A finish that said it could not raise did, on this rank: the
-            # others know nothing of it, so it is raised here only, as is.
-            self._collective = False
-            _raise_own(failures, dl)
-        if flags & FLAG_FAILED:
-            rows = _destroy.rows_of(failures, self._rank)
-            if self._size > 1:
-                everyone = _agree.allgather(
-                    self._private(dl), rows, dl, self._what("its error report")
-                )
-                rows = [row for per_rank in everyone for row in per_rank]
-            self._collective = False
-            local = [e for _, _, e in failures]
-            if dl.held is not None:
-                local.insert(0, dl.held)
-                dl.held = None
-            _destroy.raise_failures(
-                rows,
-                local,
-                f"sync point {seq} on the {self.describe()}",
-                self._rank,
-                self._broken,
-            )
-        self._collective = False
-        dl.release()
-        return CollectStats(
-            count,
-            registry.pend.size + len(registry.inbox),
-            cyclic,
-            time.perf_counter() - t0,
-            seq,
-            collected,
-        )
+        finally:
+            del failures, more, local, interrupt  # see _destroy.Failure
 
     def _finish(
         self,
@@ -673,42 +679,45 @@ class Manager:
         # Each loop's counter moves before its call, and what lands between
         # two calls (an interrupt at a loop's back-jump) is held or recorded:
         # the rest still run, as the other ranks run them.
-        n = len(parts)
-        check = False
-        asked = ran = 0
-        while asked < n or ran < n:
-            try:
-                while asked < n:
-                    p = parts[asked]
-                    asked += 1
-                    try:
-                        check = p.may_raise(flags) or check
-                    except Exception as exc:  # a yes (alike on every rank: see may_raise)
-                        check = True
-                        failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
-                    except BaseException as exc:
-                        # An interrupt: held (a second one is dropped, noted
-                        # on the first), and the question asked again, so that
-                        # this rank does not decide the check alone.
-                        if not dl.keep(exc) and dl.held is not None:
-                            dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
-                        asked -= 1
-                while ran < n:
-                    p = parts[ran]
-                    ran += 1
-                    try:
-                        p.finish(self, flags)
-                    except BaseException as exc:  # every participant finishes; reported after
-                        failures.append((-1, f"the finish of {type(p).__name__}", exc))
-            except BaseException as exc:  # landed between two calls
-                if isinstance(exc, Exception) or not dl.keep(exc):
-                    failures.append((-1, "the sync point's own steps among its finishes", exc))
-        if not check:
-            return flags
-        mine = FLAG_FAILED if failures else 0
-        if self._size == 1 or self._agreement is None:
-            return flags | mine  # reported as on a larger communicator
-        return flags | self._agreement.any_flags(mine, dl, self._what("its finish check"))
+        try:
+            n = len(parts)
+            check = False
+            asked = ran = 0
+            while asked < n or ran < n:
+                try:
+                    while asked < n:
+                        p = parts[asked]
+                        asked += 1
+                        try:
+                            check = p.may_raise(flags) or check
+                        except Exception as exc:  # a yes (alike on every rank: see may_raise)
+                            check = True
+                            failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
+                        except BaseException as exc:
+                            # An interrupt: held (a second one is dropped, noted
+                            # on the first), and the question asked again, so that
+                            # this rank does not decide the check alone.
+                            if not dl.keep(exc) and dl.held is not None:
+                                dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
+                            asked -= 1
+                    while ran < n:
+                        p = parts[ran]
+                        ran += 1
+                        try:
+                            p.finish(self, flags)
+                        except BaseException as exc:  # every participant finishes; reported after
+                            failures.append((-1, f"the finish of {type(p).__name__}", exc))
+                except BaseException as exc:  # landed between two calls
+                    if isinstance(exc, Exception) or not dl.keep(exc):
+                        failures.append((-1, "the sync point's own steps among its finishes", exc))
+            if not check:
+                return flags
+            mine = FLAG_FAILED if failures else 0
+            if self._size == 1 or self._agreement is None:
+                return flags | mine  # reported as on a larger communicator
+            return flags | self._agreement.any_flags(mine, dl, self._what("its finish check"))
+        finally:
+            del failures  # the caller's list, which it keeps: see _destroy.Failure
 
     def _check_fields(self, extra: Sequence[Participant]) -> None:
         # The same participants on every rank (the call is collective), so

@@ -837,9 +837,13 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
                 _forget(obj)
                 state.failed += 1
                 errors.append((start + i, _original(exc)))
+                del obj, state, exc  # this frame outlives the loop in the tracebacks
             argss[start : start + len(part)] = _NONES[: len(part)]
             del part
-        return errors
+        try:
+            return errors
+        finally:
+            del errors  # see collective_gc._destroy.Failure
 
     return destroy_batch
 

@@ -827,6 +827,49 @@ def batch_path(request: pytest.FixtureRequest) -> Iterator[BatchPath]:
         _destroy.use_passes("c")
 
 
+class FailingVec(PETSc.Vec):  # type: ignore[misc]
+    """A user's subclass whose destroy() destroys it, then raises."""
+
+    def destroy(self) -> FailingVec:
+        super().destroy()
+        raise RuntimeError("this Vec's destroy fails after destroying it")
+
+
+def test_a_failed_batched_destroy_leaves_no_cycle(
+    comm: MPI.Intracomm, batch_path: BatchPath
+) -> None:
+    # The batch's runner catches what destroy() raised, in C or in Python.
+    # Once the DestroyError is dropped, with the collector off (as our users
+    # run), the failed Vec's Python object is freed by reference counting
+    # alone and no garbage cycle is left (tests/test_error_cycles.py: why).
+    class Owner:
+        pass
+
+    def fail_one() -> tuple[str, weakref.ref[Any]]:
+        owner, vec = Owner(), FailingVec().createMPI(8, comm=comm)
+        ref = weakref.ref(vec)
+        cp.manage(owner, vec, comm=comm)
+        del owner, vec
+        try:
+            cgc.collect(comm, generation=None)
+        except cgc.DestroyError:
+            return "DestroyError", ref
+        return "nothing raised", ref
+
+    cgc.collect(comm, generation=None)  # the manager and its agreement exist before
+    with GcDisabled():
+        gc.collect()
+        outcome, ref = fail_one()
+        alive = ref() is not None
+        found = gc.collect()
+    verdict = f"{outcome}; Vec alive: {alive}; {found} objects in garbage cycles"
+    assert (
+        comm.allgather(verdict)
+        == ["DestroyError; Vec alive: False; 0 objects in garbage cycles"] * comm.Get_size()
+    )
+    assert batch_path.name == "python" or batch_path.chunks == [1]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_batched_destroys_keep_the_agreed_order(comm: MPI.Intracomm, batch_path: BatchPath) -> None:
     # Single-object wrappers (batched: PETSc's destroy from C for petsc4py's
