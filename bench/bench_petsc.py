@@ -36,7 +36,6 @@ from petsc4py import PETSc
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
-from collective_gc._destroy import set_batch  # noqa: E402
 
 from _common import save, say, timed, timed_cpu  # noqa: E402
 
@@ -153,10 +152,9 @@ def main() -> None:
     args = sys.argv[1:]
     if "--repeats" in args:
         REPEATS = int(args[args.index("--repeats") + 1])
-    python_path = "--python-destroys" in args
-    if python_path or cp._BATCH is None:
-        set_batch(cp._destroy_one, None)
-    how = "from Python" if python_path or cp._BATCH is None else "from C"
+    if "--python-destroys" in args:
+        cp.batch_destroys(False)
+    how = "from C" if cp.batch_destroys() else "from Python"
     say(
         world,
         f"bench_petsc: {world.Get_size()} ranks, PETSc {PETSc.Sys.getVersion()}, "

@@ -60,7 +60,7 @@ from ._manager import Manager, Participant
 from ._registration import SPEEDUPS, Registration
 from ._scope import sync_point
 
-__all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve"]
+__all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve", "batch_destroys"]
 
 
 # -- which PETSc and petsc4py this module knows ---------------------------------
@@ -871,6 +871,26 @@ def destroy_all(*objs: Any) -> None:
 # collective_gc._speedups); explicit destroys still call _destroy_one.
 _BATCH = _fast_destroyer()
 set_batch(_destroy_one, _BATCH)
+_BATCHING = [_BATCH is not None]
+
+
+def batch_destroys(enabled: bool | None = None) -> bool:
+    """Whether sync points destroy the objects of single-object wrappers from C,
+    a run of them at a time; ``enabled`` sets it first. Local.
+
+    True by default where the C extension and petsc4py's C API are available
+    (then False cannot be changed to True). False: each object's
+    ``destroy()`` is called from Python, with the same order, errors and
+    outcome (what a user without a C compiler gets). For benchmarks and tests;
+    set it alike on every rank, between sync points.
+    """
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True, False or None, not {enabled!r}")
+        on = enabled and _BATCH is not None
+        set_batch(_destroy_one, _BATCH if on else None)
+        _BATCHING[0] = on
+    return _BATCHING[0]
 
 
 def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> bool:

@@ -781,9 +781,30 @@ def test_the_c_batch_destroy_is_built_here() -> None:
     # Python path does the same), but this machine builds it, and the tests
     # below must exercise it: a missing build fails here rather than going
     # unnoticed.
-    assert cp._BATCH is not None
+    assert cp._BATCH is not None and cp.batch_destroys()
     assert _destroy.passes() == "c"
     assert PETSc.Vec in cp._fast_types() and PETSc.DMDA in cp._fast_types()
+
+
+def test_batch_destroys_can_be_switched_off_and_on(comm: MPI.Intracomm) -> None:
+    # The public switch the PETSc benchmark uses: off, sync points call
+    # destroy() from Python; the outcome is the same either way.
+    class Owner:
+        pass
+
+    try:
+        for enabled in (False, True):
+            assert cp.batch_destroys(enabled) is enabled
+            owner, vec = Owner(), PETSc.Vec().createMPI(8, comm=comm)
+            cp.manage(owner, vec, comm=comm)
+            del owner
+            assert cgc.collect(comm, generation=None).destroyed == 1
+            assert vec.handle == 0
+        with pytest.raises(TypeError, match="enabled must be True, False or None"):
+            cp.batch_destroys(1)  # type: ignore[arg-type]
+        assert cp.batch_destroys() is True  # a bad value changes nothing
+    finally:
+        cp.batch_destroys(True)
 
 
 class MyVec(PETSc.Vec):  # type: ignore[misc]
