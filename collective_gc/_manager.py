@@ -144,6 +144,24 @@ def set_timeout_source(source: Callable[[], float | None]) -> None:
     _TIMEOUT_SOURCE[0] = source
 
 
+def _raise_held(dl: _agree.Deadline, exc: BaseException) -> None:
+    """If ``dl`` holds an interrupt, raise it in place of ``exc``, the error
+    that ends the sync point (its context, and named in a note): the user
+    asked this rank to stop, which must not be lost because the sync point
+    failed as well."""
+    held, dl.held = dl.held, None
+    if held is None or held is exc:
+        return
+    held.add_note(
+        f"collective_gc: it arrived while this rank waited at a sync point, which "
+        f"then failed with {type(exc).__name__} (above); the interrupt is raised instead"
+    )
+    try:
+        raise held
+    finally:
+        held = None
+
+
 def _raise_own(failures: list[_destroy.Failure], dl: _agree.Deadline) -> NoReturn:
     """Raise the first of this rank's ``failures`` (the others as its notes),
     or the interrupt ``dl`` holds, with them as notes."""
@@ -526,13 +544,15 @@ class Manager:
             dl = _agree.Deadline(deadline, hold=True)
             try:
                 return self._sync(dl, participants, collected, t0, at_exit)
-            except CollectiveTimeoutError:
+            except CollectiveTimeoutError as exc:
                 # An abandoned collective could match a later one: never again.
                 self._broken = f"sync point {self._seq} timed out on this rank"
+                _raise_held(dl, exc)
                 raise
-            except CollectiveMismatchError:
+            except CollectiveMismatchError as exc:
                 # Every rank saw the same agreement, so every rank gets here.
                 self._broken = f"the ranks disagreed at sync point {self._seq}"
+                _raise_held(dl, exc)
                 raise
             except BaseException as exc:
                 if self._collective:
@@ -542,6 +562,7 @@ class Manager:
                         f"sync point {self._seq} was left on this rank by "
                         f"{type(exc).__name__} before its collectives were done"
                     )
+                _raise_held(dl, exc)
                 raise
             finally:
                 self._collective = False
@@ -594,9 +615,9 @@ class Manager:
                 keys, flags = agreed.keys, agreed.flags
             if flags & FLAG_BAD_VOTE:
                 # Seen alike by every rank, before anything is destroyed: the
-                # keys stay pending, and the manager stays usable.
+                # keys stay pending, and the manager stays usable. (An
+                # interrupt held meanwhile is raised in its place by sync.)
                 self._collective = False
-                dl.release()
                 raise CollectiveGCError(
                     f"rank {self._rank}: a participant of the {self.describe()} voted outside "
                     f"0..255 at sync point {self._seq} (here: {'; '.join(bad) or 'none'}); "

@@ -465,6 +465,86 @@ def test_an_interrupt_in_the_agreement_wait_leaves_every_rank_alike(
     assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
 
 
+def _interrupted_then_failed(
+    comm: MPI.Intracomm, sync: Any, late_sync: Any
+) -> tuple[str, str, bool]:
+    """Rank 0 runs ``sync`` and gets a KeyboardInterrupt 0.3 s into its wait;
+    the other ranks arrive 1.5 s later and run ``late_sync``. What each rank
+    raised, what that had as its context, and whether the manager is broken."""
+    rank = comm.Get_rank()
+    o = Obj()
+    reg = cgc.register(o, noop, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    mgr = cgc.manager(comm)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    raised: BaseException | None = None
+    if rank == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            sync()
+        except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+            raised = exc
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.5)  # rank 0 is waiting (or polling) for us meanwhile
+        try:
+            late_sync()
+        except BaseException as exc:  # noqa: BLE001
+            raised = exc
+    if mgr.broken is not None and reg.alive:
+        reg.detach()  # nothing left here for the exit agreement
+    del o
+    context = None if raised is None else raised.__context__
+    return type(raised).__name__, type(context).__name__, mgr.broken is not None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_times_out_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    # Rank 0's wait holds the interrupt, then its deadline passes: the
+    # interrupt (what the user asked for) is raised, the timeout its context;
+    # the late ranks see the timeout. Every manager is unusable.
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: cgc.collect(comm, generation=None, timeout=0.8),
+            lambda: cgc.collect(comm, generation=None, timeout=8.0),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveTimeoutError", True)] + [
+        ("CollectiveTimeoutError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_mismatch_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    # Rank 0 is at the exit agreement, the others at a sync point: every rank
+    # raises CollectiveMismatchError, except that rank 0's held interrupt is
+    # raised instead, with the mismatch as its context.
+    mgr = cgc.manager(comm)
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: mgr.sync(at_exit=True, deadline=time.monotonic() + 30),
+            lambda: cgc.collect(comm, generation=None, timeout=30),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveMismatchError", True)] + [
+        ("CollectiveMismatchError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
 # -- participants ------------------------------------------------------------------------
 
 
@@ -489,6 +569,24 @@ def test_a_vote_out_of_range_is_a_clear_error(comm: MPI.Intracomm, vote: int) ->
     seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
     seen_all = everyone(comm, seen)
     assert seen_all[0] in ("ValueError", "CollectiveGCError"), (seen_all, p.seen)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_bad_vote_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    # Every rank refuses the out-of-range vote and keeps its manager; rank 0
+    # raises its held interrupt instead, with the refusal as its context.
+    mgr = cgc.manager(comm)
+
+    def sync() -> None:
+        mgr.add_participant(_Recorder(5, 256))  # on every rank alike, before its sync point
+        cgc.collect(comm, generation=None, timeout=30)
+
+    states = everyone(comm, _interrupted_then_failed(comm, sync, sync))
+    assert states == [("KeyboardInterrupt", "CollectiveGCError", False)] + [
+        ("CollectiveGCError", "NoneType", False)
+    ] * (len(states) - 1), states
 
 
 def test_a_participant_in_the_scope_policy_field_is_refused_or_kept_apart(
