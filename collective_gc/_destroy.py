@@ -242,15 +242,22 @@ def raise_failures(
         error = cause = None  # type: ignore[assignment]
 
 
-def rows_of(failures: list[Failure], rank: int) -> list[tuple[int, int, str, str]]:
-    """This rank's failures as picklable rows for :func:`raise_failures`."""
-    return [(rank, k, n, _message(e)) for k, n, e in failures]
+def rows_of(
+    failures: list[Failure], rank: int, interrupts: list[BaseException]
+) -> list[tuple[int, int, str, str]]:
+    """This rank's failures as picklable rows for :func:`raise_failures`. An
+    interrupt raised by an exception's ``str()`` is appended to ``interrupts``
+    (for the caller to raise once the report is done), never lost."""
+    return [(rank, k, n, _message(e, interrupts)) for k, n, e in failures]
 
 
-def _message(exc: BaseException) -> str:
+def _message(exc: BaseException, interrupts: list[BaseException]) -> str:
     # The other ranks wait for these rows: an exception whose str() raises
-    # still gets one.
+    # still gets one, whatever it raises.
     try:
         return f"{type(exc).__name__}: {exc}"
     except Exception as err:  # noqa: BLE001
+        return f"{type(exc).__name__}: <str() raised {type(err).__name__}>"
+    except BaseException as err:
+        interrupts.append(err)
         return f"{type(exc).__name__}: <str() raised {type(err).__name__}>"

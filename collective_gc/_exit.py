@@ -74,8 +74,23 @@ def _at_exit() -> None:
         gc.collect()
         _lookup.release_freed()
         deadline = time.monotonic() + exit_timeout()
+        interrupt: BaseException | None = None
         for mgr in reversed(_lookup.managers()):
-            mgr.exit_agreement(deadline)
+            try:
+                mgr.exit_agreement(deadline)
+            except BaseException as exc:
+                # An interrupt, raised by a destroy on this rank: the other
+                # ranks go on with the other managers' exit agreements, and
+                # so does this one; it is raised once they are done.
+                if interrupt is None:
+                    interrupt = exc
+                else:
+                    interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
+        if interrupt is not None:
+            try:
+                raise interrupt
+            finally:
+                interrupt = None
     finally:
         _registration.set_shut_down(True)  # finalizers from now on do nothing
         local.shutdown()

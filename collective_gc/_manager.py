@@ -37,7 +37,7 @@ from ._errors import (
     CollectiveTimeoutError,
     ExitLeakWarning,
 )
-from ._registration import DESTROYED, DETACHED, Registration
+from ._registration import DESTROYED, DETACHED, Registration, check_name
 from ._registry import Registry, add_plain
 
 __all__ = ["Manager", "Participant", "CollectStats", "Snapshot", "set_timeout_source"]
@@ -150,8 +150,11 @@ def _raise_held(dl: _agree.Deadline, exc: BaseException) -> None:
     asked this rank to stop, which must not be lost because the sync point
     failed as well."""
     held, dl.held = dl.held, None
-    if held is None or held is exc:
-        return
+    if held is not None and held is not exc:
+        _raise_instead(held, exc)
+
+
+def _raise_instead(held: BaseException, exc: BaseException) -> NoReturn:
     held.add_note(
         f"collective_gc: it arrived while this rank waited at a sync point, which "
         f"then failed with {type(exc).__name__} (above); the interrupt is raised instead"
@@ -159,7 +162,25 @@ def _raise_held(dl: _agree.Deadline, exc: BaseException) -> None:
     try:
         raise held
     finally:
-        held = None
+        del held
+
+
+def _joined(interrupts: list[BaseException]) -> BaseException:
+    """The first of ``interrupts``, with the others noted on it; empties the list."""
+    first = interrupts[0]
+    for later in interrupts[1:]:
+        first.add_note(f"collective_gc: then {later!r}, dropped")
+    interrupts.clear()
+    return first
+
+
+def _hold(dl: _agree.Deadline, caught: list[BaseException]) -> None:
+    """Hold the interrupts in ``caught`` in ``dl`` (the first; the others as its
+    notes), and empty it."""
+    for exc in caught:
+        if not dl.keep(exc) and dl.held is not None:
+            dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
+    caught.clear()
 
 
 def _raise_own(failures: list[_destroy.Failure], dl: _agree.Deadline) -> NoReturn:
@@ -395,6 +416,8 @@ class Manager:
         """Collective. See :func:`collective_gc.register`."""
         if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
             self._check_usable("register an object")
+        if name is not None and type(name) is not str:
+            check_name(name)
         if self._comm is None and self._size > 1:
             # The first registration makes the private duplicate (see _first_use).
             return self._registry.add(obj, destroy, args, kwargs, name, self._first_use)
@@ -408,8 +431,16 @@ class Manager:
         # The first registration makes the private duplicate while the
         # communicator is surely alive (the user may free it before any sync
         # point), against the innermost scope's timeout.
+        # An interrupt while waiting for the other ranks is held until the
+        # duplicate is made, as every rank's registration then completes.
         timeout = _TIMEOUT_SOURCE[0]()
-        self._private(_agree.Deadline(None if timeout is None else time.monotonic() + timeout))
+        dl = _agree.Deadline(None if timeout is None else time.monotonic() + timeout, hold=True)
+        try:
+            self._private(dl)
+        except BaseException as exc:
+            _raise_held(dl, exc)
+            raise
+        dl.release()
 
     def destroy_registration(self, reg: Registration) -> None:
         """``reg.destroy()``: run it now, once. Collective like the destroy itself."""
@@ -509,14 +540,22 @@ class Manager:
         with self._lock:
             if self._forked or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("gather from every rank")
-            deadline = _agree.Deadline(None if timeout is None else time.monotonic() + timeout)
+            # Holding: an interrupt while waiting for the other ranks is raised
+            # once the gather is done, so that this rank does not leave a
+            # collective the others complete (see _agree.Deadline).
+            deadline = _agree.Deadline(
+                None if timeout is None else time.monotonic() + timeout, hold=True
+            )
             try:
-                return _agree.allgather(
+                gathered = _agree.allgather(
                     self._private(deadline), value, deadline, self._what("a gather")
                 )
             except BaseException as exc:
                 self._broken = f"a gather was left by {type(exc).__name__} ({exc})"
+                _raise_held(deadline, exc)
                 raise
+            deadline.release()
+            return gathered
 
     def sync(
         self,
@@ -534,6 +573,19 @@ class Manager:
         and ``t0`` only feed the returned stats. ``at_exit`` marks the exit
         agreement, which never matches a sync point of the program.
         """
+        return self._sync_point(deadline, participants, collected, t0, at_exit, None)
+
+    def _sync_point(
+        self,
+        deadline: float | None,
+        participants: Sequence[Participant],
+        collected: int | None,
+        t0: float | None,
+        at_exit: bool,
+        held: list[BaseException] | None,
+    ) -> CollectStats:
+        """:meth:`sync`; with ``held`` (a list), an interrupt it held is
+        appended to it instead of being raised at its end."""
         if t0 is None:
             t0 = time.perf_counter()
         with self._lock:
@@ -543,7 +595,11 @@ class Manager:
             # once the sync point's collectives are done (see _agree.Deadline).
             dl = _agree.Deadline(deadline, hold=True)
             try:
-                return self._sync(dl, participants, collected, t0, at_exit)
+                stats = self._sync(dl, participants, collected, t0, at_exit, held is None)
+                if held is not None and dl.held is not None:
+                    held.append(dl.held)
+                    dl.held = None
+                return stats
             except CollectiveTimeoutError as exc:
                 # An abandoned collective could match a later one: never again.
                 self._broken = f"sync point {self._seq} timed out on this rank"
@@ -574,6 +630,7 @@ class Manager:
         collected: int | None,
         t0: float,
         at_exit: bool,
+        release: bool,
     ) -> CollectStats:
         failures: list[_destroy.Failure] = []
         more: list[_destroy.Failure] = []
@@ -653,7 +710,9 @@ class Manager:
                 self._collective = False
                 _raise_own(failures, dl)
             if flags & FLAG_FAILED:
-                rows = _destroy.rows_of(failures, self._rank)
+                caught: list[BaseException] = []
+                rows = _destroy.rows_of(failures, self._rank, caught)
+                _hold(dl, caught)  # raised once the report is out, as in a wait
                 if self._size > 1:
                     everyone = _agree.allgather(
                         self._private(dl), rows, dl, self._what("its error report")
@@ -672,7 +731,8 @@ class Manager:
                     self._broken,
                 )
             self._collective = False
-            dl.release()
+            if release:
+                dl.release()
             return CollectStats(
                 count,
                 registry.pend.size + len(registry.inbox),
@@ -803,8 +863,11 @@ class Manager:
     # -- the end -----------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Collective: a last sync point, then this manager lets go.
+        """Collective: last sync points (repeated while one destroys something:
+        a destroy may drop more managed objects), then this manager lets go.
 
+        If they raise (a DestroyError, on every rank), it stays open. An
+        interrupt that arrived while they waited is raised once it let go.
         Its private duplicate is freed and later registrations and sync points
         raise :class:`CollectiveGCError`. Registrations left (objects still
         alive, or queued on some ranks only) are detached, never destroyed,
@@ -814,10 +877,40 @@ class Manager:
         if self._broken == "it was closed":
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        held = None
         if self._broken is None and not (self._size > 1 and self._comm is None):
-            self.sync(deadline=deadline)
+            held = self._last_syncs(deadline, at_exit=False)
+        # The sync points completed on every rank (an error raised above is
+        # raised on every rank, and the manager stays open on every rank):
+        # every rank lets go, then an interrupt one of them held is raised.
         self._let_go("it was closed")
         self._on_close(self)
+        if held is not None:
+            try:
+                raise held
+            finally:
+                held = None
+
+    # A destroy may drop more managed objects; each later sync point agrees on
+    # those, up to this many rounds (a destroy that always makes more would
+    # never end).
+    LAST_ROUNDS = 100
+
+    def _last_syncs(self, deadline: float | None, at_exit: bool) -> BaseException | None:
+        """Sync points until one destroys nothing (or LAST_ROUNDS); returns an
+        interrupt they held, for the caller to raise once it is done. Collective:
+        how many each destroyed is agreed, so every rank runs as many, and an
+        interrupt on one rank must not stop them there."""
+        held: list[BaseException] = []
+        try:
+            for _ in range(self.LAST_ROUNDS):
+                if self._sync_point(deadline, (), None, None, at_exit, held).destroyed == 0:
+                    break
+        except BaseException as exc:
+            if held:
+                _raise_instead(_joined(held), exc)  # as a sync point does (see _raise_held)
+            raise
+        return _joined(held) if held else None
 
     def _let_go(self, reason: str) -> None:
         left = self._registry.pending(self._seq) + self._registry.alive()
@@ -854,9 +947,10 @@ class Manager:
         then a warning naming what is left. Collective."""
         if self._forked:
             return
+        held = None
         if self._broken is None and not (self._size > 1 and self._comm is None):
             try:
-                self.sync(deadline=deadline, at_exit=True)
+                held = self._last_syncs(deadline, at_exit=True)
             except CollectiveTimeoutError:
                 warnings.warn(
                     f"collective_gc: rank {self._rank}: the final agreement on the "
@@ -878,6 +972,11 @@ class Manager:
                 ExitLeakWarning,
                 stacklevel=1,
             )
+        if held is not None:
+            try:
+                raise held  # held until the exit agreement was done on every rank
+            finally:
+                held = None
 
     def drain_at_exit(self) -> None:
         """After MPI was finalized by hand: take the inbox in, so that

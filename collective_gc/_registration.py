@@ -41,6 +41,7 @@ __all__ = [
     "Ledger",
     "make_registration",
     "check_destroy",
+    "check_name",
     "take_batch_py",
     "track_origins",
     "shut_down",
@@ -415,6 +416,13 @@ def _cell_is(cell: Any, obj: object) -> bool:
         return cell.cell_contents is obj
     except ValueError:  # an empty cell
         return False
+
+
+def check_name(name: object) -> None:
+    """Refuse a ``name`` that is not a str (or None): sync points send names
+    to the other ranks in their error reports, so it must pickle."""
+    if name is not None and not isinstance(name, str):
+        raise RegistrationError(f"name must be a str or None, not {type(name).__name__!r}")
 
 
 def check_destroy(

@@ -73,7 +73,31 @@ def _innermost_timeout() -> float | None:
 set_timeout_source(_innermost_timeout)
 
 
-class _Policy(Participant):
+class _Seen(Participant):
+    """Notes the agreed flags. In strict mode, when they say that a managed
+    object died in the cyclic collector, it also gathers every rank's list of
+    those, inside the sync point, for the scope to raise once it returns: an
+    interrupt the sync point holds then cannot make one rank skip a
+    collective the others make."""
+
+    def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
+        self.flags = 0
+        self.gather_cyclic = gather_cyclic
+        self.timeout = timeout
+        self.cyclic_rows: list[tuple[int, str, str, int, str]] = []
+
+    def may_raise(self, flags: int) -> bool:
+        return False
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        self.flags = flags
+        if self.gather_cyclic and flags & FLAG_CYCLIC:
+            rows = [(mgr.rank, t, n, k, _origin(o)) for t, n, k, o in mgr.last_cyclic]
+            gathered = mgr.allgather(rows, self.timeout)
+            self.cyclic_rows = [row for per in gathered for row in per]
+
+
+class _Policy(_Seen):
     """A managed scope's GC policy at one sync point: each rank votes for the
     generation its automatic collector would collect now; all collect the
     oldest any of them wants, at the same point, after the destroys (what that
@@ -81,8 +105,8 @@ class _Policy(Participant):
 
     field = 0
 
-    def __init__(self) -> None:
-        self.flags = 0
+    def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
+        super().__init__(gather_cyclic, timeout)
         self.collected = False
 
     def vote(self, mgr: Manager) -> int:
@@ -95,26 +119,13 @@ class _Policy(Participant):
         return self.votes(flags) != 0
 
     def finish(self, mgr: Manager, flags: int) -> None:
-        self.flags = flags
+        super().finish(mgr, flags)
         generation = self.votes(flags).bit_length() - 1
         if generation >= 0:
             # Agreed: the same on every rank, so the frozen long-lived heap
             # may stay frozen (see _gcpolicy).
             _gcpolicy.collect(generation, agreed=True)
             self.collected = True
-
-
-class _Seen(Participant):
-    """Only notes the agreed flags (strict mode reads the cyclic flag)."""
-
-    def __init__(self) -> None:
-        self.flags = 0
-
-    def may_raise(self, flags: int) -> bool:
-        return False
-
-    def finish(self, mgr: Manager, flags: int) -> None:
-        self.flags = flags
 
 
 class collective_scope:
@@ -290,7 +301,12 @@ class collective_scope:
             # The exit sync: the same collection on every rank first.
             collected = _gcpolicy.collect(self.exit_collect)
             self.collections += 1
-        seen = _Policy() if self.gc == "managed" and not collect else _Seen()
+        gather = self.strict is True  # "warn" only warns, on each rank alone
+        seen = (
+            _Policy(gather, self.timeout)
+            if self.gc == "managed" and not collect
+            else _Seen(gather, self.timeout)
+        )
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             stats = self.manager.sync(
@@ -304,14 +320,14 @@ class collective_scope:
         self.cyclic += stats.cyclic
         self.seconds += stats.seconds
         if seen.flags & FLAG_CYCLIC and self.strict:
-            self._report_cyclic()
+            self._report_cyclic(seen.cyclic_rows)
         return stats
 
-    def _report_cyclic(self) -> None:
-        mine = list(self.manager.last_cyclic)
+    def _report_cyclic(self, rows: list[tuple[int, str, str, int, str]]) -> None:
         rank = self.manager.rank
         seq = self.manager.sync_count - 1
         if self.strict == "warn":
+            mine = list(self.manager.last_cyclic)
             if mine:
                 warnings.warn(
                     CyclicFinalizationWarning(_describe_cyclic(rank, mine, seq)),
@@ -319,11 +335,7 @@ class collective_scope:
                 )
             return
         # strict=True: every rank saw (through the header) that some rank had
-        # one, so every rank raises, with the whole list.
-        rows = [(rank, t, n, k, _origin(o)) for t, n, k, o in mine]
-        if self.manager.size > 1:
-            gathered = self.manager.allgather(rows, self.timeout)
-            rows = [row for per in gathered for row in per]
+        # one, so every rank raises, with the whole list its sync point gathered.
         lines = "\n".join(
             f"  rank {r}: {t} {n!r} (key {k})" + (f", registered at\n{o}" if o else "")
             for r, t, n, k, o in rows

@@ -35,6 +35,7 @@ from ._registration import (
     Ledger,
     Registration,
     check_destroy,
+    check_name,
     make_registration,
 )
 
@@ -80,6 +81,7 @@ class _Reaper:
         kwargs: dict[str, Any],
         name: str | None,
     ) -> Registration:
+        check_name(name)
         check_destroy(obj, destroy, args, kwargs)
         reg = make_registration(
             obj, self.proxy, self.queue.put, next(self.keys), destroy, args, kwargs, name
