@@ -166,7 +166,16 @@ def _adopt(
         new.Set_attr(_keyval(), record)
     children.records.append(record)
     children.made += 1
-    register(new, record.drop, comm=comm, name=label)
+    try:
+        register(new, record.drop, comm=comm, name=label)
+    except BaseException:
+        # Refused here (another thread registering at that moment, say):
+        # nothing is left behind, the new communicator included.
+        children.records.remove(record)
+        if member:
+            record.handle = None
+            new.Free()
+        raise
     return new
 
 
@@ -179,6 +188,7 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     (that would be seen and not freed twice, but it wastes nothing to let it be).
     """
     parent = manager(comm)
+    parent.refuse_if_unusable("make a derived communicator")  # before it is made
     children = _children(parent)
     new = MPI.Intracomm(comm.Dup())
     return _adopt(children, new, comm, f"dup #{children.made} of a {parent.describe()}")
@@ -191,6 +201,7 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     (still registered, so the parent's keys stay the same on every rank).
     """
     parent = manager(comm)
+    parent.refuse_if_unusable("make a derived communicator")  # before it is made
     children = _children(parent)
     new = MPI.Intracomm(comm.Split(color, key))
     label = f"split #{children.made} (color {color}) of a {parent.describe()}"

@@ -20,7 +20,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import _lookup, _registration, local
+from . import _gcpolicy, _lookup, _registration, local
 from ._errors import ExitLeakWarning
 
 __all__ = ["exit_timeout"]
@@ -97,7 +97,10 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
+    # Only the forking thread exists in the child: each module makes its
+    # locks anew rather than take them (another thread may have held one).
     _registration.after_fork()
+    _gcpolicy.after_fork()
     _lookup.after_fork()
     local.after_fork()
 

@@ -133,6 +133,12 @@ class GcPolicy:
 POLICY = GcPolicy()
 
 
+def after_fork() -> None:
+    """In a forked child: a fresh lock (one that another thread held at the
+    fork is never released there)."""
+    POLICY.lock = threading.Lock()
+
+
 # CPython runs a full collection only when the objects promoted to the oldest
 # generation since the last full one exceed a quarter of those that survived
 # it (gcmodule.c, "long_lived_pending > long_lived_total / 4"), so that a

@@ -159,7 +159,10 @@ def release_freed() -> None:
 
 
 def after_fork() -> None:
-    """In a forked child: every manager belongs to the parent."""
+    """In a forked child: every manager belongs to the parent. A fresh lock:
+    one that another thread held at the fork is never released there."""
+    global _REGISTRY_LOCK
+    _REGISTRY_LOCK = threading.RLock()
     _LAST[0] = _LAST[1] = None
     for mgr in _MANAGERS:
         mgr.after_fork()

@@ -144,6 +144,18 @@ def set_timeout_source(source: Callable[[], float | None]) -> None:
     _TIMEOUT_SOURCE[0] = source
 
 
+def _hook_name(hook: object) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _what_raised(exc: BaseException) -> str:
+    # Whatever the exception's str() does (it may raise too).
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001
+        return f"{type(exc).__name__} (whose str() raised)"
+
+
 def _raise_held(dl: _agree.Deadline, exc: BaseException) -> None:
     """If ``dl`` holds an interrupt, raise it in place of ``exc``, the error
     that ends the sync point (its context, and named in a note): the user
@@ -372,8 +384,16 @@ class Manager:
             self._view_hooks.append(hook)
 
     def view_rows(self) -> list[tuple[str, str]]:
-        """What the view hooks report for this rank. Local."""
-        return [row for hook in self._view_hooks for row in hook(self)]
+        """What the view hooks report for this rank. Local. A hook that raises
+        gives a row saying so: view gathers these rows from every rank, and a
+        rank that raised instead would leave the others waiting."""
+        rows: list[tuple[str, str]] = []
+        for hook in self._view_hooks:
+            try:
+                rows.extend(hook(self))
+            except Exception as exc:  # noqa: BLE001 (reported in the table)
+                rows.append(("<view hook>", f"{_hook_name(hook)} raised {_what_raised(exc)}"))
+        return rows
 
     def add_leak_hook(self, hook: Callable[[Manager], Iterable[str]]) -> None:
         """Let leak reports explain why objects here are still alive (an owner
@@ -382,10 +402,26 @@ class Manager:
             self._leak_hooks.append(hook)
 
     def leak_reasons(self) -> list[str]:
-        """What the leak hooks say for this rank. Local."""
-        return [line for hook in self._leak_hooks for line in hook(self)]
+        """What the leak hooks say for this rank. Local. A hook that raises gives
+        a line saying so (leak reports are gathered from every rank)."""
+        lines: list[str] = []
+        for hook in self._leak_hooks:
+            try:
+                lines.extend(hook(self))
+            except Exception as exc:  # noqa: BLE001 (reported in the leak report)
+                lines.append(f"the leak hook {_hook_name(hook)} raised {_what_raised(exc)}")
+        return lines
 
     # -- registration ------------------------------------------------------------
+
+    def refuse_if_unusable(self, what: str) -> None:
+        """Raise :class:`CollectiveGCError` (saying it cannot ``what``) if a
+        registration or a sync point would be refused now, on this thread: in
+        a forked child, inside a destroy of this manager's sync point, once
+        unusable, or after MPI_Finalize. Local. For work that must not begin
+        unless its registration can follow (a derived communicator, say)."""
+        if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
+            self._check_usable(what)
 
     def _check_usable(self, what: str) -> None:
         if self._forked:
@@ -985,9 +1021,11 @@ class Manager:
             self._registry.drain(self._seq)
 
     def after_fork(self) -> None:
-        """In a forked child: nothing here belongs to this process."""
+        """In a forked child: nothing here belongs to this process. Fresh locks:
+        one that another thread held at the fork is never released there."""
+        self._lock = threading.RLock()
         self._forked = True
-        self._registry.forget_all()
+        self._registry.after_fork()
 
     def comm_was_freed(self) -> None:
         """Called from an MPI attribute delete callback: record only, no MPI."""

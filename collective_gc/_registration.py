@@ -498,6 +498,12 @@ class Ledger:
         assert fn is not None
         return fn, args
 
+    def after_fork(self) -> list[Registration]:
+        """In a forked child: a fresh lock (one that another thread held at the
+        fork is never released there), then :meth:`forget`."""
+        self.lock = threading.RLock()
+        return self.forget()
+
     def forget(self) -> list[Registration]:
         """Detach everything without running it (a forked child). Returns what was live."""
         with self.lock:

@@ -281,10 +281,20 @@ class Registry(Ledger):
             self.pend, self.pend_seq = pend[keep], self.pend_seq[keep]
 
     def forget_all(self) -> None:
-        """In a forked child: the parent's registrations are not ours."""
+        """Detach every registration, without running them (see Manager.close)."""
         self.forget()
         self.inbox.clear()
         self.pend = self.pend_seq = NO_KEYS
+
+    def after_fork(self) -> list[Registration]:
+        """In a forked child: the parent's registrations are not ours. Fresh
+        locks: one another thread held at the fork is never released there."""
+        if self.registrar is not None:
+            self.registrar = threading.RLock()
+        regs = Ledger.after_fork(self)
+        self.inbox.clear()
+        self.pend = self.pend_seq = NO_KEYS
+        return regs
 
     # -- reads that change nothing ---------------------------------------------
 

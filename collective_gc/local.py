@@ -209,5 +209,5 @@ def shutdown(timeout: float = 5.0) -> None:
 def after_fork() -> None:
     """In a forked child: forget the parent's registrations, never run them."""
     global _REAPER
-    _REAPER.ledger.forget()
+    _REAPER.ledger.after_fork()
     _REAPER = _Reaper()

@@ -500,11 +500,18 @@ _OPAQUE = (
     float,
     Manager,
 )
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _opaque(obj: object) -> bool:
+    # A weak proxy holds nothing strongly, and isinstance() on a dead one
+    # raises ReferenceError: its type is read directly.
+    return type(obj) in _PROXIES or isinstance(obj, _OPAQUE)
 
 
 def _edges(obj: object) -> Iterator[tuple[str, object]]:
     """(label, referent) for the strong references out of ``obj`` that matter here."""
-    if isinstance(obj, _OPAQUE):
+    if _opaque(obj):
         return
     # Containers are copied by their own copy(), in one C call: list() of a
     # dict's items allocates a tuple per item, so a collection (its callbacks,
@@ -568,7 +575,7 @@ def _path_to(
             continue
         for label, ref in _edges(cur):
             rid = id(ref)
-            if rid in parent or isinstance(ref, _OPAQUE):
+            if rid in parent or _opaque(ref):
                 continue
             parent[rid] = (id(cur), label)
             names[rid] = type(ref).__name__
@@ -594,7 +601,7 @@ def _keeper(reg: Registration, owner: object, max_objects: int) -> tuple[str | N
         ("destroy args" if isinstance(ref, tuple) else "destroy", ref)
         for ref in gc.get_referents(reg)
         # Not the manager, nor its inbox's bound append.
-        if not isinstance(ref, (_OPAQUE, types.BuiltinMethodType))
+        if not (_opaque(ref) or isinstance(ref, types.BuiltinMethodType))
     ]
     return _path_to(roots, owner, max_objects)
 

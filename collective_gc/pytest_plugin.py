@@ -94,7 +94,15 @@ def _holds(condition: object) -> tuple[bool, str]:
         value = condition() if callable(condition) else condition
         return bool(value), ""
     except Exception as exc:  # noqa: BLE001 - any exception is this rank's failure
-        return False, f"evaluating the condition raised {type(exc).__name__}: {exc}"
+        return False, f"evaluating the condition raised {_raised(exc)}"
+
+
+def _raised(exc: BaseException) -> str:
+    # Never raises itself (an exception's str() may): the collective must follow.
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001
+        return f"{type(exc).__name__} (whose str() raised)"
 
 
 def parallel_assert(
@@ -129,8 +137,9 @@ def parallel_assert(
     if not ok and not detail:
         try:
             detail = msg() if callable(msg) else msg
+            detail = detail if isinstance(detail, str) else repr(detail)  # gathered: a str
         except Exception as exc:  # noqa: BLE001 - reported, never skips the collective
-            detail = f"formatting the message raised {type(exc).__name__}: {exc}"
+            detail = f"formatting the message raised {_raised(exc)}"
     size, rank = c.Get_size(), c.Get_rank()
     if size == 1:
         if not ok:

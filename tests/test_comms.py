@@ -133,3 +133,19 @@ def test_five_thousand_duplicates_do_not_exhaust_communicators(base: str) -> Non
         MPI.Comm.Free_keyval(kv)
     finally:
         comm.Free()
+
+
+def test_a_dup_refused_inside_a_destroy_leaves_nothing_behind(comm: MPI.Intracomm) -> None:
+    # Refused before the new communicator is made: no record is left for
+    # every later sync point to visit, and no communicator is leaked.
+    def make_one() -> None:
+        cgc.dup(comm)
+
+    o = Obj()
+    cgc.register(o, make_one, comm=comm, name="maker")
+    del o
+    with pytest.raises(cgc.DestroyError, match="inside a destroy"):
+        cgc.collect(comm, generation=None, timeout=30)
+    assert derived(comm) == []
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+    assert derived(comm) == []

@@ -54,3 +54,15 @@ def test_view_lists_queued_on_every_rank(comm: MPI.Intracomm) -> None:
         cgc.manager(c).alive()[0].detach()
     finally:
         c.Free()
+
+
+def test_a_view_hook_that_raises_on_one_rank_is_a_row_everywhere(comm: MPI.Intracomm) -> None:
+    # view gathers every rank's rows: a hook that raised on one rank would
+    # have left the others waiting in the gather.
+    def broken(mgr: cgc.Manager) -> list[tuple[str, str]]:
+        raise RuntimeError("this hook broke")
+
+    if comm.Get_rank() == 0:
+        cgc.manager(comm).add_view_hook(broken)
+    text = cgc.view(comm, file=None, timeout=30)
+    assert "<view hook>" in text and "RuntimeError: this hook broke" in text

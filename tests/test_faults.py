@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,11 @@ import collective_gc as cgc
 
 from _util import CheckedLog, Obj
 from conftest import mpiexec_cmd, mpiexec_env
+
+
+def noop(*args: object) -> None:
+    pass
+
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -193,3 +199,63 @@ def test_shutdown_with_the_reaper_busy() -> None:
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - t0 < 12  # bounded: it does not wait for all 40 x 0.3 s
     assert "reaper is still busy at exit" in proc.stderr
+
+
+def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
+    comm: MPI.Intracomm,
+) -> None:
+    # Only the forking thread exists in the child: a lock another thread held
+    # at the fork (the reaper thread claiming a registration, a sync point on
+    # another thread) is never released there. Our fork handler must not
+    # take such a lock, and later calls must not wait on one.
+    from collective_gc import _gcpolicy, _lookup, local
+
+    cgc.collect(comm, generation=None)
+    mgr = cgc.manager(comm)
+    locks = [
+        local._REAPER.ledger.lock,
+        mgr._lock,
+        mgr._registry.lock,
+        _lookup._REGISTRY_LOCK,
+        _gcpolicy.POLICY.lock,
+    ]
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        taken.set()
+        release.wait(60)
+        for lock in reversed(locks):
+            lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    cgc.collect(comm)  # the lookup, the GC policy, the manager
+                except cgc.CollectiveGCError as exc:
+                    code = 0 if "forked child" in str(exc) else 2
+                local.register(Obj(), noop)  # a new reaper, its own lock
+                local.flush(10)
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        holder.join()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on a lock another thread held at the fork")
+    assert os.WEXITSTATUS(status) == 0

@@ -776,6 +776,32 @@ def test_wrong_communicator_refused(comm: MPI.Intracomm) -> None:
 # -- sync points destroy runs of single-object wrappers in C (collective_gc._speedups)
 
 
+def test_a_dead_weak_proxy_in_a_managed_objects_attributes_is_skipped(
+    comm: MPI.Intracomm,
+) -> None:
+    # The docs advise a weakref.proxy of the owner to break a cycle; once its
+    # referent died, isinstance() on it raises ReferenceError. The walks of
+    # manage, immortal and view skip it (view raising on one rank only left
+    # the others waiting in its gather).
+    class Owner:
+        pass
+
+    class Monitor:
+        pass
+
+    monitor = Monitor()
+    vec = PETSc.Vec().createMPI(8, comm=comm)
+    if comm.Get_rank() == 0:
+        vec.setAttr("monitor", [weakref.proxy(monitor)])
+    del monitor
+    owner = Owner()
+    cp.manage(owner, vec, comm=comm)  # walks the Vec's attributes back to the owner
+    assert cp.immortal(comm) == []
+    assert "queued" in cgc.view(comm, file=None, timeout=30)
+    del owner, vec
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
+
+
 def test_the_c_batch_destroy_is_built_here() -> None:
     # The extension is optional for users (no compiler, no extension: the
     # Python path does the same), but this machine builds it, and the tests

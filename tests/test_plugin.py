@@ -71,6 +71,30 @@ class ParallelAssertTests:
         with pytest.raises(AssertionError, match=r"rank\(s\) 0 of .*raised KeyError: 'missing'"):
             parallel_assert(check, comm=comm)
 
+    def test_a_raised_exception_whose_str_raises_is_still_a_failure_everywhere(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        # Formatting what the condition (or the message) raised must not
+        # raise in turn: that rank would skip the collective.
+        class Bad(Exception):
+            def __str__(self) -> str:
+                raise ValueError("no str")
+
+        def check() -> bool:
+            if comm.Get_rank() == 0:
+                raise Bad()
+            return True
+
+        def message() -> str:
+            raise Bad()
+
+        with pytest.raises(AssertionError, match=r"rank\(s\) 0 of .*raised Bad \(whose str"):
+            parallel_assert(check, comm=comm, timeout=30)
+        with pytest.raises(AssertionError, match=r"formatting the message raised Bad \(whose"):
+            parallel_assert(comm.Get_rank() != 0, message, comm=comm, timeout=30)
+        with pytest.raises(AssertionError, match=r"rank\(s\) 0 of .*: 42"):
+            parallel_assert(comm.Get_rank() != 0, lambda: 42, comm=comm, timeout=30)  # type: ignore[arg-type, return-value]
+
 
 class TestParallelAssertSelf(ParallelAssertTests):
     COMM = MPI.COMM_SELF
