@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import array
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -348,15 +349,24 @@ def field_shift(field: int) -> int:
 
 
 class Header:
-    """What one rank brings to a sync point, besides its pending keys."""
+    """What one rank brings to a sync point, besides its pending keys.
+    ``parts`` is a 16-bit fingerprint of its participants (see
+    :func:`fingerprint`): agreed for equality with the sync-point number."""
 
-    __slots__ = ("seq", "next_key", "at_exit", "flags")
+    __slots__ = ("seq", "next_key", "at_exit", "flags", "parts")
 
-    def __init__(self, seq: int, next_key: int, at_exit: bool, flags: int) -> None:
+    def __init__(self, seq: int, next_key: int, at_exit: bool, flags: int, parts: int = 0) -> None:
         self.seq = seq
         self.next_key = next_key
         self.at_exit = at_exit
         self.flags = flags
+        self.parts = parts
+
+
+def fingerprint(identities: str) -> int:
+    """A 16-bit fingerprint of the participants' identities, the same in
+    every process (str hashes are salted per process; CRC-32 is not)."""
+    return zlib.crc32(identities.encode()) & 0xFFFF
 
 
 class Window:
@@ -591,7 +601,9 @@ class Agreement:
         if at is not None:
             flags |= FLAG_DEADLINE
             buf[_WORDS + self.rank] = deadline.wall_us()
-        seqword = head.seq * 2 + head.at_exit
+        # Equality of the sync-point number, the participants and the kind
+        # (exit or not) in one word and its complement.
+        seqword = ((head.seq << 16) + head.parts) * 2 + head.at_exit
         buf[0] = seqword
         buf[1] = ~seqword
         buf[2] = head.next_key

@@ -127,6 +127,17 @@ class Participant:
         anyway (then it is in that DestroyError)."""
         return type(self).finish is not Participant.finish
 
+    def identity(self) -> str:
+        """What the participant at the same place in every rank's sync point
+        must share (its class and field, by default; a subclass adds what
+        changes which collectives it makes). The agreement compares a
+        fingerprint of these: ranks whose sync points have different
+        participants (a scope's ``gc=`` or ``strict=`` differing between
+        ranks, two threads' sync points paired differently) raise
+        :class:`CollectiveMismatchError` on every rank, before anything is
+        destroyed or any participant's collective is made."""
+        return f"{type(self).__module__}.{type(self).__qualname__}/{self.field}"
+
     def votes(self, flags: int) -> int:
         """This participant's byte of the agreed ``flags``."""
         if self.field is None:
@@ -142,6 +153,10 @@ _TIMEOUT_SOURCE: list[Callable[[], float | None]] = [lambda: None]
 def set_timeout_source(source: Callable[[], float | None]) -> None:
     """Where the first registration on a communicator finds its timeout (seconds or None)."""
     _TIMEOUT_SOURCE[0] = source
+
+
+def _identities(parts: Sequence[Participant]) -> str:
+    return "\0".join(p.identity() for p in parts)
 
 
 def _hook_name(hook: object) -> str:
@@ -251,6 +266,7 @@ class Manager:
         self._forked = False
         self.destroyed = 0
         self._participants: list[Participant] = []
+        self._identities = ""  # of _participants, joined (see Participant.identity)
         self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
         self._leak_hooks: list[Callable[[Manager], Iterable[str]]] = []
 
@@ -368,6 +384,7 @@ class Manager:
                     f"{participant.field}"
                 )
         self._participants.append(participant)
+        self._identities = _identities(self._participants)
 
     @property
     def participants(self) -> tuple[Participant, ...]:
@@ -674,9 +691,11 @@ class Manager:
         interrupt: BaseException | None = None
         try:
             parts = self._participants
+            identities = self._identities
             if extra:
                 self._check_fields(extra)
                 parts = parts + list(extra)
+                identities = _identities(parts)
             registry = self._registry
             flags = 0
             bad: list[str] = []
@@ -700,10 +719,16 @@ class Manager:
                 agreement = self._agreement
                 if agreement is None:
                     agreement = self._agreement = _agree.Agreement(self._private(dl))
-                head = _agree.Header(self._seq, registry.next_key, at_exit, flags)
+                head = _agree.Header(
+                    self._seq,
+                    registry.next_key,
+                    at_exit,
+                    flags,
+                    _agree.fingerprint(identities) if identities else 0,
+                )
                 agreed = agreement.agree(head, registry.pend, dl, self._what("its agreement"))
                 if agreed.mismatch:
-                    raise self._mismatch(agreement.comm, dl, at_exit)
+                    raise self._mismatch(agreement.comm, dl, at_exit, identities)
                 agreement.window.advance(registry.next_key)
                 keys, flags = agreed.keys, agreed.flags
             if flags & FLAG_BAD_VOTE:
@@ -864,15 +889,27 @@ class Manager:
         return flags
 
     def _mismatch(
-        self, comm: MPI.Intracomm, dl: _agree.Deadline, at_exit: bool
+        self, comm: MPI.Intracomm, dl: _agree.Deadline, at_exit: bool, identities: str
     ) -> CollectiveMismatchError:
         # Every rank saw the disagreement: one more gather says who differs.
-        mine = (self._seq, self._registry.next_key, at_exit)
+        mine = (self._seq, self._registry.next_key, at_exit, identities)
         everyone = _agree.allgather(comm, mine, dl, self._what("its mismatch report"))
-        seqs = [s for s, _, _ in everyone]
-        keys = [k for _, k, _ in everyone]
-        kinds = [e for _, _, e in everyone]
+        seqs = [s for s, _, _, _ in everyone]
+        keys = [k for _, k, _, _ in everyone]
+        kinds = [e for _, _, e, _ in everyone]
+        ids = [i for _, _, _, i in everyone]
         parts = []
+        if len(set(ids)) > 1:
+            shown = {i: [r for r, j in enumerate(ids) if j == i] for i in dict.fromkeys(ids)}
+            parts.append(
+                "the ranks' sync points have different participants ("
+                + "; ".join(
+                    f"ranks {r}: {i.replace(chr(0), ', ') or 'none'}" for i, r in shown.items()
+                )
+                + "): a collective_scope's gc= or strict= differs between the ranks, or "
+                "two threads ran sync points on this communicator at once and the ranks "
+                "paired them differently"
+            )
         if len(set(kinds)) > 1:
             parts.append(
                 "some ranks were at a sync point of the program and others at the exit "

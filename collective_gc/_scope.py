@@ -89,6 +89,10 @@ class _Seen(Participant):
     def may_raise(self, flags: int) -> bool:
         return False
 
+    def identity(self) -> str:
+        # Whether it gathers (strict=True) changes its collectives.
+        return super().identity() + ("/strict" if self.gather_cyclic else "")
+
     def finish(self, mgr: Manager, flags: int) -> None:
         self.flags = flags
         if self.gather_cyclic and flags & FLAG_CYCLIC:

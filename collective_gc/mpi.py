@@ -97,13 +97,21 @@ def _check(h: object, comm: MPI.Comm) -> None:
         )
     if h == MPI.WIN_NULL or h == MPI.FILE_NULL:
         raise RegistrationError(f"this {type(h).__name__} handle is null (already freed or closed)")
-    mine, theirs = h.Get_group(), comm.Get_group()
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise RegistrationError(
+            f"comm must be the mpi4py intracommunicator the {type(h).__name__} was made on, "
+            f"not {comm!r}"
+        )
+    mine = h.Get_group()
     try:
-        same = MPI.Group.Compare(mine, theirs) == MPI.IDENT
-        size = mine.Get_size()
+        theirs = comm.Get_group()
+        try:
+            same = MPI.Group.Compare(mine, theirs) == MPI.IDENT
+            size = mine.Get_size()
+        finally:
+            theirs.Free()
     finally:
         mine.Free()
-        theirs.Free()
     if not same:
         raise RegistrationError(
             f"this {type(h).__name__} belongs to a group of {size} processes that is not the "

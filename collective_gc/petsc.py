@@ -242,6 +242,12 @@ def _user_comm(obj: object) -> MPI.Comm | None:
     """
     if not isinstance(obj, PETSc.Object):
         return None
+    if not obj.handle:
+        # petsc4py 3.18 crashes reading .comm of a destroyed object.
+        raise TypeError(
+            f"this PETSc {type(obj).__name__} is destroyed: it has no communicator; "
+            "pass the communicator it was made on to collect"
+        )
     handle = MPI._handleof(obj.comm.tompi4py())
     for mgr in managers():
         if mgr.comm_freed or mgr.broken is not None:

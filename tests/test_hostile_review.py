@@ -485,3 +485,50 @@ def test_at_exit_an_interrupt_in_a_derived_destroy_leaves_the_parent_agreed(
         assert f"destroy W ran on rank {rank}" in outs[rank], report
     assert took < 10.0, f"the job took {took:.1f} s (exit timeout 20 s)\n{report}"
     assert "KeyboardInterrupt" in errs[0], report
+
+
+# -- a third review: sync points whose participants differ between the ranks --------
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differ", ["gc", "strict"])
+def test_scopes_whose_options_differ_between_ranks_are_a_mismatch_on_every_rank(
+    comm: MPI.Intracomm, differ: str
+) -> None:
+    # gc="managed" adds a participant that may make one more collective;
+    # strict=True one that gathers the report. Differing between the ranks,
+    # they made collectives on some ranks only (a raw MPI error on one rank,
+    # a hang on the others): now the agreement sees it first.
+    rank = comm.Get_rank()
+    options: dict[str, Any] = (
+        {"gc": "managed" if rank == 0 else "auto"}
+        if differ == "gc"
+        else {"gc": "off", "strict": rank == 0}
+    )
+    o = Obj()
+    o.peer = o  # dies in the cyclic collector: strict mode has something to report
+    cgc.register(o, noop, comm=comm, name="x")
+    del o
+    gc.collect()
+    seen: list[str] = []
+
+    def body() -> None:
+        with cgc.collective_scope(comm, exit_collect=None, timeout=TIMEOUT, **options) as scope:
+            for _ in range(3):
+                try:
+                    scope.sync()
+                    seen.append("ok")
+                except cgc.CollectiveMismatchError as exc:
+                    seen.append("mismatch" if "different participants" in str(exc) else str(exc))
+                    break
+                except BaseException as exc:  # noqa: BLE001 (what it must not be)
+                    seen.append(type(exc).__name__)
+                    break
+
+    # The scope's exit sync point is refused: the manager is unusable.
+    left = attempt(body)[0]
+    broken = cgc.manager(comm).broken is not None
+    states = everyone(comm, (seen, left, broken))
+    assert states == [(["mismatch"], "CollectiveGCError", True)] * comm.Get_size(), states
+    for reg in cgc.manager(comm).alive() + cgc.manager(comm).pending():
+        reg.detach()  # nothing left for the exit agreement of an unusable manager

@@ -81,6 +81,13 @@ class FileTests:
             cmpi.manage(Owner(), comm, comm=comm)  # type: ignore[arg-type]
         with pytest.raises(cgc.RegistrationError, match="null"):
             cmpi.manage(Owner(), MPI.File(), comm=comm)
+        fh = open_file(comm, os.path.join(shared_dir(comm), "refused.bin"))
+        try:
+            for bad in (None, MPI.COMM_NULL):
+                with pytest.raises(cgc.RegistrationError, match="intracommunicator the File"):
+                    cmpi.manage(Owner(), fh, comm=bad)  # type: ignore[arg-type]
+        finally:
+            fh.Close()
         assert cgc.manager(comm).next_key == 0
 
     def test_communicators_come_from_the_core(self) -> None:

@@ -802,6 +802,17 @@ def test_a_dead_weak_proxy_in_a_managed_objects_attributes_is_skipped(
     assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
 
 
+def test_collect_on_a_destroyed_petsc_object_is_a_clear_error(comm: MPI.Intracomm) -> None:
+    # petsc4py 3.18 crashes reading .comm of a destroyed object: collect
+    # must not try, and says what to pass instead.
+    cp.install(comm)
+    vec = PETSc.Vec().createMPI(8, comm=comm)
+    vec.destroy()
+    with pytest.raises(TypeError, match="is destroyed: it has no communicator"):
+        cgc.collect(vec, generation=None, timeout=30)
+    assert cgc.collect(comm, generation=None, timeout=30).sync == 0
+
+
 def test_the_c_batch_destroy_is_built_here() -> None:
     # The extension is optional for users (no compiler, no extension: the
     # Python path does the same), but this machine builds it, and the tests
