@@ -72,6 +72,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -269,6 +270,10 @@ class WorkerHandle:
         self.window = window
         self.lock = threading.Lock()
         self.closed = False
+        # When join gives up waiting, then waiting after the SIGKILL: kept
+        # across calls (see join).
+        self.join_at: float | None = None
+        self.kill_at: float | None = None
         self.busy = False  # the consumer is inside a socket call: it closes the descriptors
         self.fds_closed = False
         # The message being delivered: received, its element not yet handed out.
@@ -734,13 +739,21 @@ class WorkerHandle:
         (it can land between CPython's acquire and its ``try``, in an earlier
         ``wait`` cut short inside ``next()``): then the child is reaped here.
         """
+        # The deadlines are kept across calls: a join cut short by an
+        # interrupt and called again (close is resumable) goes on towards the
+        # same deadline, so that interrupts arriving faster than the timeout
+        # cannot keep it from ever reaching the SIGKILL.
+        if self.join_at is None:
+            self.join_at = time.monotonic() + timeout
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.0, self.join_at - time.monotonic()))
             return
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + timeout
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(max(0.0, self.kill_at - time.monotonic()))
         except subprocess.TimeoutExpired:
             try:
                 _, status = os.waitpid(self.proc.pid, 0)  # SIGKILLed: exits at once

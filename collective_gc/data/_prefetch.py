@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, NoReturn, TypeVar
 
@@ -272,7 +273,13 @@ class ProcessPrefetch(Generic[T]):
             launch = _pool.start_workers(pool, count, window, _pool.child_environment(), boots)
             self._holder.pool = pool
             self._launching = launch
-        launch.done.wait()
+        # Polled, never Event.wait(): an interrupt that lands inside
+        # Event.wait can leave the event's own lock held by this thread; the
+        # spawner's set() and every later wait would then block for ever.
+        delay = 1e-4
+        while not launch.done.is_set():
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
         self._launching = None
         if launch.error is not None:
             self._holder.pool = None
