@@ -104,6 +104,9 @@ def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
     cgc.manager(comm).mark_unusable("the end of this test")
 
 
+# Forking a process that has threads (MPI's, the reaper) is what this tests;
+# Python 3.12+ warns of it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -> None:
     log: list[str] = []
     o = Obj()
@@ -201,6 +204,9 @@ def test_shutdown_with_the_reaper_busy() -> None:
     assert "reaper is still busy at exit" in proc.stderr
 
 
+# Forking a process that has threads (MPI's, the reaper) is what this tests;
+# Python 3.12+ warns of it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
     comm: MPI.Intracomm,
 ) -> None:

@@ -79,6 +79,9 @@ def test_local_registration_does_not_keep_object_alive() -> None:
         assert ref() is None
 
 
+# Forking a process that has threads (MPI's, the reaper) is what this tests;
+# Python 3.12+ warns of it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_forked_child_never_runs_parent_destroys(tmp_path: object) -> None:
     r, w = os.pipe()
     o = Obj()
