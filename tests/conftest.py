@@ -87,6 +87,19 @@ def petsc() -> Any:
     return import_petsc()
 
 
+@pytest.fixture(params=["c", "python"])
+def sync_passes(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Sync points take their batch and call its destroys in C, then in Python."""
+    from collective_gc import _destroy
+
+    saved = _destroy.passes()
+    _destroy.use_passes(request.param)
+    try:
+        yield request.param
+    finally:
+        _destroy.use_passes(saved)
+
+
 @pytest.fixture
 def comm(request: pytest.FixtureRequest) -> Iterator[MPI.Intracomm]:
     """A fresh duplicate of the test class's COMM (default COMM_WORLD), freed after."""

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _destroy, local
+from collective_gc import local
 
 from _util import GcDisabled, Obj
 
@@ -47,17 +47,6 @@ def interrupt(res: Resource) -> None:
 
 def noop(*args: Any) -> None:
     pass
-
-
-@pytest.fixture(params=["c", "python"])
-def passes(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The sync point's take and run passes in C, then in Python."""
-    saved = _destroy.passes()
-    _destroy.use_passes(request.param)
-    try:
-        yield request.param
-    finally:
-        _destroy.use_passes(saved)
 
 
 def leftovers(comm: MPI.Intracomm, action: Callable[[], tuple[str, list[weakref.ref[Any]]]]) -> str:
@@ -90,22 +79,18 @@ def fail_once(comm: MPI.Intracomm, destroy: Callable[[Resource], None]) -> tuple
     return "nothing raised", [ref]
 
 
-def test_a_failed_destroy_leaves_no_cycle(passes: str) -> None:
+@pytest.mark.parametrize(
+    ("destroy", "raised"), [(fail, "DestroyError"), (interrupt, "KeyboardInterrupt")]
+)
+def test_a_failed_destroy_leaves_no_cycle(
+    sync_passes: str, destroy: Callable[[Resource], None], raised: str
+) -> None:
     comm = MPI.COMM_SELF.Dup()
     try:
-        verdict = leftovers(comm, lambda: fail_once(comm, fail))
+        verdict = leftovers(comm, lambda: fail_once(comm, destroy))
     finally:
         comm.Free()
-    assert verdict == "DestroyError; 0 of 1 held objects alive; 0 objects in garbage cycles"
-
-
-def test_an_interrupted_destroy_leaves_no_cycle(passes: str) -> None:
-    comm = MPI.COMM_SELF.Dup()
-    try:
-        verdict = leftovers(comm, lambda: fail_once(comm, interrupt))
-    finally:
-        comm.Free()
-    assert verdict == "KeyboardInterrupt; 0 of 1 held objects alive; 0 objects in garbage cycles"
+    assert verdict == f"{raised}; 0 of 1 held objects alive; 0 objects in garbage cycles"
 
 
 class FailingFinish(cgc.Participant):
@@ -199,7 +184,7 @@ def test_a_failed_rank_local_destroy_leaves_no_cycle(capfd: pytest.CaptureFixtur
 
 @pytest.mark.mpi(min_size=2)
 def test_a_destroy_failed_on_one_rank_leaves_no_cycle_on_any(
-    comm: MPI.Intracomm, passes: str
+    comm: MPI.Intracomm, sync_passes: str
 ) -> None:
     def on_rank_0(res: Resource) -> None:
         if comm.Get_rank() == 0:

@@ -127,6 +127,21 @@ def _strict_sync(comm: MPI.Intracomm, late: bool) -> tuple[str, str, list[str]]:
     return sync, left, where
 
 
+def _assert_strict_outcome(comm: MPI.Intracomm, late: bool, inside: str, outside: str) -> None:
+    """Run :func:`_strict_sync`; rank 0 raises its interrupt, every other rank
+    the report, every manager stays usable; rank 0 was interrupted in
+    ``inside``, not in ``outside``."""
+    sync, left, where = _strict_sync(comm, late=late)
+    broken = cgc.manager(comm).broken
+    after = collect_ok(comm)
+    states = everyone(comm, (sync, left, broken, after))
+    wheres = everyone(comm, where)
+    assert inside in wheres[0] and outside not in wheres[0], (wheres[0], states)
+    assert states == [("KeyboardInterrupt", "ok", None, ("ok", 0))] + [
+        ("CyclicFinalizationError", "ok", None, ("ok", 0))
+    ] * (comm.Get_size() - 1), states
+
+
 @pytest.mark.mpi(min_size=2)
 def test_strict_sync_interrupted_while_waiting_still_reports_on_every_rank(
     comm: MPI.Intracomm,
@@ -134,18 +149,8 @@ def test_strict_sync_interrupted_while_waiting_still_reports_on_every_rank(
     # h13: rank 0's interrupt is held through the sync point's agreement, which
     # then sees the cyclic death: rank 0 must still take part in the strict
     # report's gather (the others wait in it), then raise the interrupt.
-    sync, left, where = _strict_sync(comm, late=True)
-    mgr = cgc.manager(comm)
-    broken = mgr.broken
-    after = collect_ok(comm)
-    states = everyone(comm, (sync, left, broken, after))
-    wheres = everyone(comm, where)
-    # (Interrupted in the agreement, not in the gather of the report: see below.)
-    assert "agree" in wheres[0] and "allgather" not in wheres[0], (wheres[0], states)
-    n = comm.Get_size()
-    assert states == [("KeyboardInterrupt", "ok", None, ("ok", 0))] + [
-        ("CyclicFinalizationError", "ok", None, ("ok", 0))
-    ] * (n - 1), states
+    # Interrupted in the agreement, not in the gather of the report (see below).
+    _assert_strict_outcome(comm, late=True, inside="agree", outside="allgather")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -164,18 +169,8 @@ def test_strict_report_interrupted_while_waiting_holds_the_interrupt(
             return real(origin)
 
         monkeypatch.setattr(_scope, "_origin", slow)
-    sync, left, where = _strict_sync(comm, late=False)
-    mgr = cgc.manager(comm)
-    broken = mgr.broken
-    after = collect_ok(comm)
-    states = everyone(comm, (sync, left, broken, after))
-    wheres = everyone(comm, where)
-    # (In the gather of the report, not in the agreement: see the test above.)
-    assert "allgather" in wheres[0] and "agree" not in wheres[0], (wheres[0], states)
-    n = comm.Get_size()
-    assert states == [("KeyboardInterrupt", "ok", None, ("ok", 0))] + [
-        ("CyclicFinalizationError", "ok", None, ("ok", 0))
-    ] * (n - 1), states
+    # Interrupted in the gather of the report, not in the agreement (see above).
+    _assert_strict_outcome(comm, late=False, inside="allgather", outside="agree")
 
 
 # -- h11: view ---------------------------------------------------------------------

@@ -391,17 +391,6 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         comm.Free()
 
 
-@pytest.fixture(params=["c", "python"])
-def sync_passes(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Sync points take their batch and call its destroys in C, then in Python."""
-    saved = _destroy.passes()
-    _destroy.use_passes(request.param)
-    try:
-        yield request.param
-    finally:
-        _destroy.use_passes(saved)
-
-
 def test_the_c_sync_passes_are_built_here() -> None:
     assert _destroy.passes() == "c"
 
