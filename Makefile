@@ -57,8 +57,9 @@ test-stacks: $(STACKS:%=test-stack-%)
 # Kept: make would delete them as intermediate files otherwise.
 .PRECIOUS: .stacks/%/.installed
 
-.stacks/%/.installed: $(STACK_DEPS)
-	bash tools/stack-setup $*
+# The host's venv first: its pip fetches the wheels the Debian 13 chroot needs.
+.stacks/%/.installed: $(STACK_DEPS) | $(VENV)/.installed
+	CGC_HOST_PYTHON=$(PY) bash tools/stack-setup $*
 	touch $@
 
 # Both suites run even if the first fails; the leg fails if either did.

@@ -4,7 +4,8 @@
 # what to install and exits non-zero.
 set -euo pipefail
 # python3-dev and gcc build the optional C extension (collective_gc._speedups).
-PKGS="openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
+# procps: pgrep, with which a launcher test checks that no rank outlived SIGTERM.
+PKGS="procps openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

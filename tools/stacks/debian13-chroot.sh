@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
 # Build the Debian 13 (trixie) chroot of the `debian13` leg of `make test-stacks`
 # in DIR: Debian's own Python 3.13, mpi4py 4.0, petsc4py 3.22 and Open MPI 5.
-# Needs root and debootstrap (installed here with apt-get when missing).
+# Needs root, debootstrap and rsync (installed here with apt-get when missing).
 # Idempotent: a finished chroot is marked with DIR/.bootstrapped.
 set -euo pipefail
 DIR=${1:?usage: debian13-chroot.sh DIR}
+
+# The host's tools for this leg, checked even when the chroot exists: a chroot
+# made on another machine (or kept in .stacks/) does not bring them. debootstrap
+# builds the chroot; tools/stack-run copies the tree in with rsync.
+missing=""
+for tool in debootstrap rsync; do
+    command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
+done
+if [ -n "$missing" ]; then
+    echo "collective_gc: installing Debian packages for the debian13 leg:$missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq $missing >/dev/null
+fi
 [ -e "$DIR/.bootstrapped" ] && exit 0
 
 # python3-pytest and python3-setuptools come from Debian too: inside the chroot
@@ -13,11 +28,6 @@ DIR=${1:?usage: debian13-chroot.sh DIR}
 PKGS=python3-petsc4py,python3-mpi4py,python3-numpy,openmpi-bin,python3-venv,python3-dev
 PKGS=$PKGS,python3-pytest,python3-setuptools,python3-wheel,gcc,make,git,procps
 
-if ! command -v debootstrap >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq debootstrap >/dev/null
-fi
 rm -rf "$DIR.partial"
 mkdir -p "$(dirname "$DIR")"
 echo "collective_gc: debootstrap of Debian 13 into $DIR (about 5 minutes)"
