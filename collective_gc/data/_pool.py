@@ -270,6 +270,7 @@ class WorkerHandle:
         self.window = window
         self.lock = threading.Lock()
         self.closed = False
+        self.forked = False  # this process was forked from the owner (see forget_in_child)
         # When join gives up waiting, then waiting after the SIGKILL: kept
         # across calls (see join).
         self.join_at: float | None = None
@@ -681,12 +682,42 @@ class WorkerHandle:
 
     # -- stopping ---------------------------------------------------------------
 
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: let go of our copies, touch nothing shared.
+
+        Closes this process's copies of the descriptors (never a
+        ``shutdown()``, which would cut the owner's connection too) and unmaps
+        the ring and every slot no element of this process views, so that a
+        forked helper pins none of the loader's memory. Only the forking
+        thread exists here: no lock is taken.
+        """
+        self.forked = self.closed = self.fds_closed = True
+        self.lock = threading.Lock()
+        self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        for name in ("sentinel", "boot", "inbox_fd", "bell", "wake", "pidfd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                try:
+                    os.close(fd)
+                except OSError:  # closed already (a close cut short by the fork)
+                    pass
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            _shm.unmap_view(ring)
+        for segment in self.slots.values():
+            segment.unmap_if_unused()
+        self.slots.clear()
+
     def stop(self) -> None:
         """Tell the worker to exit now; drop our mappings. Never blocks; any thread.
 
         Idempotent, and resumable: every step checks whether it was done, so a
-        call an interrupt cut short is finished by the next one.
+        call an interrupt cut short is finished by the next one. Does nothing
+        in a forked child (see :meth:`forget_in_child`).
         """
+        if self.forked:
+            return
         with self.lock:
             self.closed = True
             # EOF on its watch pipe: the worker's watch thread exits the process at
@@ -739,6 +770,8 @@ class WorkerHandle:
         (it can land between CPython's acquire and its ``try``, in an earlier
         ``wait`` cut short inside ``next()``): then the child is reaped here.
         """
+        if self.forked:
+            return  # not our child: the owner waits for it
         # The deadlines are kept across calls: a join cut short by an
         # interrupt and called again (close is resumable) goes on towards the
         # same deadline, so that interrupts arriving faster than the timeout
@@ -765,12 +798,16 @@ class WorkerHandle:
 class Pool:
     """The workers of one ProcessPrefetch. Refers to no loader, element or error."""
 
-    __slots__ = ("__weakref__", "close_timeout", "closed", "lock", "workers")
+    __slots__ = ("__weakref__", "close_timeout", "closed", "forked", "lock", "owner", "workers")
 
     def __init__(self, workers: list[WorkerHandle], close_timeout: float) -> None:
         self.workers = workers
         self.close_timeout = close_timeout
         self.closed = False
+        # True in a process forked from the owner: there the pool is inert
+        # (see _after_fork_in_child), closed for good, and touches nothing.
+        self.forked = False
+        self.owner = os.getpid()
         self.lock = threading.Lock()
 
 
@@ -786,8 +823,12 @@ def shutdown(pool: Pool) -> None:
     """Stop every worker of ``pool`` and wait for them. Any thread.
 
     Idempotent and resumable (an interrupt may cut it short; the next call
-    finishes it): every step is repeated at no cost once done.
+    finishes it): every step is repeated at no cost once done. In a process
+    forked from the pool's owner it does nothing: the workers, their sockets
+    and rings are the owner's, and its loader goes on using them.
     """
+    if pool.forked:
+        return
     with pool.lock:
         pool.closed = True
     for w in pool.workers:
@@ -851,8 +892,19 @@ def _at_exit() -> None:
 
 def _after_fork_in_child() -> None:
     # A forked child shares the parent's descriptors but not its workers: it
-    # must never stop (or wait for) them; nor has it the spawner thread.
+    # must never stop (or wait for) them, nor write to their rings; nor has it
+    # the spawner thread. Only this thread exists here, so nothing else reads
+    # the handles while they are taken apart, and no lock is taken (another
+    # thread may have held one at the fork: it stays held here for ever).
+    for pool in list(_LIVE):
+        pool.forked = pool.closed = True
+        pool.lock = threading.Lock()
+        for handle in pool.workers:
+            handle.forget_in_child()
     _LIVE.clear()
+    # The parent's leases: nobody here hands their slots back.
+    _LEASES.clear()
+    _DEAD.clear()
     _SPAWNER[0] = _Spawner()
     _DUE.clear()
     _DIED.clear()

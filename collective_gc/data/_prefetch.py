@@ -278,6 +278,8 @@ class ProcessPrefetch(Generic[T]):
         # spawner's set() and every later wait would then block for ever.
         delay = 1e-4
         while not launch.done.is_set():
+            if launch.pool.forked:  # the spawner thread is the parent's, not ours
+                self._forked(launch.pool)
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
         self._launching = None
@@ -317,6 +319,8 @@ class ProcessPrefetch(Generic[T]):
             self._launch()
         pool = self._holder.pool
         if pool is None or pool.closed:  # closed from another thread as it started
+            if pool is not None and pool.forked:
+                self._forked(pool)
             self._closed = True
             raise StopIteration
         workers = pool.workers
@@ -400,6 +404,14 @@ class ProcessPrefetch(Generic[T]):
             raise
         self._pos = pos + 1
         return element
+
+    def _forked(self, pool: _pool.Pool) -> NoReturn:
+        self._fault = (
+            f"{self!r} belongs to process {pool.owner}, and this process is a child "
+            f"forked from it: the parent's workers go on serving the parent (its loader is "
+            f"untouched), and cannot be used here; make a new loader in the child"
+        )
+        raise P.LoaderError(self._fault)
 
     def _lost(self, worker: _pool.WorkerHandle, pos: int) -> NoReturn:
         self._fault = (

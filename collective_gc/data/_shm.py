@@ -22,7 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["Segment", "create", "round_capacity", "supported"]
+__all__ = ["Segment", "create", "round_capacity", "supported", "unmap_view"]
 
 PAGE = mmap.PAGESIZE
 
@@ -46,6 +46,27 @@ def create(capacity: int, name: str) -> tuple[int, mmap.mmap]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def unmap_view(view: memoryview) -> bool:
+    """Unmap the mapping ``view`` was made of, unless something else still views it.
+
+    For a forked child letting go of the parent's mappings (only its thread
+    exists there). False if a view of it is alive (an element this process
+    holds): then it stays mapped, as it must.
+    """
+    try:
+        mapping = view.obj
+    except ValueError:  # released already
+        return True
+    if not isinstance(mapping, mmap.mmap):
+        return False
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        return False
+    return True
 
 
 def _unmap(view: memoryview, mapping: mmap.mmap) -> None:
@@ -79,6 +100,10 @@ class Segment:
         self.capacity = capacity
         # Kept so that the loader can run the unmap itself when the reaper lags.
         self.reg = register(self, _unmap, self.view, mapping, name=name)
+
+    def unmap_if_unused(self) -> bool:
+        """In a forked child: unmap this process's copy unless an element here views it."""
+        return unmap_view(self.view)
 
     def __repr__(self) -> str:
         # Only a live Segment can be printed, and a live one is always mapped.

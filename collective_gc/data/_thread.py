@@ -23,12 +23,15 @@ import _thread
 import collections
 import contextlib
 import itertools
+import os
 import threading
 import traceback
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from ..local import register
+from ._protocol import LoaderError
 
 __all__ = ["ThreadPrefetch"]
 
@@ -49,10 +52,12 @@ def _signal(gate: threading.Lock) -> None:
 
 class _State(Generic[T]):
     __slots__ = (
+        "__weakref__",
         "done",
         "error",
         "filled",
         "finished",
+        "forked",
         "ident",
         "items",
         "launched",
@@ -78,6 +83,24 @@ class _State(Generic[T]):
         self.finished.acquire()
         self.ident = 0  # the producer thread's
         self.source: Iterator[T] | None = None  # the iterator, until the producer takes it
+        # In a process forked while the producer ran: no producer here (see _after_fork).
+        self.forked = False
+
+
+# The states of started loaders, for the fork handler.
+_STARTED: weakref.WeakSet[_State[Any]] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread exists here: a producer of the parent does not,
+    # and a lock it held at the fork stays held for ever. Its loader is done
+    # here (next() raises, close() returns at once); the parent's goes on.
+    for state in list(_STARTED):
+        state.forked = state.stop = state.done = True
+        state.items.clear()  # the parent's elements: the parent delivers them
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _produce(state: _State[T]) -> None:
@@ -115,7 +138,12 @@ def _stop(state: _State[T], timeout: float | None) -> None:
     state.items.clear()
     _signal(state.room)
     _signal(state.filled)
-    if state.launched and timeout != 0 and threading.get_ident() != state.ident:
+    if (
+        state.launched
+        and timeout != 0
+        and not state.forked
+        and threading.get_ident() != state.ident
+    ):
         if state.finished.acquire(timeout=-1 if timeout is None else timeout):
             state.finished.release()
 
@@ -241,6 +269,7 @@ class ThreadPrefetch(Generic[T]):
             return _State(1)  # unused: in-process mode reads self._it
         state: _State[T] = _State(self._size)
         state.source = it
+        _STARTED.add(state)
         self._holder.state = state
         self._iterable = None
         # `launched` is set and the thread created with no check for an
@@ -270,6 +299,12 @@ class ThreadPrefetch(Generic[T]):
             if s.done or s.stop:
                 if items:
                     break
+                if s.forked:
+                    raise LoaderError(
+                        f"{self!r} was started by the process this one was forked from: "
+                        "its thread is there, not here (the parent's loader is untouched); "
+                        "make a new loader in the child"
+                    )
                 error, s.error = s.error, None
                 self._closed = True
                 if error is None:
