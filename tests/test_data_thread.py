@@ -100,6 +100,45 @@ def test_buffer_size_must_not_be_negative() -> None:
         ThreadPrefetch([1], buffer_size=-1)
 
 
+class _OldStyle:
+    """Iterable through the old sequence protocol (``__getitem__`` only)."""
+
+    def __getitem__(self, i: int) -> int:
+        if i >= 3:
+            raise IndexError(i)
+        return i
+
+
+class _Refused:
+    __iter__ = None  # the documented way to say "not iterable"
+
+
+@pytest.mark.parametrize("source", [None, 5, object(), _Refused()], ids=repr)
+@pytest.mark.parametrize("buffer_size", [0, 2])
+def test_a_source_that_is_not_iterable_is_refused_at_construction(
+    source: Any, buffer_size: int
+) -> None:
+    """Issue 24, defect 6: ``ThreadPrefetch(None)`` iterated as empty, silently
+    (None was its internal "closed" marker), while ``ThreadPrefetch(5)`` raised
+    only at the first ``next()``."""
+    with pytest.raises(TypeError, match="iterable"):
+        ThreadPrefetch(source, buffer_size=buffer_size)
+
+
+def test_any_iterable_is_accepted_and_nothing_starts_at_construction() -> None:
+    made: list[int] = []
+
+    def gen() -> Iterator[int]:
+        made.append(0)
+        yield 0
+
+    it = ThreadPrefetch(gen())
+    assert made == [] and "not started" in repr(it)
+    assert list(it) == [0]
+    assert list(ThreadPrefetch(_OldStyle())) == [0, 1, 2]
+    assert list(ThreadPrefetch("ab", buffer_size=0)) == ["a", "b"]
+
+
 def test_thread_prefetch_of_a_thread_unsafe_consumer_is_not_our_business() -> None:
     # The iterable runs on exactly one other thread, never on two at once.
     seen: set[int] = set()

@@ -184,12 +184,21 @@ class ThreadPrefetch(Generic[T]):
     elements of its iterable: they are made again and dropped (the loader
     cannot know how to jump ahead in an arbitrary iterable).
 
-    Raises ValueError if ``buffer_size`` < 0.
+    Raises ValueError if ``buffer_size`` < 0, TypeError if ``iterable`` is
+    not iterable (has neither ``__iter__`` nor ``__getitem__``).
     """
 
     def __init__(self, iterable: Iterable[T], *, buffer_size: int = 2) -> None:
         if buffer_size < 0:
             raise ValueError(f"buffer_size must be at least 0, got {buffer_size}")
+        # What iter() accepts, checked without calling it (nothing starts
+        # here): __iter__, or the old sequence protocol. None among them too:
+        # it is this class's own "closed" mark, and must not iterate as empty.
+        kind = type(iterable)
+        if getattr(kind, "__iter__", None) is None and getattr(kind, "__getitem__", None) is None:
+            raise TypeError(
+                f"ThreadPrefetch needs an iterable, got {kind.__qualname__} object {iterable!r:.80}"
+            )
         self._iterable: Iterable[T] | None = iterable
         self._size = buffer_size
         self._it: Iterator[T] | None = None  # in-process mode only
