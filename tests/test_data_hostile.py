@@ -311,6 +311,32 @@ def test_everything_dies_with_the_rank_whatever_fn_forked(mode: str) -> None:
     assert not survivors, f"{survivors} outlived the rank"
 
 
+# -- descriptor exhaustion ----------------------------------------------------------
+
+
+def test_a_start_up_cut_short_by_descriptor_exhaustion_is_silent_and_explained() -> None:
+    """Issue 24, defect 5: a worker spawned by a start-up that then failed
+    (EMFILE on a later worker) printed ``EOFError: Ran out of input`` from
+    its ``pickle.load(boot)`` on the user's stderr when it was stopped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "exhaust.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and lines[-1] == "ok", result.stdout + result.stderr
+    assert result.stderr == "", "a worker stopped at start-up wrote on stderr"
+    errors = [line for line in lines if line.startswith("error")]
+    # Some start-ups failed after spawning a worker: the case that printed.
+    assert any("failed starting worker 1 of 3" in line for line in errors), lines
+    for line in errors:
+        assert line.startswith("error OSError 24 ") and "RLIMIT_NOFILE" in line, line
+
+
 def test_close_is_bounded_when_an_interrupt_left_a_workers_wait_lock_held() -> None:
     # An interrupt can land inside subprocess.Popen.wait between its lock's
     # acquire and its try (exit_status, called from next()), leaving the lock

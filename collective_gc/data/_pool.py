@@ -61,11 +61,13 @@ import _thread
 import array
 import atexit
 import collections
+import errno
 import fcntl
 import mmap
 import os
 import platform
 import queue
+import resource
 import select
 import signal
 import socket
@@ -214,8 +216,10 @@ class Launch:
 
     def run(self) -> None:
         pool = self.pool
+        doing = "before its first worker"
         try:
             for w in range(self.count):
+                doing = f"starting worker {w} of {self.count}"
                 handle = WorkerHandle.spawn(w, self.window, True, self.env, self.ring)
                 with pool.lock:
                     if not pool.closed:
@@ -225,13 +229,36 @@ class Launch:
                 handle.stop()
                 handle.join(pool.close_timeout)
                 return
+            doing = "sending the workers their boot data"
             for handle, boot in zip(pool.workers, self.boots):
                 handle.send_boot(boot)
         except BaseException as exc:  # noqa: BLE001 (handed to the loader)
+            exc.add_note(_start_failure(doing, exc))
             self.error = exc
         finally:
             self.boots = []
             self.done.set()
+
+
+def _start_failure(doing: str, exc: BaseException) -> str:
+    """What the note on a failed start-up says: where it failed, and for a
+    descriptor shortage, how many this process has and may have."""
+    note = (
+        f"collective_gc.data: a ProcessPrefetch failed {doing}; every worker it had "
+        "started is stopped, and none of them reports anything"
+    )
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        try:
+            used = str(len(os.listdir("/proc/self/fd")))
+        except OSError:  # listing needs a descriptor too
+            used = "about as many"
+        note += (
+            f". This process has {used} descriptors open, of a limit of {soft} "
+            "(RLIMIT_NOFILE, `ulimit -n`); each worker needs about 6, and a few more "
+            "while it starts"
+        )
+    return note
 
 
 def start_workers(

@@ -64,7 +64,10 @@ BOOT = """\
 import os, pickle, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 boot = open(int(sys.argv[1]), "rb")
-prep = pickle.load(boot)
+try:
+    prep = pickle.load(boot)
+except BaseException:
+    os._exit(1)  # no boot data: the parent gave up starting us, and its error says why
 sys.path[:] = prep["sys_path"]
 try:
     import mpi4py
