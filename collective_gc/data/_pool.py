@@ -10,9 +10,11 @@ bytes, cost time on a busy machine.
 Receiving survives an interrupt: a message is received into the handle's own
 ``inbox`` (a buffer that outlives the call), and the inbox counts as full
 until the consumer has delivered the element, so an interrupt anywhere in
-between leaves the message there for the next call. Only the receive itself
-(an interrupt raised as the call returns) can lose one; the element numbers
-in the messages show it, and the loader then fails loudly.
+between leaves the message there for the next call. The receive itself
+writes the message and its descriptor into memory of the handle (libc's
+``recvmsg``, see below), so even an interrupt raised as that call returns
+loses neither; the element numbers in the messages would show a loss, and
+the loader would then fail loudly.
 
 Leases: every array of an element views one ``base`` array over its slot. A
 :class:`_Lease`, a weak reference to ``base`` kept alive by a module-level
@@ -58,9 +60,9 @@ pool can join no reference cycle with them.
 from __future__ import annotations
 
 import _thread
-import array
 import atexit
 import collections
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -99,7 +101,56 @@ __all__ = [
     "track",
 ]
 
-_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+# -- receiving into memory that outlives the call -------------------------------------
+#
+# socket.recvmsg_into returns the descriptors that came with a message in a
+# new list: an interrupt raised as the call returns (CPython runs signal
+# handlers right after a C call) dropped that list, so the slot's memfd was
+# lost (its element could not be built) and leaked. libc's recvmsg, called
+# through ctypes, writes the message *and* its control data into buffers the
+# handle owns; whatever strikes after the call, both are still there for the
+# next call to take.
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_void_p),
+        ("namelen", ctypes.c_uint32),
+        ("iov", ctypes.POINTER(_Iovec)),
+        ("iovlen", ctypes.c_size_t),
+        ("control", ctypes.c_void_p),
+        ("controllen", ctypes.c_size_t),
+        ("flags", ctypes.c_int),
+    ]
+
+
+_MAX_FDS = 4  # a worker sends one; room for a few more, closed at once
+
+
+class _Cmsg(ctypes.Structure):
+    # struct cmsghdr then its data, at CMSG_LEN(0) on Linux (checked below).
+    _fields_ = [
+        ("len", ctypes.c_size_t),
+        ("level", ctypes.c_int),
+        ("type", ctypes.c_int),
+        ("fds", ctypes.c_int * _MAX_FDS),
+    ]
+
+
+_CMSG_HEAD = socket.CMSG_LEN(0)
+_CMSG_ROOM = socket.CMSG_SPACE(_MAX_FDS * ctypes.sizeof(ctypes.c_int))
+if _Cmsg.fds.offset != _CMSG_HEAD or ctypes.sizeof(_Cmsg) < _CMSG_ROOM:
+    raise ImportError("collective_gc.data: unexpected struct cmsghdr layout")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_RECVMSG = _LIBC.recvmsg
+_RECVMSG.argtypes = [ctypes.c_int, ctypes.POINTER(_Msghdr), ctypes.c_int]
+_RECVMSG.restype = ctypes.c_ssize_t
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
 # Plain ints: flag arithmetic on the enum members costs microseconds per element.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
@@ -308,6 +359,13 @@ class WorkerHandle:
         self.inbox = bytearray(P.MAX_MESSAGE)
         self.inview = memoryview(self.inbox)
         self.inbox_fd = -1  # a descriptor that came with it, not yet mapped
+        # Where recvmsg writes (see "receiving into memory that outlives the call").
+        self.cmsg = _Cmsg()
+        self.inbox_c = ctypes.c_char.from_buffer(self.inbox)  # pins its address
+        self.iov = _Iovec(ctypes.addressof(self.inbox_c), P.MAX_MESSAGE)
+        self.msg = _Msghdr(None, 0, ctypes.pointer(self.iov), 1, ctypes.addressof(self.cmsg))
+        self.msg_ref = ctypes.byref(self.msg)
+        self.sockfd = sock.fileno()  # used only between _enter() and _leave(): still open
         # The worker's ring (None: every message by socket) and its doorbell.
         # stop() drops the view; the mapping goes with the last reference, so a
         # reader holding it in a local never sees it unmapped.
@@ -616,28 +674,34 @@ class WorkerHandle:
         if not self._enter():
             self._mark_end()
             return True
+        msg = self.msg
         try:
+            # Only ever called with the inbox empty: a descriptor still here
+            # came with a message delivered already (its receive was cut short
+            # after the mapping was made). Closed, not leaked.
+            self._take_descriptor()
+            self._close_inbox_fd()
             while True:
-                try:
-                    n, ancillary, msg_flags, _ = self.sock.recvmsg_into(
-                        [self.inview], _FD_SPACE, flags
-                    )
+                self.cmsg.len = 0
+                msg.controllen = _CMSG_ROOM
+                msg.flags = 0
+                n: int = _RECVMSG(self.sockfd, self.msg_ref, flags)
+                if n >= 0:
                     break
-                except BlockingIOError:
+                err = ctypes.get_errno()
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
                     return False
-                except ConnectionResetError:
+                if err in (errno.ECONNRESET, errno.EINTR):
                     # A worker that exits with control records unread makes Linux
                     # report ECONNRESET, once, *before* the messages it sent us,
                     # which are still queued: read on (EOF comes after them).
                     continue
-                except OSError:  # shut down under us by stop(): the end
-                    n, ancillary, msg_flags = 0, [], 0
-                    break
+                n = 0  # shut down under us by stop(): the end
+                break
         finally:
             self._leave()
-        if ancillary:
-            self._take_descriptor(ancillary)
-        if msg_flags & _TRUNCATED or 0 < n < P.HEAD.size:
+        self._take_descriptor()
+        if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
             self._close_inbox_fd()
             self._mark_end()
             raise P.WorkerError(f"{self.describe()} sent a malformed message")
@@ -645,15 +709,27 @@ class WorkerHandle:
             self._mark_end()
         return True
 
-    def _take_descriptor(self, ancillary: list[tuple[int, int, bytes]]) -> None:
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                for extra in fds[1:]:
-                    os.close(extra)
-                if fds:
-                    self.inbox_fd = fds[0]
+    def _take_descriptor(self) -> None:
+        """Move a descriptor recvmsg left in ``cmsg`` to ``inbox_fd``. Repeating it is harmless.
+
+        The move is two stores with no call between them, so no interrupt can
+        split it: the descriptor is in exactly one of the two places.
+        """
+        cmsg = self.cmsg
+        length = cmsg.len
+        if not length:
+            return
+        if cmsg.level != _SOL_SOCKET or cmsg.type != _SCM_RIGHTS:
+            cmsg.len = 0
+            return
+        count = min(_MAX_FDS, (length - _CMSG_HEAD) // 4)
+        if count <= 0:
+            cmsg.len = 0
+            return
+        self.inbox_fd = cmsg.fds[0]
+        cmsg.len = 0
+        for i in range(1, count):
+            os.close(cmsg.fds[i])
 
     def _close_inbox_fd(self) -> None:
         fd, self.inbox_fd = self.inbox_fd, -1
@@ -672,6 +748,8 @@ class WorkerHandle:
         interrupt before that leaves it for the next call (a mapping made and
         dropped meanwhile unmaps itself).
         """
+        if self.inbox_fd < 0:  # an interrupt struck before the receive could take it
+            self._take_descriptor()
         fd = self.inbox_fd
         if fd < 0:
             return False
@@ -721,6 +799,7 @@ class WorkerHandle:
         self.forked = self.closed = self.fds_closed = True
         self.lock = threading.Lock()
         self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        self._take_descriptor()
         for name in ("sentinel", "boot", "inbox_fd", "bell", "wake", "pidfd"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -780,6 +859,7 @@ class WorkerHandle:
                 return
             self.fds_closed = True
         self.sock.close()
+        self._take_descriptor()
         self._close_inbox_fd()
         for name in ("bell", "wake"):
             fd = getattr(self, name)

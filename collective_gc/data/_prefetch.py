@@ -23,8 +23,10 @@ handles, never only in a local: the received message stays in the worker's
 inbox until its element is handed out, an element made but not returned is
 kept in ``_ready``, an error found but not raised in ``_raise_next``. The
 moves from one to the next are plain stores (no call, so no interrupt between
-them). See ``_pool`` for the one place an interrupt can still lose a message,
-which then makes every later call raise :class:`LoaderError`.
+them). A message that comes by socket is received, with its descriptor,
+into buffers of the handle (see ``_pool``), so no interrupt loses it either;
+should the element numbers ever disagree, every later call raises
+:class:`LoaderError`.
 """
 
 from __future__ import annotations
@@ -96,10 +98,9 @@ class ProcessPrefetch(Generic[T]):
     error ends the iteration.
 
     KeyboardInterrupt or SystemExit inside ``next()`` loses nothing: the next
-    call delivers the next element in order. In the one case where that cannot
-    be (the interrupt struck as a message was being received), that call and
-    every later one raise :class:`LoaderError`; an epoch is never silently cut
-    short.
+    call delivers the next element in order. Should that ever fail (the element
+    numbers disagree), that call and every later one raise
+    :class:`LoaderError`; an epoch is never silently cut short.
 
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
     new loader over the same ``indices`` (before its first ``next()``), makes

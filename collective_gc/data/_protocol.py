@@ -205,9 +205,9 @@ def layout(pickle_len: int, lengths: tuple[int, ...] | list[int]) -> tuple[int, 
 class LoaderError(CollectiveGCError, RuntimeError):
     """A loader cannot deliver its next element in order.
 
-    Raised by ``next()`` after an interrupt (KeyboardInterrupt, SystemExit)
-    struck inside an earlier ``next()`` at the one moment where the element
-    could not be kept (as the message carrying it was being received); the
+    Raised by ``next()`` if the element numbers show one was lost (a guard:
+    interrupts inside ``next()`` lose nothing), and by a loader's copy in a
+    process forked from its owner, which cannot use the owner's workers; the
     loader then raises it on every later call, so an epoch is never silently
     cut short. :class:`WorkerError` is a subclass.
     """
