@@ -78,6 +78,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ __all__ = [
     "collect_dead",
     "release_backlog",
     "shutdown",
-    "start_workers",
+    "submit",
     "track",
 ]
 
@@ -253,25 +254,37 @@ _SPAWNER = [_Spawner()]
 class Launch:
     """Starting the workers of one pool, on the spawner thread.
 
-    The loader keeps it until ``done`` is set, so a ``next()`` interrupted
-    while it waits resumes the same start-up instead of beginning another.
+    All of the start-up's work runs there, the boot data too (``prepare``:
+    it imports ``multiprocessing`` and pickles ``fn`` and each worker's
+    share), where no signal handler runs: an interrupt every few hundred
+    microseconds in the loader's thread cannot cut it short. The loader keeps
+    the Launch until ``done`` is set, so a ``next()`` interrupted while it
+    submits or waits resumes the same start-up instead of beginning another;
+    a Launch submitted twice (an interrupt after the submit) runs once.
     """
 
     def __init__(
-        self, pool: Pool, count: int, window: int, env: dict[str, str], boots: list[bytes]
+        self, pool: Pool, count: int, window: int, prepare: Callable[[], list[bytes]]
     ) -> None:
-        self.pool, self.count, self.window, self.env, self.boots = pool, count, window, env, boots
+        self.pool, self.count, self.window, self.prepare = pool, count, window, prepare
         self.ring = RING
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.started = False  # on the spawner thread: run() began
+        self.submitted = False  # by the loader, once submit() returned
 
     def run(self) -> None:
+        if self.started:
+            return
+        self.started = True
         pool = self.pool
-        doing = "before its first worker"
+        doing = "preparing the workers' boot data"
         try:
+            boots = self.prepare()
+            env = child_environment()
             for w in range(self.count):
                 doing = f"starting worker {w} of {self.count}"
-                handle = WorkerHandle.spawn(w, self.window, True, self.env, self.ring)
+                handle = WorkerHandle.spawn(w, self.window, True, env, self.ring)
                 with pool.lock:
                     if not pool.closed:
                         pool.workers.append(handle)
@@ -281,14 +294,23 @@ class Launch:
                 handle.join(pool.close_timeout)
                 return
             doing = "sending the workers their boot data"
-            for handle, boot in zip(pool.workers, self.boots):
+            for handle, boot in zip(pool.workers, boots):
                 handle.send_boot(boot)
         except BaseException as exc:  # noqa: BLE001 (handed to the loader)
-            exc.add_note(_start_failure(doing, exc))
+            if pool.workers or isinstance(exc, OSError):
+                exc.add_note(_start_failure(doing, exc))
             self.error = exc
         finally:
-            self.boots = []
+            boots = []
+            self.prepare = _NO_BOOTS  # let go of fn and the indices now
             self.done.set()
+
+
+def _no_boots() -> list[bytes]:
+    return []
+
+
+_NO_BOOTS = _no_boots
 
 
 def _start_failure(doing: str, exc: BaseException) -> str:
@@ -312,13 +334,13 @@ def _start_failure(doing: str, exc: BaseException) -> str:
     return note
 
 
-def start_workers(
-    pool: Pool, count: int, window: int, env: dict[str, str], boots: list[bytes]
-) -> Launch:
-    """Start ``count`` workers into ``pool`` on the spawner thread (wait on ``done``)."""
-    launch = Launch(pool, count, window, env, boots)
+def submit(launch: Launch) -> None:
+    """Start the workers of ``launch`` into its pool on the spawner thread (wait on ``done``).
+
+    Repeating it is harmless (for a call an interrupt cut short).
+    """
+    track(launch.pool)
     _SPAWNER[0].submit(launch)
-    return launch
 
 
 class WorkerHandle:

@@ -31,6 +31,7 @@ should the element numbers ever disagree, every later call raises
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 import time
@@ -249,31 +250,29 @@ class ProcessPrefetch(Generic[T]):
         """Spawn the workers for positions ``_start`` onwards (the first ``next()``).
 
         Resumable: an interrupt while waiting leaves ``_launching`` for the
-        next call to wait on, so start-up is never begun twice.
+        next call to wait on, so start-up is never begun twice. Its work (the
+        boot pickles, ``import multiprocessing``, spawning) runs on the
+        spawner thread, where no interrupt strikes: here only a few objects
+        are made and a request queued, so even interrupts every 50 us let it
+        finish.
         """
         launch = self._launching
         if launch is None:
             remaining = self._n - self._start
             count = max(1, min(self._num_workers, remaining))
             window = -(-self._buffer_size // count)
-            start, indices = self._start, self._indices
-            fn, init_fn = pickle.loads(self._blob)
-            try:
-                prep = pickle.dumps(preparation())
-                boots = [
-                    prep
-                    + pickle.dumps(
-                        (fn, init_fn, indices[start + w :: count], w, window), protocol=5
-                    )
-                    for w in range(count)
-                ]
-            except Exception as exc:
-                raise TypeError(f"ProcessPrefetch needs picklable indices: {exc}") from exc
+            prepare = functools.partial(
+                _boots, self._blob, self._indices, self._start, count, window
+            )
             pool = _pool.Pool([], self._close_timeout)
-            _pool.track(pool)
-            launch = _pool.start_workers(pool, count, window, _pool.child_environment(), boots)
+            launch = _pool.Launch(pool, count, window, prepare)
+            # Two stores: an interrupt before them only drops objects that
+            # started nothing; after them, the next call resumes this launch.
             self._holder.pool = pool
             self._launching = launch
+        if not launch.submitted:
+            _pool.submit(launch)  # again after an interrupt: it still runs once
+            launch.submitted = True
         # Polled, never Event.wait(): an interrupt that lands inside
         # Event.wait can leave the event's own lock held by this thread; the
         # spawner's set() and every later wait would then block for ever.
@@ -436,6 +435,23 @@ class ProcessPrefetch(Generic[T]):
                 f"{where} {text} before sending element {self._pos}", exitcode=code
             )
         return P.WorkerError(f"{where} sent message kind {kind} for element {self._pos}")
+
+
+def _boots(blob: bytes, indices: Sequence[Any], start: int, count: int, window: int) -> list[bytes]:
+    """Each worker's boot data: what it needs to look like this process, then
+    ``fn``, ``worker_init_fn``, its share of ``indices`` from ``start``.
+
+    Run on the spawner thread (see ``_pool.Launch``), never in the loader's.
+    """
+    fn, init_fn = pickle.loads(blob)
+    try:
+        prep = pickle.dumps(preparation())
+        return [
+            prep + pickle.dumps((fn, init_fn, indices[start + w :: count], w, window), protocol=5)
+            for w in range(count)
+        ]
+    except Exception as exc:
+        raise TypeError(f"ProcessPrefetch needs picklable indices: {exc}") from exc
 
 
 def _build(
