@@ -37,7 +37,9 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 CODES = {3: "the child's next() of the parent's loader did not raise a clear error",
          4: "the child hangs at exit",
          5: "the parent's loader lost elements",
-         6: "a loader made in the child gave wrong elements"}  # fmt: skip
+         6: "a loader made in the child gave wrong elements",
+         7: "a forked helper holds the loader's descriptors or memory",
+         8: "a forked helper keeps the workers alive after close()"}  # fmt: skip
 
 
 @pytest.mark.parametrize("probe", [False, True], ids=["", "probe"])
@@ -51,6 +53,17 @@ def test_a_forked_child_leaves_the_parents_loader_alone(kind: str, how: str, pro
     ThreadPrefetch child hung for ever at exit on a lock of the producer
     thread, which does not exist in the child."""
     result = _run(kind, how, *(["probe"] if probe else []))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (
+        CODES.get(result.returncode, f"exit code {result.returncode}") + "\n" + result.stderr
+    )
+
+
+def test_a_forked_helper_pins_none_of_the_loaders_memory() -> None:
+    """Issue 24, defect 7. Before: a helper process forked by the rank (one
+    that never uses the loader) held every slot's and ring's memfd and mapping
+    until it exited, even after the rank died. Now it holds only the segment
+    of the element it has a copy of."""
+    result = _run("process", "helper")
     assert result.returncode == 0 and result.stdout.strip() == "ok", (
         CODES.get(result.returncode, f"exit code {result.returncode}") + "\n" + result.stderr
     )

@@ -3,7 +3,12 @@
 Usage: forker.py KIND HOW [probe], KIND ``process`` or ``thread``, HOW one of:
   exit   the child leaves with sys.exit(0) through the ``with`` block;
   close  the child calls loader.close(), then os._exit(0);
-  new    the child drops its copy and iterates a loader of its own.
+  new    the child drops its copy and iterates a loader of its own;
+  helper (process only) the child is a helper that does not use the loader:
+         it must hold no descriptor of the loader's and map no segment but
+         that of the one element the parent kept (exit code 7 if not); and
+         a helper that lives on does not slow the parent's close() down
+         (exit code 8 if it does).
 With ``probe``, the child first checks that its copy's next() raises a clear
 error (exit code 3 if not). The parent waits for the child (exit code 4 if the
 child hangs), then checks that its loader delivers every element, in order
@@ -72,7 +77,70 @@ def probe_next(loader: Any) -> None:
     os._exit(3)
 
 
+def memfds() -> tuple[list[str], list[str]]:
+    """This process's descriptors and mappings of loader memory (memfds)."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if "memfd:collective_gc" in target:
+            fds.append(target)
+    with open("/proc/self/maps") as f:
+        maps = [line.split()[-2] for line in f if "memfd:collective_gc" in line]
+    return fds, maps
+
+
+def helper() -> int:
+    with make("process", TOTAL) as loader:
+        kept = None
+        i = -1
+        for e in loader:  # not enumerate(): its cached tuple would keep the last element
+            i += 1
+            if i == 5:
+                kept = e
+            if i == 10:
+                del e  # dead: its slot waits to be handed back
+                pid = os.fork()
+                if pid == 0:
+                    fds, maps = memfds()
+                    # The kept element's segment only: its mapping, and the
+                    # descriptor Python's mmap keeps of its own.
+                    if len(maps) != 1 or [f.split()[0] for f in fds] not in ([], maps):
+                        print("the helper holds", fds, maps, file=sys.stderr, flush=True)
+                        os._exit(7)
+                    os._exit(0)
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                if code:
+                    return code
+        assert kept is not None and int(kept[0]) == 5
+    # And a helper that lives on does not hold the workers' parent-watch pipes:
+    # close() ends them at once, not after close_timeout's SIGKILL.
+    loader = ProcessPrefetch(element, range(TOTAL), num_workers=2, close_timeout=5.0)
+    next(loader)
+    time.sleep(0.2)  # the workers are a buffer ahead, waiting for us
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        t0 = time.monotonic()
+        loader.close()
+        took = time.monotonic() - t0
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    if took > 2.5:
+        print(f"close() took {took:.1f} s with a helper alive", file=sys.stderr)
+        return 8
+    print("ok")
+    return 0
+
+
 def main(kind: str, how: str, probe: bool) -> int:
+    if how == "helper":
+        return helper()
     got: list[int] = []
     with make(kind, TOTAL) as loader:
         for e in loader:
