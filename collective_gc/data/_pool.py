@@ -701,8 +701,9 @@ class WorkerHandle:
             # Only ever called with the inbox empty: a descriptor still here
             # came with a message delivered already (its receive was cut short
             # after the mapping was made). Closed, not leaked.
-            self._take_descriptor()
-            self._close_inbox_fd()
+            if self.cmsg.len or self.inbox_fd >= 0:
+                self._take_descriptor()
+                self._close_inbox_fd()
             while True:
                 self.cmsg.len = 0
                 msg.controllen = _CMSG_ROOM
@@ -722,7 +723,8 @@ class WorkerHandle:
                 break
         finally:
             self._leave()
-        self._take_descriptor()
+        if self.cmsg.len:
+            self._take_descriptor()
         if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
             self._close_inbox_fd()
             self._mark_end()
