@@ -79,14 +79,49 @@ def test_process_state_at_the_ends_and_misuse() -> None:
 
     started = ProcessPrefetch(plain, keys, num_workers=1)
     next(started)
-    with pytest.raises(RuntimeError, match="before the first next"):
-        started.set_state({"version": 1, "position": 0, "length": 6})
     started.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        started.set_state({"version": 1, "position": 0, "length": 6})
     other = ProcessPrefetch(plain, keys[:5], num_workers=1)
     with pytest.raises(ValueError, match="length 5"):
         other.set_state({"version": 1, "position": 2, "length": 6})
     with pytest.raises(ValueError, match="outside"):
         other.set_state({"version": 1, "position": 9, "length": 5})
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_process_set_state_between_two_next_calls_rewinds_or_skips_ahead(workers: int) -> None:
+    """Issue 24, parity: set_state() worked only before the first next() of a
+    new loader (RuntimeError after); Grain's iterators accept it mid-iteration,
+    and evaluation loops rewind."""
+    keys = _keys(40, seed=workers)
+    it = ProcessPrefetch(plain, keys, num_workers=workers, buffer_size=4)
+    got = [next(it)[0] for _ in range(9)]
+    at9 = it.get_state()
+    got += [next(it)[0] for _ in range(5)]
+    assert got == keys[:14]
+    it.set_state(at9)  # rewind
+    assert it.get_state() == at9
+    assert [next(it)[0] for _ in range(3)] == keys[9:12]
+    it.set_state({"version": 1, "position": 30, "length": 40})  # skip ahead
+    assert [e[0] for e in it] == keys[30:]
+    assert it.get_state()["position"] == 40
+    with pytest.raises(RuntimeError, match="closed"):  # the end closed it
+        it.set_state(at9)
+
+
+def test_process_set_state_at_the_current_position_keeps_the_workers() -> None:
+    it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
+    first = {next(it)[1] for _ in range(4)}
+    it.set_state(it.get_state())
+    assert [next(it)[0] for _ in range(4)] == [4, 5, 6, 7]
+    assert {e[1] for e in it} == first  # the same two worker processes throughout
+    it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
+    first = {next(it)[1] for _ in range(4)}
+    workers = list(it._holder.pool.workers)
+    it.set_state({"version": 1, "position": 1, "length": 20})
+    assert all(w.proc.returncode is not None for w in workers)  # stopped, and waited for
+    assert [e[0] for e in it] == list(range(1, 20))
 
 
 def test_thread_loader_resumes_in_a_fresh_loader() -> None:
@@ -98,8 +133,38 @@ def test_thread_loader_resumes_in_a_fresh_loader() -> None:
     resumed = ThreadPrefetch(iter(keys), buffer_size=3)
     resumed.set_state(state)
     assert before + list(resumed) == keys
-    with pytest.raises(RuntimeError, match="before the first next"):
+    with pytest.raises(RuntimeError, match="closed"):
         resumed.set_state(state)
+
+
+@pytest.mark.parametrize("buffer_size", [0, 3])
+def test_thread_set_state_between_two_next_calls_rewinds_or_skips_ahead(buffer_size: int) -> None:
+    """Issue 24, parity: as for ProcessPrefetch; rewinding starts the iterable
+    again, which only an iterable that is not an iterator can do."""
+    keys = _keys(30, seed=4)
+    it = ThreadPrefetch(keys, buffer_size=buffer_size)
+    got = [next(it) for _ in range(7)]
+    at7 = it.get_state()
+    got += [next(it) for _ in range(6)]
+    assert got == keys[:13]
+    it.set_state(at7)  # rewind
+    assert it.get_state() == at7
+    assert [next(it) for _ in range(2)] == keys[7:9]
+    it.set_state({"version": 1, "position": 20})  # skip ahead
+    assert [next(it) for _ in range(2)] == keys[20:22]
+    it.set_state(it.get_state())  # where it is: nothing changes
+    assert list(it) == keys[22:]
+
+    once = ThreadPrefetch(iter(keys), buffer_size=buffer_size)
+    assert [next(once) for _ in range(5)] == keys[:5]
+    once.set_state({"version": 1, "position": 8})  # ahead: fine with an iterator
+    assert next(once) == keys[8]
+    with pytest.raises(ValueError, match="iterator"):
+        once.set_state(at7)
+    assert next(once) == keys[9]  # refused: nothing changed
+    once.set_state({"version": 1, "position": 99})  # past the end: the loader ends
+    assert list(once) == []
+    once.close()
 
 
 # -- in-process mode --------------------------------------------------------------------

@@ -58,17 +58,27 @@ _STATE_VERSION = 1
 
 
 class _Holder:
-    """What the loader's finalizer stops: the pool, once started. Refers to no loader."""
+    """What the loader's finalizer stops: the pool, once started, and one that
+    set_state() retired and not yet stopped. Refers to no loader."""
 
-    __slots__ = ("pool",)
+    __slots__ = ("pool", "retired")
 
     def __init__(self) -> None:
         self.pool: _pool.Pool | None = None
+        self.retired: _pool.Pool | None = None
 
 
 def _stop(holder: _Holder) -> None:
+    _retire(holder)
     if holder.pool is not None:
         _pool.shutdown(holder.pool)
+
+
+def _retire(holder: _Holder) -> None:
+    # Resumable: the pool is forgotten only once its shutdown has returned.
+    if holder.retired is not None:
+        _pool.shutdown(holder.retired)
+        holder.retired = None
 
 
 class ProcessPrefetch(Generic[T]):
@@ -104,8 +114,9 @@ class ProcessPrefetch(Generic[T]):
     :class:`LoaderError`; an epoch is never silently cut short.
 
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
-    new loader over the same ``indices`` (before its first ``next()``), makes
-    it deliver element ``k`` onwards.
+    new loader over the same ``indices``, or of this one between two
+    ``next()`` calls (to rewind or skip ahead), makes it deliver element ``k``
+    onwards.
 
     Raises at construction: ValueError (``num_workers`` < 0, ``buffer_size``
     < 1), TypeError (``fn``, ``worker_init_fn`` or ``indices`` cannot be
@@ -211,13 +222,21 @@ class ProcessPrefetch(Generic[T]):
         return {"version": _STATE_VERSION, "position": position, "length": self._n}
 
     def set_state(self, state: Mapping[str, int]) -> None:
-        """Resume at the position saved by :meth:`get_state`, before the first ``next()``.
+        """Go to the position saved by :meth:`get_state`: the next ``next()`` delivers it.
 
-        Raises RuntimeError once iteration has started or the loader is closed,
-        ValueError for a state of another version or of indices of another length.
+        Before the first ``next()`` (resuming a checkpoint in a new loader) or
+        between two ``next()`` calls of a live loader, to rewind or skip ahead.
+        A live loader whose workers run stops them (elements already handed
+        out stay valid) and the next ``next()`` starts new ones at the
+        position; at the current position, nothing changes. An interrupt
+        inside it is harmless: call it again.
+
+        Raises RuntimeError if the loader is closed (its end, an error,
+        :meth:`close`), ValueError for a state of another version or of
+        indices of another length.
         """
-        if self._started or self._closed or self._pos or self._launching is not None:
-            raise RuntimeError(f"set_state() must come before the first next() of {self!r}")
+        if self._closed:
+            raise RuntimeError(f"set_state() on {self!r}: the loader is closed")
         if state.get("version") != _STATE_VERSION or state.get("length") != self._n:
             raise ValueError(
                 f"{self!r} cannot resume from state {dict(state)!r}: it needs version "
@@ -226,7 +245,22 @@ class ProcessPrefetch(Generic[T]):
         position = int(state["position"])
         if not 0 <= position <= self._n:
             raise ValueError(f"position {position} is outside 0..{self._n} in {dict(state)!r}")
+        holder = self._holder
+        if position == self.get_state()["position"] and self._fault is None:
+            return  # already there: keep the workers and what they made
+        _retire(holder)  # one an earlier, interrupted call left
+        # Stores only from here to the shutdown (no call, so no interrupt
+        # between them): the running pool becomes the retired one, which the
+        # next call, next() or the finalizer stops if an interrupt stops us.
+        holder.retired = holder.pool
+        holder.pool = None
+        self._launching = None
+        self._started = False
+        self._ready = _NOTHING
+        self._raise_next = None
+        self._fault = None
         self._pos = self._start = position
+        _retire(holder)
 
     def __repr__(self) -> str:
         if self._closed:
@@ -258,6 +292,7 @@ class ProcessPrefetch(Generic[T]):
         """
         launch = self._launching
         if launch is None:
+            _retire(self._holder)  # the pool set_state() left, if it was cut short
             remaining = self._n - self._start
             count = max(1, min(self._num_workers, remaining))
             window = -(-self._buffer_size // count)

@@ -151,15 +151,25 @@ def _stop(state: _State[T], timeout: float | None) -> None:
 class _Holder:
     """What the finalizer stops; refers to no loader."""
 
-    __slots__ = ("state",)
+    __slots__ = ("retired", "state")
 
     def __init__(self) -> None:
         self.state: _State[Any] | None = None
+        self.retired: _State[Any] | None = None  # left by set_state(), not yet told to stop
 
 
 def _stop_holder(holder: _Holder, timeout: float | None) -> None:
+    _retire(holder)
     if holder.state is not None:
         _stop(holder.state, timeout)
+
+
+def _retire(holder: _Holder) -> None:
+    # The producer set_state() left: told to stop, not waited for (it
+    # finishes the iterable's current next(), then returns).
+    if holder.retired is not None:
+        _stop(holder.retired, 0)
+        holder.retired = None
 
 
 class ThreadPrefetch(Generic[T]):
@@ -182,7 +192,10 @@ class ThreadPrefetch(Generic[T]):
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
     new loader (before its first ``next()``), makes it skip the first ``k``
     elements of its iterable: they are made again and dropped (the loader
-    cannot know how to jump ahead in an arbitrary iterable).
+    cannot know how to jump ahead in an arbitrary iterable). Between two
+    ``next()`` calls of a live loader, :meth:`set_state` skips ahead the same
+    way, and rewinds by iterating the iterable again from its start, if it is
+    not an iterator (a list, a range, a dataset with ``__iter__``).
 
     Raises ValueError if ``buffer_size`` < 0, TypeError if ``iterable`` is
     not iterable (has neither ``__iter__`` nor ``__getitem__``).
@@ -200,6 +213,8 @@ class ThreadPrefetch(Generic[T]):
                 f"ThreadPrefetch needs an iterable, got {kind.__qualname__} object {iterable!r:.80}"
             )
         self._iterable: Iterable[T] | None = iterable
+        # The iterable once started, if iter() can start it again (set_state rewinds).
+        self._source: Iterable[T] | None = None
         self._size = buffer_size
         self._it: Iterator[T] | None = None  # in-process mode only
         self._holder = _Holder()
@@ -230,7 +245,7 @@ class ThreadPrefetch(Generic[T]):
         self._closed = True
         self._reg.detach()
         _stop_holder(self._holder, timeout)
-        self._iterable = None
+        self._iterable = self._source = None
         it, self._it = self._it, None
         close = getattr(it, "close", None)
         if close is not None:
@@ -241,16 +256,55 @@ class ThreadPrefetch(Generic[T]):
         return {"version": _STATE_VERSION, "position": self._count - (self._ready is not _NOTHING)}
 
     def set_state(self, state: Mapping[str, int]) -> None:
-        """Resume at the position saved by :meth:`get_state`, before the first ``next()``.
+        """Go to the position saved by :meth:`get_state`: the next ``next()`` delivers it.
 
-        Raises RuntimeError once iteration has started or the loader is
-        closed, ValueError for a state of another version.
+        Before the first ``next()``, the first ``position`` elements will be
+        skipped. Between two ``next()`` calls: skipping ahead makes the
+        elements in between and drops them here (an error of the iterable
+        among them is raised here, and ends the iteration; past the end, the
+        loader ends); rewinding stops the thread (after the iterable's
+        current ``next()``) and iterates the iterable again from its start,
+        skipping to the position. An interrupt inside it is harmless: call it
+        again.
+
+        Raises RuntimeError if the loader is closed, ValueError for a state of
+        another version, or to rewind a loader of an iterator (it cannot start
+        again).
         """
-        if self._closed or self._count or self._holder.state is not None or self._it is not None:
-            raise RuntimeError(f"set_state() must come before the first next() of {self!r}")
+        if self._closed:
+            raise RuntimeError(f"set_state() on {self!r}: the loader is closed")
         if state.get("version") != _STATE_VERSION or int(state.get("position", -1)) < 0:
             raise ValueError(f"{self!r} cannot resume from state {dict(state)!r}")
-        self._count = self._skip = int(state["position"])
+        position = int(state["position"])
+        holder = self._holder
+        if holder.state is None and self._it is None:  # not started
+            self._count = self._skip = position
+            return
+        while self.get_state()["position"] < position:  # ahead: made and dropped
+            try:
+                next(self)
+            except StopIteration:
+                return
+        if self.get_state()["position"] == position:
+            return
+        source = self._source
+        if source is None:
+            raise ValueError(
+                f"{self!r} cannot rewind to position {position}: its iterable is an iterator, "
+                "which cannot start again; give ThreadPrefetch a list, a range or another "
+                "iterable that iter() starts afresh"
+            )
+        _retire(holder)
+        # Stores only from here to the retirement (no call, so no interrupt
+        # between them); the finalizer or the next start stops the producer
+        # if an interrupt strikes first.
+        holder.retired = holder.state
+        holder.state = None
+        self._it = None
+        self._iterable = source
+        self._ready = _NOTHING
+        self._count = self._skip = position
+        _retire(holder)
 
     def __repr__(self) -> str:
         s = self._holder.state
@@ -266,10 +320,12 @@ class ThreadPrefetch(Generic[T]):
         return f"<ThreadPrefetch {buffered}/{self._size} buffered, {state}>"
 
     def _start(self) -> _State[T]:
+        _retire(self._holder)  # one set_state() left, if it was cut short
         iterable = self._iterable
         if iterable is None:
             raise StopIteration
         it = iter(iterable)
+        self._source = iterable if it is not iterable else None
         if self._skip:
             it = itertools.islice(it, self._skip, None)
         if not self._size:
