@@ -23,7 +23,7 @@ from collective_gc.data import (
     RemoteTraceback,
     ThreadPrefetch,
     WorkerError,
-    _pool,
+    _leases,
 )
 
 pytestmark = pytest.mark.launcher
@@ -300,7 +300,7 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
             peak = max(peak, _mapped_segments() - base)
         # Dead segments waiting for the reaper never exceed the backlog bound
         # (plus a ring being dropped, at most all the slots one loader had).
-        assert peak <= _pool._BACKLOG + 2 * 12, peak
+        assert peak <= _leases.BACKLOG + 2 * 12, peak
     finally:
         gate.set()
     assert local.flush(10)

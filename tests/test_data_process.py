@@ -39,7 +39,7 @@ from data_scripts.fns import (
 )
 
 from collective_gc import local
-from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _pool, _shm
+from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _leases, _pool, _shm
 
 from _util import GcDisabled as GcOff
 from _util import process_alive
@@ -79,7 +79,7 @@ def clean() -> Iterator[None]:
     maps = _mapped_segments()
     yield
     _settle()
-    assert not _pool._LEASES
+    assert not _leases.LEASES
     assert _mapped_segments() == maps
     assert set(os.listdir("/proc/self/fd")) <= fds | {"0", "1", "2"}
 
@@ -352,7 +352,7 @@ def test_no_cycles_keep_the_last_element() -> None:
             next(it)
         del last, it
         assert last_ref() is None and it_ref() is None
-        assert not _pool._LEASES
+        assert not _leases.LEASES
 
 
 def test_debug_saveall_finds_no_loader_garbage() -> None:

@@ -39,7 +39,7 @@ from test_data_hostile import (
     _in_thread,
 )
 
-from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _pool
+from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _leases, _pool
 from collective_gc.data import _protocol as P
 
 pytestmark = pytest.mark.launcher
@@ -53,7 +53,7 @@ def transport(request: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setattr(_pool, "RING", request.param == "ring")
     yield request.param
     gc.collect()
-    assert not _pool._LEASES, "a lease outlived its loader and its elements"
+    assert not _leases.LEASES, "a lease outlived its loader and its elements"
 
 
 def test_the_ring_is_used_on_x86_64() -> None:

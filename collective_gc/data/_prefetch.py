@@ -41,7 +41,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 import numpy as np
 
 from ..local import register
-from . import _pool
+from . import _channel, _leases, _pool
 from . import _protocol as P
 from ._shm import supported
 from ._worker import bootstrapping, preparation
@@ -378,7 +378,7 @@ class ProcessPrefetch(Generic[T]):
                 # idles for want of a credit or a slot while we wait.
                 for w in workers:
                     w.flush()
-                _pool.release_backlog()
+                _leases.release_backlog()
                 worker.wait(mine)
             # The ring first: a message on the socket may be the element after it.
             if ring is not None and _read_mark(ring, entry)[0] == mine + 1:
@@ -405,7 +405,7 @@ class ProcessPrefetch(Generic[T]):
             if lease is not None:
                 lease.delivered = True
             if not at:  # from the inbox (a ring entry stays until the worker rewrites it)
-                worker.inview[:4] = _pool.EMPTY
+                worker.inview[:4] = _channel.EMPTY
             self._pos = pos + 1
             consumed = worker.consumed = mine + 1
             if consumed - worker.sent_consumed >= worker.batch:
@@ -464,7 +464,7 @@ class ProcessPrefetch(Generic[T]):
         if kind == P.ERROR:
             start = at + P.HEAD.size
             return P.rebuild_error(bytes(src[start : start + size]), where)
-        if kind == _pool.END:  # the worker's end: it died
+        if kind == _channel.END:  # the worker's end: it died
             text, code = worker.exit_status()
             return P.WorkerError(
                 f"{where} {text} before sending element {self._pos}", exitcode=code
@@ -499,7 +499,7 @@ def _build(
     capacity: int,
     size: int,
     nbuf: int,
-) -> tuple[Any, _pool._Lease | None]:
+) -> tuple[Any, _leases.Lease | None]:
     """The element whose message is at ``src[at:]`` (its inbox or ring entry), and
     the lease of its slot (None if inline).
 

@@ -1,0 +1,474 @@
+"""The channel to one worker: its inbox, its ring, waiting, and what it is owed.
+
+The consumer thread (``ProcessPrefetch.__next__``) does all the talking: it
+receives elements, attaches new segments, and sends what the worker is owed
+(the count of its elements consumed, the slot allowance, freed slots)
+batched in one message per few elements, since every message wakes a
+process and wake-ups, not bytes, cost time on a busy machine.
+
+Receiving survives an interrupt: a message is received into the handle's own
+``inbox`` (a buffer that outlives the call), and the inbox counts as full
+until the consumer has delivered the element, so an interrupt anywhere in
+between leaves the message there for the next call. The receive itself
+writes the message and its descriptor into memory of the handle (libc's
+``recvmsg``, see below), so even an interrupt raised as that call returns
+loses neither; the element numbers in the messages would show a loss, and
+the loader would then fail loudly.
+
+On x86-64 a worker posts most messages into a shared-memory ring instead of
+the socket (see ``_protocol``): the consumer takes an element there with no
+system call, and sleeps on the worker's doorbell (an ``eventfd``, with the
+socket and the pidfd) only when the element it needs is not posted yet.
+
+Sends never block (what does not fit the socket stays owed and goes out when
+there is room); the consumer's waits wake up every ``POLL`` seconds to send
+slots freed meanwhile on other threads, so a worker waiting for a slot is
+never forgotten. The worker's ``stop()`` may come from any thread: it shuts
+the socket down (which wakes a consumer waiting on it) and the descriptors
+are closed by whichever of the two comes last, never under a waiting call.
+
+Part of a worker's handle (``_pool.WorkerHandle``): :class:`Channel`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from . import _protocol as P
+from ._leases import DEAD, collect_dead, watch_segment
+from ._shm import Segment
+
+__all__ = ["EMPTY", "END", "POLL", "Channel"]
+
+# -- receiving into memory that outlives the call -------------------------------------
+#
+# socket.recvmsg_into returns the descriptors that came with a message in a
+# new list: an interrupt raised as the call returns (CPython runs signal
+# handlers right after a C call) dropped that list, so the slot's memfd was
+# lost (its element could not be built) and leaked. libc's recvmsg, called
+# through ctypes, writes the message *and* its control data into buffers the
+# handle owns; whatever strikes after the call, both are still there for the
+# next call to take.
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_void_p),
+        ("namelen", ctypes.c_uint32),
+        ("iov", ctypes.POINTER(_Iovec)),
+        ("iovlen", ctypes.c_size_t),
+        ("control", ctypes.c_void_p),
+        ("controllen", ctypes.c_size_t),
+        ("flags", ctypes.c_int),
+    ]
+
+
+_MAX_FDS = 4  # a worker sends one; room for a few more, closed at once
+
+
+class _Cmsg(ctypes.Structure):
+    # struct cmsghdr then its data, at CMSG_LEN(0) on Linux (checked below).
+    _fields_ = [
+        ("len", ctypes.c_size_t),
+        ("level", ctypes.c_int),
+        ("type", ctypes.c_int),
+        ("fds", ctypes.c_int * _MAX_FDS),
+    ]
+
+
+_CMSG_HEAD = socket.CMSG_LEN(0)
+_CMSG_ROOM = socket.CMSG_SPACE(_MAX_FDS * ctypes.sizeof(ctypes.c_int))
+if _Cmsg.fds.offset != _CMSG_HEAD or ctypes.sizeof(_Cmsg) < _CMSG_ROOM:
+    raise ImportError("collective_gc.data: unexpected struct cmsghdr layout")
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_RECVMSG = _LIBC.recvmsg
+_RECVMSG.argtypes = [ctypes.c_int, ctypes.POINTER(_Msghdr), ctypes.c_int]
+_RECVMSG.restype = ctypes.c_ssize_t
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+# Plain ints: flag arithmetic on the enum members costs microseconds per element.
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+# How often a consumer waiting for a worker wakes up to send it slots freed
+# meanwhile on other threads (the only case where nobody else would).
+POLL = 0.05
+EMPTY = bytes(4)  # written over an inbox's kind: the inbox is empty
+_ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
+END = 256  # the inbox's kind once the worker's end is seen (no message has it)
+
+
+class Channel:
+    """The socket, inbox, ring and doorbells of one worker, and what it is owed."""
+
+    # Of the other parts of the handle.
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    lock: threading.Lock
+    closed: bool
+    window: int
+    slots: dict[int, Segment]
+    live: set[int]
+    freed: list[tuple[int, int]]
+    attached: int
+
+    if TYPE_CHECKING:
+
+        def describe(self) -> str: ...
+
+    def init_channel(
+        self, sock: socket.socket, window: int, ring: mmap.mmap | None, bell: int, wake: int
+    ) -> None:
+        self.sock = sock
+        self.busy = False  # the consumer is inside a socket call: it closes the descriptors
+        self.fds_closed = False
+        # The message being delivered: received, its element not yet handed out.
+        self.inbox = bytearray(P.MAX_MESSAGE)
+        self.inview = memoryview(self.inbox)
+        self.inbox_fd = -1  # a descriptor that came with it, not yet mapped
+        # Where recvmsg writes (see "receiving into memory that outlives the call").
+        self.cmsg = _Cmsg()
+        self.inbox_c = ctypes.c_char.from_buffer(self.inbox)  # pins its address
+        self.iov = _Iovec(ctypes.addressof(self.inbox_c), P.MAX_MESSAGE)
+        self.msg = _Msghdr(None, 0, ctypes.pointer(self.iov), 1, ctypes.addressof(self.cmsg))
+        self.msg_ref = ctypes.byref(self.msg)
+        self.sockfd = sock.fileno()  # used only between _enter() and _leave(): still open
+        # The worker's ring (None: every message by socket) and its doorbell.
+        # stop() drops the view; the mapping goes with the last reference, so a
+        # reader holding it in a local never sees it unmapped.
+        self.ring: memoryview | None = None
+        self.shared = ring is not None  # the ring's mode, for good (ring is dropped at stop)
+        self.entries, self.control = 1, 0
+        self.bell, self.wake = bell, wake
+        self.put = 0  # FREE records written into the ring's control area
+        if ring is not None:
+            self.ring = memoryview(ring)
+            self.entries, self.control = P.ring_control(len(ring))
+        # Owed to the worker (see "sending" below).
+        self.consumed = 0
+        self.sent_consumed = 0
+        self.batch = max(1, window // 2)
+        self.sent_allowance = window
+
+    # -- sending ----------------------------------------------------------------
+
+    def allowance(self) -> int:
+        """Slots the worker may own: ``window`` + live leases + one batch of slack.
+
+        Only live leases count, so a consumer that keeps elements lets the ring
+        grow (it never deadlocks) while a dead lease not sent back yet does
+        not (the ring never grows for ever); the slack covers a batch of
+        freed slots not sent yet.
+        """
+        return self.window + self.batch + len(self.live)
+
+    def flush(self) -> None:
+        """Send everything owed that fits; never blocks. Repeating it is harmless."""
+        if DEAD:
+            collect_dead()
+        if self.shared:
+            self._write_control()
+            return
+        if not self._enter():
+            return
+        try:
+            while True:
+                allowance = self.allowance()
+                freed = self.freed[: P.MAX_RECORDS]
+                consumed = self.consumed
+                if not (
+                    consumed != self.sent_consumed or freed or allowance != self.sent_allowance
+                ):
+                    return
+                pack = P.CTRL.pack
+                records = [pack(P.ALLOW, 0, allowance), pack(P.CONSUMED, 0, consumed)]
+                records.extend([pack(P.FREE, slot, seq) for slot, seq in freed])
+                try:
+                    self.sock.send(b"".join(records), _DONTWAIT)
+                except BlockingIOError:
+                    return  # still owed; the consumer's wait sends it when there is room
+                except OSError:  # the worker is gone; it needs nothing more from us
+                    self.freed = []
+                    return
+                self.sent_consumed, self.sent_allowance = consumed, allowance
+                del self.freed[: len(freed)]  # only those: a callback may append meanwhile
+        finally:
+            self._leave()
+
+    def _write_control(self) -> None:
+        """Write what is owed into the ring's control area, then wake the worker.
+
+        Counts are absolute and a record written twice is ignored by the
+        worker, so an interrupt anywhere here only makes the next call repeat
+        some of it. Records that do not fit wait for the worker to read the
+        others (it rings our bell when it empties a full record ring).
+        """
+        ring = self.ring  # one load: stop() may drop it meanwhile
+        if ring is None:
+            return
+        at = self.control
+        word = P.WORD.pack_into
+        wrote = False
+        consumed = self.consumed
+        if consumed != self.sent_consumed:
+            word(ring, at + P.CONSUMED_AT, consumed)
+            self.sent_consumed = consumed
+            wrote = True
+        allowance = self.allowance()
+        if allowance != self.sent_allowance:
+            word(ring, at + P.ALLOWANCE_AT, allowance)
+            self.sent_allowance = allowance
+            wrote = True
+        freed = self.freed
+        if freed:
+            put = self.put
+            room = P.FREED_RECORDS - (put - P.WORD.unpack_from(ring, at + P.TAKEN_AT)[0])
+            batch = freed[: max(0, room)]
+            record = P.FREED_RECORD.pack_into
+            for slot, seq in batch:
+                record(ring, at + P.RECORDS_AT + put % P.FREED_RECORDS * P.FREED_RECORD.size,
+                       slot, seq)  # fmt: skip
+                put += 1
+            if batch:
+                word(ring, at + P.PUT_AT, put)
+                self.put = put
+                del freed[: len(batch)]  # only those: collect_dead may append meanwhile
+                wrote = True
+        if wrote and self._enter():
+            try:
+                os.write(self.wake, _ONE)
+            except OSError:  # the worker is gone; it needs nothing more from us
+                pass
+            finally:
+                self._leave()
+
+    def _owes(self) -> bool:
+        if self.shared:
+            return False  # nothing waits for room on the socket
+        return bool(self.consumed != self.sent_consumed or self.freed)
+
+    def _enter(self) -> bool:
+        self.busy = True
+        if self.closed:
+            self._leave()
+            return False
+        return True
+
+    def _leave(self) -> None:
+        self.busy = False
+        if self.closed:
+            self.close_fds()
+
+    # -- receiving --------------------------------------------------------------
+
+    def has_message(self) -> bool:
+        """Whether the inbox holds a message not yet delivered (or the worker's end)."""
+        return self.inbox[0] != 0 or self.inbox[1] != 0
+
+    def poll(self) -> bool:
+        """Receive a message into the inbox if one is there; never blocks."""
+        return self._recv(_DONTWAIT)
+
+    def posted(self, seq: int) -> bool:
+        """Whether the worker's element ``seq`` is in its ring (see ``_protocol``)."""
+        ring = self.ring
+        if ring is None:
+            return False
+        mark: int = P.read_mark(ring, (seq % self.entries) * P.RING_ENTRY)[0]
+        return mark == seq + 1
+
+    def wait(self, seq: int) -> None:
+        """Wait until element ``seq`` is in the ring, the inbox holds a message, or the end.
+
+        Sends what is owed whenever there is room, and wakes every ``POLL``
+        seconds to send slots freed meanwhile by other threads. The worker's
+        end is a header of kind ``END`` in the inbox: its socket reached EOF,
+        the worker exited, or the handle was stopped. Returns with the inbox
+        empty and ``seq`` not in the ring only when ``seq`` was lost (see
+        :meth:`_ring_moved`).
+        """
+        while True:
+            self.flush()
+            if self._ring_moved(seq):
+                return
+            if not self._enter():
+                self._mark_end()
+                return
+            moved = False
+            try:
+                bell = self.bell
+                if bell >= 0:
+                    # Drain the counts of posts taken already, then look again:
+                    # a post after this look rings the bell we are about to sleep on.
+                    try:
+                        os.read(bell, 8)
+                    except BlockingIOError:
+                        pass  # no count to drain: nothing was posted since
+                    moved = self.posted(seq) or self.posted(seq + 1)
+                if not moved:
+                    owes = [self.sock] if self._owes() else []
+                    watch: list[Any] = [self.sock]
+                    if bell >= 0:
+                        watch.append(bell)
+                    if self.pidfd >= 0:
+                        watch.append(self.pidfd)
+                    readable, _, _ = select.select(watch, owes, [], POLL)
+            finally:
+                self._leave()
+            if moved:
+                continue  # _ring_moved() says what it found
+            if self.sock in readable:
+                if self._recv(_DONTWAIT):
+                    return
+            elif (self.pidfd >= 0 and self.pidfd in readable) or (
+                self.pidfd < 0 and self.proc.poll() is not None
+            ):
+                # The worker has exited: what it posted or sent before is there;
+                # after that, the end.
+                if not self._ring_moved(seq) and not self._recv(_DONTWAIT):
+                    self._mark_end()
+                return
+
+    def _ring_moved(self, seq: int) -> bool:
+        """Whether the ring has element ``seq``, or is past it.
+
+        Past it (the worker posted ``seq + 1``, or its end there): element
+        ``seq`` went by the socket, before that post, so it is queued there,
+        and is received into the inbox now; if nothing is queued, an
+        interrupt took it as it was received, and the inbox stays empty for
+        the loader to report the loss (waiting would never end).
+        """
+        if self.posted(seq):
+            return True
+        if not self.posted(seq + 1):
+            return False
+        if not self.has_message():
+            self._recv(_DONTWAIT)
+        return True
+
+    def _mark_end(self) -> None:
+        P.HEAD.pack_into(self.inbox, 0, END, -1, -1, 0, 0, 0)
+
+    def _recv(self, flags: int) -> bool:
+        if not self._enter():
+            self._mark_end()
+            return True
+        msg = self.msg
+        try:
+            # Only ever called with the inbox empty: a descriptor still here
+            # came with a message delivered already (its receive was cut short
+            # after the mapping was made). Closed, not leaked.
+            if self.cmsg.len or self.inbox_fd >= 0:
+                self.take_descriptor()
+                self._close_inbox_fd()
+            while True:
+                self.cmsg.len = 0
+                msg.controllen = _CMSG_ROOM
+                msg.flags = 0
+                n: int = _RECVMSG(self.sockfd, self.msg_ref, flags)
+                if n >= 0:
+                    break
+                err = ctypes.get_errno()
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return False
+                if err in (errno.ECONNRESET, errno.EINTR):
+                    # A worker that exits with control records unread makes Linux
+                    # report ECONNRESET, once, *before* the messages it sent us,
+                    # which are still queued: read on (EOF comes after them).
+                    continue
+                n = 0  # shut down under us by stop(): the end
+                break
+        finally:
+            self._leave()
+        if self.cmsg.len:
+            self.take_descriptor()
+        if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
+            self._close_inbox_fd()
+            self._mark_end()
+            raise P.WorkerError(f"{self.describe()} sent a malformed message")
+        if n == 0:
+            self._mark_end()
+        return True
+
+    def take_descriptor(self) -> None:
+        """Move a descriptor recvmsg left in ``cmsg`` to ``inbox_fd``. Repeating it is harmless.
+
+        The move is two stores with no call between them, so no interrupt can
+        split it: the descriptor is in exactly one of the two places.
+        """
+        cmsg = self.cmsg
+        length = cmsg.len
+        if not length:
+            return
+        if cmsg.level != _SOL_SOCKET or cmsg.type != _SCM_RIGHTS:
+            cmsg.len = 0
+            return
+        count = min(_MAX_FDS, (length - _CMSG_HEAD) // 4)
+        if count <= 0:
+            cmsg.len = 0
+            return
+        self.inbox_fd = cmsg.fds[0]
+        cmsg.len = 0
+        for i in range(1, count):
+            os.close(cmsg.fds[i])
+
+    def _close_inbox_fd(self) -> None:
+        fd, self.inbox_fd = self.inbox_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def done_with_inbox(self) -> None:
+        """The inbox's message is delivered: mark it empty."""
+        self.inview[:4] = EMPTY
+
+    def attach(self, slot: int, capacity: int, seq: int) -> bool:
+        """Map the segment that came with the inbox's message (element ``seq``) for ``slot``.
+
+        False if its descriptor is gone (an interrupt took it: the loader must
+        fail). The descriptor is closed only after the mapping is stored: an
+        interrupt before that leaves it for the next call (a mapping made and
+        dropped meanwhile unmaps itself).
+        """
+        if self.inbox_fd < 0:  # an interrupt struck before the receive could take it
+            self.take_descriptor()
+        fd = self.inbox_fd
+        if fd < 0:
+            return False
+        mapping = mmap.mmap(fd, capacity)
+        segment = Segment(mapping, capacity, f"ProcessPrefetch {self.describe()} slot {slot}")
+        watch_segment(segment)
+        self.slots[slot] = segment
+        self.attached = seq
+        self.inbox_fd = -1
+        os.close(fd)
+        return True
+
+    def close_fds(self) -> None:
+        # Once closed and the consumer is out of its socket calls; idempotent.
+        with self.lock:
+            if self.fds_closed:
+                return
+            self.fds_closed = True
+        self.sock.close()
+        self.take_descriptor()
+        self._close_inbox_fd()
+        for name in ("bell", "wake"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+        if self.pidfd >= 0:
+            fd, self.pidfd = self.pidfd, -1
+            os.close(fd)

@@ -1,0 +1,277 @@
+"""The worker process of one handle: spawning it, its boot data, its end, stopping it.
+
+Workers are started from one thread that lives as long as the process (the
+spawner, see ``_pool``), so ``PR_SET_PDEATHSIG`` means the parent's death
+whichever thread made the loader. Each worker leads its own process group
+(whatever its function starts is killed with it), and the parent watches the
+worker process itself (a pidfd), not only the socket: a child the function
+forked may hold the socket open after the worker died.
+
+Stopping is resumable (every step checks whether it was done, so a call an
+interrupt cut short is finished by the next one), and waiting for the
+process keeps its deadlines across calls, so that interrupts arriving faster
+than the timeout still reach the SIGKILL. In a process forked from the
+owner, the handle is inert (:meth:`WorkerProcess.forget_in_child`).
+
+Part of a worker's handle (``_pool.WorkerHandle``): :class:`WorkerProcess`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+from . import _protocol as P
+from . import _shm
+from ._leases import let_go
+from ._shm import Segment
+from ._worker import BOOT
+
+__all__ = ["Spawned", "WorkerProcess", "spawn"]
+
+
+class Spawned(NamedTuple):
+    """A worker just started, and the parent's ends of what connects it."""
+
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    sentinel: int  # write end of its parent-watch pipe
+    boot: int  # write end of its boot pipe
+    ring: mmap.mmap | None
+    bell: int
+    wake: int
+
+
+def spawn(
+    wid: int, window: int, pdeathsig: bool, env: dict[str, str], ring: bool = False
+) -> Spawned:
+    """Start worker ``wid``: its process, waiting for its boot data, and our ends."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sentinel_r, sentinel_w = os.pipe()
+    boot_r, boot_w = os.pipe()
+    ring_map: mmap.mmap | None = None
+    ring_fd = bell = wake = -1
+    try:
+        if ring:
+            ring_fd, ring_map = _shm.create(P.ring_bytes(window), f"collective_gc-ring-w{wid}")
+            _, control = P.ring_control(len(ring_map))
+            P.WORD.pack_into(ring_map, control + P.ALLOWANCE_AT, window)
+            # The worker rings `bell` for us (non-blocking: the consumer drains
+            # it before it sleeps); we ring `wake`, where it sleeps.
+            bell = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            wake = os.eventfd(0, os.EFD_CLOEXEC)
+    except BaseException:
+        for fd in (ring_fd, bell, wake, sentinel_r, sentinel_w, boot_r, boot_w):
+            if fd >= 0:
+                os.close(fd)
+        parent_sock.close()
+        child_sock.close()
+        raise
+    try:
+        try:
+            # A big fn pickle should not make us wait for each worker's start-up.
+            fcntl.fcntl(boot_w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except (OSError, AttributeError):  # above the system's limit: writes just wait
+            pass
+        argv = [boot_r, child_sock.fileno(), sentinel_r, int(pdeathsig), os.getpid()]
+        argv += [ring_fd, bell, wake]
+        passed = [boot_r, child_sock.fileno(), sentinel_r] + [fd for fd in argv[-3:] if fd >= 0]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BOOT, *map(str, argv)],
+            pass_fds=passed,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            # Its own process group, which its watch thread kills on the way out.
+            start_new_session=True,
+        )
+    except BaseException:
+        parent_sock.close()
+        os.close(sentinel_w)
+        os.close(boot_w)
+        for fd in (bell, wake):
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        child_sock.close()
+        os.close(sentinel_r)
+        os.close(boot_r)
+        if ring_fd >= 0:
+            os.close(ring_fd)  # the worker has its own copy; ours is mapped
+    return Spawned(proc, parent_sock, sentinel_w, boot_w, ring_map, bell, wake)
+
+
+class WorkerProcess:
+    """The worker process of a handle: its boot data, its end, stopping and reaping it."""
+
+    # Of the other parts of the handle.
+    lock: threading.Lock
+    closed: bool
+    sock: socket.socket
+    busy: bool
+    fds_closed: bool
+    inbox_fd: int
+    bell: int
+    wake: int
+    ring: memoryview | None
+    consumed: int
+    sent_consumed: int
+    slots: dict[int, Segment]
+    live: set[int]
+    freed: list[tuple[int, int]]
+
+    if TYPE_CHECKING:
+
+        def take_descriptor(self) -> None: ...
+        def close_fds(self) -> None: ...
+
+    def init_process(
+        self, wid: int, proc: subprocess.Popen[bytes], sentinel: int, boot: int
+    ) -> None:
+        self.wid = wid
+        self.proc = proc
+        self.sentinel = sentinel  # write end of the worker's parent-watch pipe; never written
+        self.boot = boot  # write end of the boot pipe, until the boot data is sent
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)  # readable once the worker has exited
+        except (AttributeError, OSError):  # no pidfd here: poll the process every POLL
+            self.pidfd = -1
+        self.forked = False  # this process was forked from the owner (see forget_in_child)
+        # When join gives up waiting, then waiting after the SIGKILL: kept
+        # across calls (see join).
+        self.join_at: float | None = None
+        self.kill_at: float | None = None
+
+    def send_boot(self, data: bytes) -> None:
+        """Write the boot data (blocks only while the worker starts, for a big pickle)."""
+        with self.lock:
+            fd, self.boot = self.boot, -1
+        if fd < 0:  # stopped meanwhile
+            return
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+        except BrokenPipeError:  # it died starting up: recv() reports how
+            pass
+
+    def describe(self) -> str:
+        return f"worker {self.wid} (pid {self.proc.pid})"
+
+    def exit_status(self) -> tuple[str, int | None]:
+        """How the worker ended, for an error message: ``(text, exit code)``."""
+        try:
+            code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return "closed its connection but is still running", None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"was killed by {name} (exit code {code})", code
+        return f"exited with code {code}", code
+
+    # -- stopping ---------------------------------------------------------------
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: let go of our copies, touch nothing shared.
+
+        Closes this process's copies of the descriptors (never a
+        ``shutdown()``, which would cut the owner's connection too) and unmaps
+        the ring and every slot no element of this process views, so that a
+        forked helper pins none of the loader's memory. Only the forking
+        thread exists here: no lock is taken.
+        """
+        self.forked = self.closed = self.fds_closed = True
+        self.lock = threading.Lock()
+        self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        self.take_descriptor()
+        for name in ("sentinel", "boot", "inbox_fd", "bell", "wake", "pidfd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                try:
+                    os.close(fd)
+                except OSError:  # closed already (a close cut short by the fork)
+                    pass
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            _shm.unmap_view(ring)
+        for segment in self.slots.values():
+            segment.unmap_if_unused()
+        self.slots.clear()
+
+    def stop(self) -> None:
+        """Tell the worker to exit now; drop our mappings. Never blocks; any thread.
+
+        Idempotent, and resumable: every step checks whether it was done, so a
+        call an interrupt cut short is finished by the next one. Does nothing
+        in a forked child (see :meth:`forget_in_child`).
+        """
+        if self.forked:
+            return
+        with self.lock:
+            self.closed = True
+            # EOF on its watch pipe: the worker's watch thread exits the process at
+            # once, even in the middle of the user's function.
+            fd, self.sentinel = self.sentinel, -1
+            if fd >= 0:
+                os.close(fd)
+            try:
+                # Wakes a consumer waiting on the socket (it reads EOF).
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # shut down already, or closed: nothing to wake
+                pass
+            self.consumed = self.sent_consumed = 0
+            # Segments no lease holds are unmapped now (on the reaper); the others
+            # when their last element dies. The ring with the consumer's last use.
+            self.slots.clear()
+            self.ring = None
+            fd, self.boot = self.boot, -1
+        if fd >= 0:
+            os.close(fd)
+        if not self.busy:
+            self.close_fds()
+        # Nobody will hand our slots back any more: let our leases go, so that
+        # a segment viewed by an element that outlives the loader is unmapped
+        # with that element's last array (mmap's own release), not pinned.
+        let_go(self)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``.
+
+        Bounded even if an interrupt left the ``Popen``'s own wait lock held
+        (it can land between CPython's acquire and its ``try``, in an earlier
+        ``wait`` cut short inside ``next()``): then the child is reaped here.
+        """
+        if self.forked:
+            return  # not our child: the owner waits for it
+        # The deadlines are kept across calls: a join cut short by an
+        # interrupt and called again (close is resumable) goes on towards the
+        # same deadline, so that interrupts arriving faster than the timeout
+        # cannot keep it from ever reaching the SIGKILL.
+        if self.join_at is None:
+            self.join_at = time.monotonic() + timeout
+        try:
+            self.proc.wait(max(0.0, self.join_at - time.monotonic()))
+            return
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + timeout
+        try:
+            self.proc.wait(max(0.0, self.kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                _, status = os.waitpid(self.proc.pid, 0)  # SIGKILLed: exits at once
+            except ChildProcessError:
+                return  # reaped by someone else meanwhile
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
