@@ -113,6 +113,12 @@ class ProcessPrefetch(Generic[T]):
     numbers disagree), that call and every later one raise
     :class:`LoaderError`; an epoch is never silently cut short.
 
+    In a process forked from this one (a checkpoint writer), a started
+    loader is inert: its ``next()`` raises :class:`LoaderError`, and closing
+    or dropping it touches nothing this process's loader uses; the child
+    holds none of its descriptors or memory, but that of elements it has
+    copies of. A loader made in the child works.
+
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
     new loader over the same ``indices``, or of this one between two
     ``next()`` calls (to rewind or skip ahead), makes it deliver element ``k``

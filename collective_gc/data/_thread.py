@@ -186,6 +186,10 @@ class ThreadPrefetch(Generic[T]):
     ``iter(iterable)`` and starts the thread. ``buffer_size=0`` runs the
     iterable in this thread, inside ``next()``: no thread, the same API.
 
+    In a process forked while the thread runs, the loader's copy is inert
+    (its ``next()`` raises :class:`LoaderError`, ``close()`` returns at once);
+    this process's loader goes on.
+
     The iterable runs on another thread, so it must not need to run on this
     one (thread-local state, most GUI or MPI calls with ``MPI_THREAD_SINGLE``).
 
