@@ -192,7 +192,10 @@ class WorkerProcess:
         """
         self.forked = self.closed = self.fds_closed = True
         self.lock = threading.Lock()
-        self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        try:
+            self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        except OSError:  # never let one descriptor keep the others (and handles) open
+            pass
         self.take_descriptor()
         for name in ("sentinel", "boot", "inbox_fd", "bell", "wake", "pidfd"):
             fd = getattr(self, name)
