@@ -150,7 +150,7 @@ def test_process_loader_interrupted_inside_next(exc: type[BaseException]) -> Non
         _check_exactly_once(got, error)
         if error is not None:  # the only other outcome: the same clear error on every call
             for _ in range(2):
-                with pytest.raises(LoaderError, match="interrupt"):
+                with pytest.raises(LoaderError, match="lost element"):
                     next(it)
     finally:
         it.close()

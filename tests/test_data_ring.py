@@ -142,7 +142,7 @@ def test_interrupts_inside_next_while_the_ring_is_full(
         got.insert(0, (0, np.float32(0)))
         _check_exactly_once(got, error)
         if error is not None:  # the only other outcome: the same clear error on every call
-            with pytest.raises(LoaderError, match="interrupt"):
+            with pytest.raises(LoaderError, match="lost element"):
                 next(it)
     finally:
         it.close()
@@ -183,8 +183,9 @@ def test_the_parent_watch_thread_keeps_the_default_policy() -> None:
 def test_a_socket_message_lost_before_a_ring_post_is_reported_not_awaited(
     transport: str,
 ) -> None:
-    # What an interrupt does when it strikes as a message is received: the
-    # message is gone. Here the test takes it off the socket itself. The next
+    # A message gone (an interrupt as it was received could do that before the
+    # receive wrote into buffers of the handle). Here the test takes it off the
+    # socket itself. The next
     # element is in the ring: next() must see the gap and fail, not wait for
     # a message that will never come.
     it = ProcessPrefetch(second_by_socket, range(8), num_workers=1, buffer_size=4)

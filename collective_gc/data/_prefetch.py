@@ -455,10 +455,15 @@ class ProcessPrefetch(Generic[T]):
         raise P.LoaderError(self._fault)
 
     def _lost(self, worker: _pool.WorkerHandle, pos: int) -> NoReturn:
+        if worker.closed and not worker.forked:
+            # close() from another thread took the descriptor or the slot table
+            # as we built the element: the end, as for any close meanwhile.
+            self._closed = True
+            raise StopIteration
         self._fault = (
-            f"{self!r} lost element {pos}: an interrupt (KeyboardInterrupt, SystemExit) "
-            f"struck inside next() just as it received the element from {worker.describe()}; "
-            "the loader cannot go on in order"
+            f"{self!r} lost element {pos}: the message from {worker.describe()} that "
+            "carries it, or its slot's descriptor, is missing; the loader cannot go on "
+            "in order"
         )
         self.close()
         raise P.LoaderError(self._fault)
