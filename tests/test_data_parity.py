@@ -110,12 +110,21 @@ def test_process_set_state_between_two_next_calls_rewinds_or_skips_ahead(workers
         it.set_state(at9)
 
 
-def test_process_set_state_at_the_current_position_keeps_the_workers() -> None:
-    it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
+def test_process_set_state_keeps_the_workers_at_or_a_buffer_ahead_of_the_position() -> None:
+    it = ProcessPrefetch(whoami, range(40), num_workers=2, buffer_size=4)
     first = {next(it)[1] for _ in range(4)}
     it.set_state(it.get_state())
     assert [next(it)[0] for _ in range(4)] == [4, 5, 6, 7]
+    it.set_state({"version": 1, "position": 12, "length": 40})  # a buffer ahead
+    assert next(it)[0] == 12
     assert {e[1] for e in it} == first  # the same two worker processes throughout
+    # An error of fn among the elements skipped: raised, as next() would.
+    it = ProcessPrefetch(fail_at_3, range(20), num_workers=1, buffer_size=4)
+    next(it)
+    with pytest.raises(ValueError, match="cannot load 3"):
+        it.set_state({"version": 1, "position": 5, "length": 20})
+    assert it.closed
+    # Further, or back: new workers.
     it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
     first = {next(it)[1] for _ in range(4)}
     workers = list(it._holder.pool.workers)

@@ -232,10 +232,13 @@ class ProcessPrefetch(Generic[T]):
 
         Before the first ``next()`` (resuming a checkpoint in a new loader) or
         between two ``next()`` calls of a live loader, to rewind or skip ahead.
-        A live loader whose workers run stops them (elements already handed
+        At the current position nothing changes. Skipping at most
+        ``buffer_size`` elements ahead keeps the workers: the elements in
+        between, which they make already, are taken and dropped here (an error
+        among them is raised here and ends the iteration, as ``next()``
+        would). Otherwise the workers are stopped (elements already handed
         out stay valid) and the next ``next()`` starts new ones at the
-        position; at the current position, nothing changes. An interrupt
-        inside it is harmless: call it again.
+        position. An interrupt inside it is harmless: call it again.
 
         Raises RuntimeError if the loader is closed (its end, an error,
         :meth:`close`), ValueError for a state of another version or of
@@ -252,8 +255,27 @@ class ProcessPrefetch(Generic[T]):
         if not 0 <= position <= self._n:
             raise ValueError(f"position {position} is outside 0..{self._n} in {dict(state)!r}")
         holder = self._holder
-        if position == self.get_state()["position"] and self._fault is None:
+        current = self.get_state()["position"]
+        if position == current and self._fault is None:
             return  # already there: keep the workers and what they made
+        pool = holder.pool
+        if (
+            current < position <= current + self._buffer_size
+            and self._started
+            and pool is not None
+            and not pool.closed
+            and self._fault is None
+            and self._raise_next is None
+        ):
+            # Within a buffer ahead: the workers make (or made) these already.
+            # Keep them, and take and drop the elements in between; a position
+            # is absolute, so a call an interrupt cut short is simply repeated.
+            while self.get_state()["position"] < position:
+                try:
+                    next(self)
+                except StopIteration:  # closed meanwhile from another thread
+                    return
+            return
         _retire(holder)  # one an earlier, interrupted call left
         # Stores only from here to the shutdown (no call, so no interrupt
         # between them): the running pool becomes the retired one, which the
