@@ -1,0 +1,143 @@
+"""The agreement: its message, its deadlines, participants' fingerprint, the
+fallback intersection (issue 25, defects 4, 5, 6 and "Scale").
+
+The same file runs serially and on 4 ranks; the message-size test starts its
+own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc import _agree, _manager
+
+from conftest import mpiexec_cmd, mpiexec_env
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
+    """Every rank's ``value`` (over the test's own communicator, not the manager's)."""
+    return comm.allgather(value) if comm.Get_size() > 1 else [value]
+
+
+class Obj:
+    pass
+
+
+def noop() -> None:
+    pass
+
+
+# -- clocks (defect 5) ---------------------------------------------------------------
+
+
+def test_no_decision_reads_the_wall_clock() -> None:
+    """Deadlines are this rank's own ``time.monotonic()``; nothing of the
+    agreement or of a sync point reads ``time.time()``, which differs between
+    nodes."""
+    for module in (_agree, _manager):
+        assert "time.time(" not in inspect.getsource(module), module.__name__
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_whose_clock_is_ahead_times_nothing_out(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25, defect 5: with rank 0's wall clock 3 s ahead of the others'
+    (as on a node whose NTP is off) and ``timeout=2``, the first sync point
+    raised CollectiveTimeoutError on rank 0 ("completed only after the
+    deadline of another rank") though nobody waited more than milliseconds."""
+    if comm.Get_rank() == 0:
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3.0)
+    keep = []
+    for step in range(5):
+        objs = [Obj() for _ in range(50)]
+        for o in objs:
+            cgc.register(o, noop, comm=comm)
+        keep.append(objs.pop())
+        del objs, o
+        stats = cgc.collect(comm, generation=None, timeout=2)
+        assert stats.destroyed == 49, (step, stats)
+    assert cgc.manager(comm).broken is None
+    keep.clear()
+    assert cgc.collect(comm, generation=None, timeout=2).destroyed == 5
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_rank_that_gives_up_wakes_the_ranks_waiting_without_a_deadline(
+    comm: MPI.Intracomm,
+) -> None:
+    """Rank 0 gives up on a sync point (``timeout=0.5``) for which rank 1 is 3 s
+    late; ranks 2.. wait there without a deadline. They must hear of it at
+    once (CollectiveTimeoutError naming rank 0 and the sync point), not wait
+    for rank 1; rank 1, arriving after rank 0 gave up, raises too."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    if rank == 1:
+        time.sleep(3.0)
+    t0 = time.monotonic()
+    outcome = "OK"
+    message = ""
+    try:
+        cgc.collect(comm, generation=None, timeout=0.5 if rank == 0 else None)
+    except cgc.CollectiveTimeoutError as exc:
+        outcome, message = "TIMEOUT", str(exc)
+    elapsed = time.monotonic() - t0
+    states = everyone(comm, (outcome, elapsed, message, cgc.manager(comm).broken is not None))
+    assert [s[0] for s in states] == ["TIMEOUT"] * len(states), states
+    assert all(s[3] for s in states), "a manager stayed usable after a timeout"
+    assert states[0][1] < 2.0, states[0]
+    for r, (_, took, text, _) in enumerate(states):
+        if r >= 2:
+            assert took < 2.0, f"rank {r} waited {took:.1f} s for the late rank"
+        if r >= 1:
+            assert re.search(r"rank 0 gave up .*sync point 1\b", text), (r, text)
+
+
+# -- the message: independent of the number of ranks (Scale) -----------------------------
+
+
+def test_the_message_layout_is_independent_of_the_number_of_ranks() -> None:
+    """At most 16 words beyond the key window, whatever the communicator."""
+    for bits in (_agree.Window.MIN, 4096, _agree.Window.LIMIT):
+        words = _agree.message_words(bits)
+        assert words - bits // 64 <= 16, words
+
+
+@pytest.mark.launcher
+def test_the_empty_sync_points_message_is_the_same_at_2_4_and_16_ranks() -> None:
+    """Issue 25, Scale: the agreement carried a deadline word per rank (6 + p +
+    window words). The job prints the length of the message each of its sync
+    points sent; it must not depend on the job's size."""
+    seen = {}
+    for n in (2, 4, 16):
+        proc = subprocess.run(
+            [*mpiexec_cmd(n, 120), sys.executable, "-m", "mpi4py", str(JOBS / "message_words.py")],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env=mpiexec_env(),
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = re.findall(r"words (\d+) (\d+) ([\d ]+)", proc.stdout)
+        assert len(lines) == n, proc.stdout
+        per_rank = {(int(size), words) for size, _, words in lines}
+        assert len(per_rank) == 1, per_rank  # every rank sent the same
+        size, words = per_rank.pop()
+        assert size == n
+        seen[n] = [int(w) for w in words.split()]
+    assert seen[2] == seen[4] == seen[16], seen
+    empty = seen[2][0]
+    assert empty == _agree.message_words(_agree.Window.MIN), seen
