@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,57 @@ def test_the_empty_sync_points_message_is_the_same_at_2_4_and_16_ranks() -> None
     assert seen[2] == seen[4] == seen[16], seen
     empty = seen[2][0]
     assert empty == _agree.message_words(_agree.Window.MIN), seen
+
+
+# -- participants' fingerprint (defect 6) ---------------------------------------------
+
+
+class _Named(cgc.Participant):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def identity(self) -> str:
+        return self.name
+
+
+def _crc16(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0xFFFF  # the fingerprint of issue 25
+
+
+def _crc16_twin(name: str) -> str:
+    """Another identity whose 16-bit CRC is ``name``'s (found by brute force)."""
+    want = _crc16(name)
+    i = 0
+    while True:
+        other = f"{name}-twin-{i}"
+        if _crc16(other) == want:
+            return other
+        i += 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_participants_whose_16_bit_crcs_collide_are_a_mismatch_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 25, defect 6: odd ranks' participant has another identity than
+    even ranks', with the same 16-bit CRC: the sync point passed, and a
+    participant's collective would then pair with another rank's next one."""
+    first = "tests.Named/solver"
+    twin = _crc16_twin(first)
+    assert twin != first and _crc16(twin) == _crc16(first)
+    name = first if comm.Get_rank() % 2 == 0 else twin
+    mgr = cgc.manager(comm)
+    outcome = "OK"
+    try:
+        mgr.sync(participants=[_Named(name)], deadline=time.monotonic() + 30)
+    except cgc.CollectiveMismatchError as exc:
+        outcome = "MISMATCH" if "different participants" in str(exc) else str(exc)
+    states = everyone(comm, outcome)
+    assert states == ["MISMATCH"] * len(states), states
+
+
+def test_the_participants_fingerprint_has_64_bits() -> None:
+    values = {_agree.fingerprint(f"p{i}") for i in range(20_000)}
+    assert len(values) == 20_000
+    assert any(v >= 1 << 48 or v < 0 for v in values)  # all 64 bits are used
+    assert all(-(1 << 63) <= v < 1 << 63 for v in values)  # one int64 word
