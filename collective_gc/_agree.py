@@ -360,62 +360,47 @@ def allgather(
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 
-def _merge_intersect(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
-    # Slot 0 holds the length, then the sorted keys. Commutative.
-    a = np.frombuffer(inbuf, dtype=np.int64)
-    b = np.frombuffer(inoutbuf, dtype=np.int64)
-    common = np.intersect1d(a[1 : 1 + a[0]], b[1 : 1 + b[0]], assume_unique=True)
-    b[0] = common.size
-    b[1 : 1 + common.size] = common
-
-
-_OP_INTERSECT: list[MPI.Op] = []
-
-
-def _intersect_op() -> MPI.Op:
-    if not _OP_INTERSECT:
-        _OP_INTERSECT.append(MPI.Op.Create(_merge_intersect, commute=True))
-    return _OP_INTERSECT[0]
-
-
 def intersect(
     comm: MPI.Comm,
     keys: np.ndarray[Any, Any],
     lo: int,
     hi: int,
-    max_count: int,
+    fewest: int,
+    root: int,
     deadline: Deadline | None,
     what: Callable[[], str],
 ) -> np.ndarray[Any, Any]:
     """Collective. The keys in sorted ``keys`` that every rank holds, ascending.
 
-    ``lo``/``hi`` bound the window (the same on every rank, from the header),
-    ``max_count`` is the largest count on any rank. Every rank must choose the
-    same method, so the choice depends only on these agreed values.
+    ``lo``/``hi`` bound the intersection (the highest lowest and the lowest
+    highest key of any rank), ``fewest`` is the smallest count on any rank and
+    ``root`` a rank that holds that many. Every rank must choose the same
+    method, so the choice depends only on these agreed values.
+
+    No user-defined MPI operation: a Python callback inside a reduction runs
+    wherever MPI progresses it, and Open MPI 4.1's libnbc ring called one on
+    an empty segment (issue 25). Either a bitmap of ``[lo, hi]`` is ANDed
+    (when it is no longer than the keys themselves would be), or ``root``
+    broadcasts its keys and a bitmap of which of them each rank holds is
+    ANDed: messages of O(keys), whatever the number of ranks.
     """
-    if lo > hi:
+    if lo > hi or fewest == 0:
         return keys[:0]
     span = hi - lo + 1
-    if span <= 64 * max_count:
+    if span <= 64 * fewest:
         inside = keys[(keys >= lo) & (keys <= hi)] - lo
         bits = np.zeros(span, dtype=bool)
         bits[inside] = True
-        packed = np.packbits(bits)
-        common = allreduce(comm, packed, MPI.BAND, deadline, what)
+        common = allreduce(comm, np.packbits(bits), MPI.BAND, deadline, what)
         return np.flatnonzero(np.unpackbits(common, count=span)).astype(np.int64) + lo
-    buf = np.zeros(max_count + 1, dtype=np.int64)
-    buf[0] = keys.size
-    buf[1 : 1 + keys.size] = keys
-    out = np.empty_like(buf)
-    dtype = MPI.BYTE.Create_contiguous(buf.nbytes)
-    dtype.Commit()
-    req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
-    try:
-        wait(req, deadline, what, buf, out, dtype)
-    finally:
-        if req == MPI.REQUEST_NULL:  # completed: the datatype is ours to free
-            dtype.Free()
-    return out[1 : 1 + out[0]].copy()
+    theirs = keys.copy() if comm.Get_rank() == root else np.empty(fewest, dtype=np.int64)
+    wait(comm.Ibcast(theirs, root), deadline, what, theirs)
+    at = keys.searchsorted(theirs)
+    held = at < keys.size
+    held[held] = keys[at[held]] == theirs[held]
+    common = allreduce(comm, np.packbits(held), MPI.BAND, deadline, what)
+    found: np.ndarray[Any, Any] = theirs[np.unpackbits(common, count=fewest).astype(bool)]
+    return found
 
 
 def field_shift(field: int) -> int:
@@ -771,14 +756,21 @@ def intersect_any(
     comm: MPI.Comm, keys: np.ndarray[Any, Any], deadline: Deadline, what: Callable[[], str]
 ) -> np.ndarray[Any, Any]:
     """Collective: the keys of ``keys`` (ascending) that every rank holds: one
-    round for the count and bounds, then :func:`intersect`."""
+    round for the counts and bounds, then :func:`intersect`."""
+    # Under MAX: the largest count, the highest lowest key, the lowest highest
+    # key (negated), and the smallest count with the lowest rank holding it
+    # (count * 2**32 + rank, negated).
+    rank = comm.Get_rank()
     if keys.size:
-        head = np.array([keys.size, keys[0], -keys[-1]], dtype=np.int64)
+        head = np.array(
+            [keys.size, keys[0], -keys[-1], -((keys.size << 32) + rank)], dtype=np.int64
+        )
     else:
-        head = np.array([0, NO_KEY, 1], dtype=np.int64)
+        head = np.array([0, NO_KEY, 1, -rank], dtype=np.int64)
     red = allreduce(comm, head, MPI.MAX, deadline, what)
     if red[0] == 0 or red[1] == NO_KEY:
+        # Any rank with no keys makes the intersection empty: its lowest key
+        # NO_KEY then bounds it beyond every other.
         return keys[:0]
-    # Any rank with no keys makes the intersection empty: its lowest key
-    # NO_KEY then bounds the window beyond every other.
-    return intersect(comm, keys, int(red[1]), int(-red[2]), int(red[0]), deadline, what)
+    fewest, root = divmod(-int(red[3]), 1 << 32)
+    return intersect(comm, keys, int(red[1]), int(-red[2]), fewest, root, deadline, what)

@@ -16,12 +16,14 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
 from collective_gc import _agree, _manager
 
+from _util import GcDisabled
 from conftest import mpiexec_cmd, mpiexec_env
 
 JOBS = Path(__file__).parent / "jobs"
@@ -196,3 +198,95 @@ def test_the_participants_fingerprint_has_64_bits() -> None:
     assert len(values) == 20_000
     assert any(v >= 1 << 48 or v < 0 for v in values)  # all 64 bits are used
     assert all(-(1 << 63) <= v < 1 << 63 for v in values)  # one int64 word
+
+
+# -- the fallback intersection (defect 4) ---------------------------------------------
+
+
+def _own_subset(rank: int, keys: np.ndarray[Any, Any], keep: float) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(1000 + rank)
+    return np.sort(rng.choice(keys, size=int(keys.size * keep), replace=False))
+
+
+def _holding(rank: int, keys: np.ndarray[Any, Any], keep: float) -> np.ndarray[Any, Any]:
+    """What rank ``rank`` holds of ``keys``: all of them (keep 1), none on rank
+    0 and 90% elsewhere (keep 0), else its own part."""
+    if keep == 1.0:
+        return keys
+    if keep == 0.0:
+        return keys[:0] if rank == 0 else _own_subset(rank, keys, 0.9)
+    return _own_subset(rank, keys, keep)
+
+
+@pytest.mark.parametrize(
+    "spread, count, keep",
+    [
+        (600_000, 10_000, 0.9),  # issue 25's pattern: a 64+ KiB merge on 4 ranks
+        (10**12, 3, 0.7),  # a few keys far apart
+        (20_000, 10_000, 0.95),  # dense: a bitmap over their range
+        (600_000, 10_000, 0.0),  # a rank with none
+        (600_000, 10_000, 1.0),  # the same keys everywhere
+    ],
+)
+def test_the_fallback_intersection_is_exact(
+    comm: MPI.Intracomm, spread: int, count: int, keep: float
+) -> None:
+    """Issue 25, defect 4: sorted keys spread over a wide range, each rank
+    holding a different part: the intersection was an Iallreduce of one 64+
+    KiB element with a Python user-defined op, which Open MPI 4.1's libnbc
+    ring called on an empty segment (IndexError, MPI_ABORT)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    all_keys = np.unique(np.random.default_rng(7).integers(0, spread, size=count))
+    mine = _holding(rank, all_keys, keep)
+    got = _agree.intersect_any(comm, mine, _agree.Deadline(time.monotonic() + 60), lambda: "")
+    want = set(mine.tolist())
+    for r in range(size):
+        want &= set(_holding(r, all_keys, keep).tolist())
+    assert got.dtype == np.int64
+    assert got.tolist() == sorted(want)
+    assert everyone(comm, got.tolist()) == [got.tolist()] * size
+
+
+class _Tiny:
+    __slots__ = ("__weakref__",)
+
+
+_COUNT = [0]
+
+
+def _count() -> None:  # a module-level function: the C registration path
+    _COUNT[0] += 1
+
+
+def test_sparse_long_lived_keys_dropped_on_different_ranks(comm: MPI.Intracomm) -> None:
+    """Issue 25, defect 4, end to end: 600,000 registrations of which 1 in 60
+    are kept (10,000 long-lived keys spread over the range, all outside the
+    key window), then each rank drops a different 90% of them: the job
+    aborted in the fallback's merge. (Fewer registrations, or more kept,
+    take the fallback's bitmap instead: 64 bits per pending key or fewer.)"""
+    rank = comm.Get_rank()
+    count = _COUNT
+    mgr = cgc.manager(comm)
+    with GcDisabled():
+        objs = [_Tiny() for _ in range(600_000)]
+        regs = [mgr.register(o, _count, (), {}, None) for o in objs]
+        kept = {r.key: o for r, o in zip(regs[::60], objs[::60])}
+        del regs, objs
+        before = count[0]
+        assert cgc.collect(comm, generation=None, timeout=60).destroyed == 590_000
+        assert count[0] - before == 590_000
+        if comm.Get_size() > 1:
+            window = mgr._agreement.window  # type: ignore[union-attr]
+            assert window.lo > max(kept), "the kept keys must lie outside the window"
+        keys = np.array(sorted(kept), dtype=np.int64)
+        dropped = _own_subset(rank, keys, 0.9).tolist()
+        for k in dropped:
+            del kept[k]
+        before = count[0]
+        stats = cgc.collect(comm, generation=None, timeout=60)
+        common = set.intersection(*(set(d) for d in everyone(comm, dropped)))
+        assert stats.destroyed == len(common) == count[0] - before
+        assert mgr.broken is None
+        kept.clear()
+        cgc.collect(comm, generation=None, timeout=60)
+    assert mgr.registered == 0
