@@ -185,6 +185,13 @@ class Watch:
         """The standing receive, to wait on together with a collective."""
         return self._req
 
+    def arrived(self) -> bool:
+        """Whether a rank gave up, as far as the last wait or test of the
+        receive knew: no MPI call."""
+        if self.gone is None and not self._closed and self._req == MPI.REQUEST_NULL:
+            self.gone = (int(self._buf[0]), int(self._buf[1]))
+        return self.gone is not None
+
     def fired(self) -> bool:
         """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
         # A receive that Waitany completed is already null.
@@ -240,8 +247,9 @@ def wait(
     """
     watch = None if deadline is None else deadline.watch
     try:
-        if watch is not None and watch.fired():
-            raise watch.error(what)
+        if watch is not None and watch.gone is not None:
+            raise watch.error(what)  # a rank gave up earlier: nothing completes in step
+        waited = False  # whether Waitsome last saw both requests
         if deadline is None or deadline.at is None:
             again = False
             while True:
@@ -252,7 +260,11 @@ def wait(
                     if watch is None:
                         req.Wait()
                     elif not (again and (req.Test() or watch.fired())):
-                        MPI.Request.Waitany((req, watch.request))
+                        # Waitsome, not Waitany: it also says whether a notice
+                        # is there when the collective completes, so no Test
+                        # is needed after it.
+                        MPI.Request.Waitsome((req, watch.request))
+                        waited = True
                     break
                 except BaseException as exc:
                     if deadline is None or not deadline.keep(exc):
@@ -281,7 +293,7 @@ def wait(
                 except BaseException as exc:
                     if not deadline.keep(exc):
                         raise
-        if watch is not None and watch.fired():
+        if watch is not None and (watch.arrived() if waited else watch.fired()):
             raise watch.error(what)
     except BaseException:
         # Timed out, or interrupted again: the request stays pending, and so
