@@ -21,22 +21,20 @@ destroys run by agreement or by collective explicit calls), so a window
 computed from what earlier sync points agreed (the registrations of the last
 few intervals, with room for twice the largest recent one) is the same on
 every rank, and so is the message's length, even when the ranks disagree.
-Pending keys outside the window (an object kept for many steps, a burst of registrations larger
-than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
+Pending keys outside the window (an object kept for many steps, a burst of
+registrations larger than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
 filter says a key outside the window may be pending everywhere does a
-fallback run: an allreduce of (count, lowest, highest) of those keys, then
-their intersection (a bitmap, or the sorted keys merged as PETSc's
-PetscGarbageCleanup does). Message size stays O(window + pending).
+fallback run: an allreduce of the count and bounds of those keys, then their
+intersection (see :func:`intersect`: built-in MPI operations only). Message
+size stays O(window + pending): 8 words and the window's bitmap in the steady
+state, whatever the number of ranks (:func:`message_words`).
 
-Every collective here is a non-blocking one, completed with ``Wait`` or, with
-a deadline, polled until it completes or the deadline passes (then
-:class:`CollectiveTimeoutError`). Never the blocking kind: MPI does not match
-a blocking collective with a non-blocking one, and ranks may differ in whether
-they have a deadline (a scope leaving on an exception on some ranks only, the
-exit agreement).
-
-So the message is 8 words and the window's bitmap, whatever the number of
-ranks (:func:`message_words`).
+Every collective here is a non-blocking one, completed with ``Wait`` (beside
+the watch's receive, see below) or, with a deadline, polled until it
+completes or the deadline passes (then :class:`CollectiveTimeoutError`).
+Never the blocking kind: MPI does not match a blocking collective with a
+non-blocking one, and ranks may differ in whether they have a deadline (a
+scope leaving on an exception on some ranks only, the exit agreement).
 
 A request abandoned at a deadline can still be completed by a rank that
 arrives later, which would then carry on as if nothing had happened; and a
@@ -194,7 +192,7 @@ class Watch:
 
     def fired(self) -> bool:
         """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
-        # A receive that Waitany completed is already null.
+        # A receive that Waitsome or Test completed is already null.
         if (
             self.gone is None
             and not self._closed
@@ -270,6 +268,7 @@ def wait(
                     if deadline is None or not deadline.keep(exc):
                         raise
                     again = True
+                    waited = False
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
