@@ -3,16 +3,15 @@
 A sync point on a communicator of size > 1 is, in the steady state, one
 non-blocking allreduce of int64 words with MPI_BAND, which carries at once:
 
-- the sync-point number (with the exit-agreement mark) and the next
-  registration key, each as x and ~x: the AND of x and of ~x are equal
+- the sync-point number (with the exit-agreement mark), the next
+  registration key and a 64-bit fingerprint of the participants, each as x
+  and ~x: the AND of x and of ~x are equal
   complements exactly when every rank sent the same x, so a rank that
   skipped a sync point or registered differently is seen by every rank;
 - flags, sent complemented, so the AND is the complement of their OR: a
   cyclic death drained anywhere, a failed destroy on a derived communicator,
   and one byte per participant (see :class:`Manager.add_participant`), which
   encodes a small maximum as a thermometer code;
-- each rank's deadline, in a word of its own (every other rank sends all
-  ones there), so every rank learns the earliest one;
 - a bitmap of the pending keys in a *window* of keys, ANDed: the keys
   pending on every rank.
 
@@ -22,32 +21,42 @@ destroys run by agreement or by collective explicit calls), so a window
 computed from what earlier sync points agreed (the registrations of the last
 few intervals, with room for twice the largest recent one) is the same on
 every rank, and so is the message's length, even when the ranks disagree.
-Pending keys outside the window (an object kept for many steps, a burst of registrations larger
-than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
+Pending keys outside the window (an object kept for many steps, a burst of
+registrations larger than any recent one) set bits of a 64-bit hash filter, ANDed too; only if the
 filter says a key outside the window may be pending everywhere does a
-fallback run: an allreduce of (count, lowest, highest) of those keys, then
-their intersection (a bitmap, or the sorted keys merged as PETSc's
-PetscGarbageCleanup does). Message size stays O(window + pending).
+fallback run: an allreduce of the count and bounds of those keys, then their
+intersection (see :func:`intersect`: built-in MPI operations only). Message
+size stays O(window + pending): 8 words and the window's bitmap in the steady
+state, whatever the number of ranks (:func:`message_words`).
 
-Every collective here is a non-blocking one, completed with ``Wait`` or, with
-a deadline, polled until it completes or the deadline passes (then
-:class:`CollectiveTimeoutError`). Never the blocking kind: MPI does not match
-a blocking collective with a non-blocking one, and ranks may differ in whether
-they have a deadline (a scope leaving on an exception on some ranks only, the
-exit agreement).
+Every collective here is a non-blocking one, completed with ``Wait`` (beside
+the watch's receive, see below) or, with a deadline, polled until it
+completes or the deadline passes (then :class:`CollectiveTimeoutError`).
+Never the blocking kind: MPI does not match a blocking collective with a
+non-blocking one, and ranks may differ in whether they have a deadline (a
+scope leaving on an exception on some ranks only, the exit agreement).
 
 A request abandoned at a deadline can still be completed by a rank that
-arrives later, which would then carry on as if nothing had happened. So each
-rank's deadline (wall-clock time) rides in the message: a rank that completes
-a collective of the sync point after the earliest of them has passed raises
-:class:`CollectiveTimeoutError` too, as the rank that gave up did.
+arrives later, which would then carry on as if nothing had happened; and a
+rank waiting without a deadline would wait for ever for one that gave up.
+Comparing deadlines across ranks would need their clocks to agree, which
+the nodes of a cluster do not. Instead a rank that gives up at its own
+(``time.monotonic()``) deadline says so to every other rank, by a message of
+its own on the private communicator (:class:`Watch`: only on that error
+path, so its cost in ranks does not matter); every rank keeps a receive of
+it posted, waits on it together with each collective, and checks it once
+each collective completes, before anything is destroyed. What is left is
+message latency, not clock skew: a rank whose collective completes before
+the notice reaches it carries on with that sync point (it hears of it at
+its next wait).
 """
 
 from __future__ import annotations
 
 import array
+import functools
+import hashlib
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -63,15 +72,17 @@ __all__ = [
     "FLAG_BAD_VOTE",
     "FIELD_BITS",
     "NO_KEY",
-    "NO_DEADLINE",
     "Deadline",
     "Header",
     "Agreed",
     "Agreement",
     "PERSISTENT",
+    "Watch",
     "Window",
     "allreduce",
     "intersect",
+    "intersect_any",
+    "message_words",
     "allgather",
     "dup",
     "keep_alive",
@@ -79,7 +90,6 @@ __all__ = [
 ]
 
 NO_KEY = int(np.iinfo(np.int64).max)
-NO_DEADLINE = NO_KEY  # a rank without a deadline: never the earliest one
 
 # Flags, ORed over the ranks.
 FLAG_CYCLIC = 1  # a cyclic-GC death of a managed object was drained
@@ -90,9 +100,10 @@ MAX_FIELDS = 6
 
 
 class Deadline:
-    """When a sync point gives up waiting: ``at`` (``time.monotonic()``) for
-    this rank's own deadline, ``late_after`` (``time.time()``) for the earliest
-    deadline of any rank once the agreement has told it (see the module docs).
+    """When a sync point gives up waiting: ``at`` (``time.monotonic()``, this
+    rank's own clock only), or None; ``watch``, the :class:`Watch` of the
+    communicator its collectives are on once the agreement has set it (see
+    the module docs).
 
     With ``hold``, a KeyboardInterrupt or SystemExit raised while waiting for a
     collective is kept in ``held`` and the wait goes on (to completion or the
@@ -100,25 +111,13 @@ class Deadline:
     other ranks and raise it afterwards; a second one is raised at once.
     """
 
-    __slots__ = ("at", "late_after", "hold", "held")
+    __slots__ = ("at", "watch", "hold", "held")
 
     def __init__(self, at: float | None, hold: bool = False) -> None:
         self.at = at
-        self.late_after: float | None = None
+        self.watch: Watch | None = None
         self.hold = hold
         self.held: BaseException | None = None
-
-    def wall_us(self) -> int:
-        """This rank's deadline as wall-clock microseconds, or NO_DEADLINE."""
-        if self.at is None:
-            return NO_DEADLINE
-        us = (time.time() + (self.at - time.monotonic())) * 1e6
-        return int(min(us, NO_DEADLINE - 1))  # a timeout of centuries still fits a word
-
-    def agree(self, wall_us: int) -> None:
-        """Take the earliest deadline of any rank (NO_DEADLINE: none had one)."""
-        if wall_us != NO_DEADLINE:
-            self.late_after = wall_us / 1e6
 
     def keep(self, exc: BaseException) -> bool:
         """Hold ``exc`` (an interrupt during a wait) if this deadline holds one
@@ -152,23 +151,124 @@ _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 _ABANDONED: list[tuple[MPI.Request | None, tuple[object, ...]]] = []
 
 
+# The tag of a Watch's notices: the private communicator carries no other
+# point-to-point message.
+_TAG_GAVE_UP = 25
+
+
+class Watch:
+    """The notice a rank that gave up at its deadline sends to every other
+    rank of a private communicator, and the receive of it each rank keeps
+    posted there (see the module docs).
+
+    Once a notice arrived (or this rank sent one) the communicator's
+    collectives can never again complete in step on every rank: every later
+    wait on it raises :class:`CollectiveTimeoutError` at once.
+    """
+
+    __slots__ = ("comm", "rank", "seq", "gone", "_buf", "_req", "_sent", "_closed")
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.seq = 0  # the sync point under way, named in a notice
+        self.gone: tuple[int, int] | None = None  # (rank, sync point) of the one that gave up
+        self._buf = np.zeros(2, dtype=np.int64)
+        self._sent = self._closed = False
+        # Local: posting a receive waits for nobody.
+        self._req: MPI.Request = comm.Irecv(self._buf, MPI.ANY_SOURCE, _TAG_GAVE_UP)
+
+    @property
+    def request(self) -> MPI.Request:
+        """The standing receive, to wait on together with a collective."""
+        return self._req
+
+    def arrived(self) -> bool:
+        """Whether a rank gave up, as far as the last wait or test of the
+        receive knew: no MPI call."""
+        if self.gone is None and not self._closed and self._req == MPI.REQUEST_NULL:
+            self.gone = (int(self._buf[0]), int(self._buf[1]))
+        return self.gone is not None
+
+    def fired(self) -> bool:
+        """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
+        # A receive that Waitsome or Test completed is already null.
+        if (
+            self.gone is None
+            and not self._closed
+            and (self._req == MPI.REQUEST_NULL or self._req.Test())
+        ):
+            self.gone = (int(self._buf[0]), int(self._buf[1]))
+        return self.gone is not None
+
+    def error(self, what: Callable[[], str]) -> CollectiveTimeoutError:
+        assert self.gone is not None
+        rank, seq = self.gone
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: rank {rank} gave up waiting at its deadline at sync point "
+            f"{seq} of this communicator, so the collectives there can no longer complete "
+            f"in step on every rank ({what()})"
+        )
+
+    def announce(self) -> None:
+        """Tell every other rank that this one gives up (at its deadline). Local:
+        non-blocking sends, kept for the life of the process like any
+        abandoned request (a rank that never waits again never receives)."""
+        if self._sent or self.gone is not None:
+            return  # once: the others need only one notice
+        self._sent = True
+        self.gone = (self.rank, self.seq)
+        note = np.array(self.gone, dtype=np.int64)
+        for other in range(self.comm.Get_size()):
+            if other != self.rank:
+                _ABANDONED.append((self.comm.Isend(note, other, _TAG_GAVE_UP), (note,)))
+
+    def close(self) -> None:
+        """Withdraw the standing receive (before the communicator is freed). Local."""
+        self._closed = True
+        req, self._req = self._req, MPI.REQUEST_NULL
+        if req != MPI.REQUEST_NULL:
+            req.Cancel()
+            req.Wait()  # completes at once: cancelled, or a notice had arrived
+
+
 def wait(
     req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
 ) -> None:
-    """Complete ``req`` (a collective on the manager's communicator) against ``deadline``.
+    """Complete ``req`` (a collective on the manager's communicator) against
+    ``deadline`` and, if it has one, its watch: a rank that gave up anywhere
+    ends the wait here with :class:`CollectiveTimeoutError`, whether or not
+    this rank has a deadline, and so does a notice found once ``req`` completed.
 
     ``buffers`` are kept alive for ever if the request is abandoned, since MPI
     may still read or write them when a late rank arrives.
     """
+    watch = None if deadline is None else deadline.watch
     try:
+        if watch is not None and watch.gone is not None:
+            raise watch.error(what)  # a rank gave up earlier: nothing completes in step
+        waited = False  # whether Waitsome last saw both requests
         if deadline is None or deadline.at is None:
+            again = False
             while True:
                 try:
-                    req.Wait()  # an interrupt surfaces here, once Wait has returned
+                    # An interrupt surfaces here, once the wait has returned:
+                    # then what completed is not known, and waiting again on a
+                    # completed request would wait for the other one alone.
+                    if watch is None:
+                        req.Wait()
+                    elif not (again and (req.Test() or watch.fired())):
+                        # Waitsome, not Waitany: it also says whether a notice
+                        # is there when the collective completes, so no Test
+                        # is needed after it.
+                        MPI.Request.Waitsome((req, watch.request))
+                        waited = True
                     break
                 except BaseException as exc:
                     if deadline is None or not deadline.keep(exc):
                         raise
+                    again = True
+                    waited = False
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
@@ -177,9 +277,13 @@ def wait(
             at = deadline.at
             while True:
                 try:
-                    if req.Test():
+                    # Each request on its own: a completed one tests true
+                    # again after an interrupt, which Testany would not say.
+                    if req.Test() or (watch is not None and watch.fired()):
                         break
                     if time.monotonic() > at:
+                        if watch is not None:
+                            watch.announce()
                         raise CollectiveTimeoutError(what())
                     time.sleep(delay)
                     delay = min(1e-3, delay * 2 + 2e-5)
@@ -188,18 +292,14 @@ def wait(
                 except BaseException as exc:
                     if not deadline.keep(exc):
                         raise
+        if watch is not None and (watch.arrived() if waited else watch.fired()):
+            raise watch.error(what)
     except BaseException:
         # Timed out, or interrupted again: the request stays pending, and so
         # must what MPI may still touch.
         if req != MPI.REQUEST_NULL:
             _ABANDONED.append((req, buffers))
         raise
-    if deadline is not None and deadline.late_after is not None:
-        if time.time() > deadline.late_after:
-            raise CollectiveTimeoutError(
-                what() + "\n(it completed here only after the deadline of another rank had "
-                "passed: that rank gave up on this sync point)"
-            )
 
 
 def keep_alive(req: MPI.Request, *buffers: object) -> None:
@@ -262,43 +362,13 @@ def allgather(
     import pickle
 
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
-    # Each rank's size and deadline: a rank that completes this round after
-    # another gave up on it raises now, not at its own deadline in the next.
-    pairs = np.empty(2 * comm.Get_size(), dtype=np.int64)
-    at = NO_DEADLINE if deadline is None else deadline.wall_us()
-    mine = np.array([data.size, at], dtype=np.int64)
-    wait(comm.Iallgather(mine, pairs), deadline, what, mine, pairs)
-    sizes = pairs[0::2].copy()
-    earliest = int(pairs[1::2].min())
-    if deadline is not None and earliest != NO_DEADLINE:
-        deadline.agree(earliest)
-        if deadline.late_after is not None and time.time() > deadline.late_after:
-            raise CollectiveTimeoutError(
-                what() + "\n(it completed here only after the deadline of another rank had "
-                "passed: that rank gave up on this gather)"
-            )
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    mine = np.array([data.size], dtype=np.int64)
+    wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
     wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
-
-
-def _merge_intersect(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
-    # Slot 0 holds the length, then the sorted keys. Commutative.
-    a = np.frombuffer(inbuf, dtype=np.int64)
-    b = np.frombuffer(inoutbuf, dtype=np.int64)
-    common = np.intersect1d(a[1 : 1 + a[0]], b[1 : 1 + b[0]], assume_unique=True)
-    b[0] = common.size
-    b[1 : 1 + common.size] = common
-
-
-_OP_INTERSECT: list[MPI.Op] = []
-
-
-def _intersect_op() -> MPI.Op:
-    if not _OP_INTERSECT:
-        _OP_INTERSECT.append(MPI.Op.Create(_merge_intersect, commute=True))
-    return _OP_INTERSECT[0]
 
 
 def intersect(
@@ -306,39 +376,42 @@ def intersect(
     keys: np.ndarray[Any, Any],
     lo: int,
     hi: int,
-    max_count: int,
+    fewest: int,
+    root: int,
     deadline: Deadline | None,
     what: Callable[[], str],
 ) -> np.ndarray[Any, Any]:
     """Collective. The keys in sorted ``keys`` that every rank holds, ascending.
 
-    ``lo``/``hi`` bound the window (the same on every rank, from the header),
-    ``max_count`` is the largest count on any rank. Every rank must choose the
-    same method, so the choice depends only on these agreed values.
+    ``lo``/``hi`` bound the intersection (the highest lowest and the lowest
+    highest key of any rank), ``fewest`` is the smallest count on any rank and
+    ``root`` a rank that holds that many. Every rank must choose the same
+    method, so the choice depends only on these agreed values.
+
+    No user-defined MPI operation: a Python callback inside a reduction runs
+    wherever MPI progresses it, and Open MPI 4.1's libnbc ring called one on
+    an empty segment (issue 25). Either a bitmap of ``[lo, hi]`` is ANDed
+    (when it is no longer than the keys themselves would be), or ``root``
+    broadcasts its keys and a bitmap of which of them each rank holds is
+    ANDed: messages of O(keys), whatever the number of ranks.
     """
-    if lo > hi:
+    if lo > hi or fewest == 0:
         return keys[:0]
     span = hi - lo + 1
-    if span <= 64 * max_count:
+    if span <= 64 * fewest:
         inside = keys[(keys >= lo) & (keys <= hi)] - lo
         bits = np.zeros(span, dtype=bool)
         bits[inside] = True
-        packed = np.packbits(bits)
-        common = allreduce(comm, packed, MPI.BAND, deadline, what)
+        common = allreduce(comm, np.packbits(bits), MPI.BAND, deadline, what)
         return np.flatnonzero(np.unpackbits(common, count=span)).astype(np.int64) + lo
-    buf = np.zeros(max_count + 1, dtype=np.int64)
-    buf[0] = keys.size
-    buf[1 : 1 + keys.size] = keys
-    out = np.empty_like(buf)
-    dtype = MPI.BYTE.Create_contiguous(buf.nbytes)
-    dtype.Commit()
-    req = comm.Iallreduce([buf, 1, dtype], [out, 1, dtype], _intersect_op())
-    try:
-        wait(req, deadline, what, buf, out, dtype)
-    finally:
-        if req == MPI.REQUEST_NULL:  # completed: the datatype is ours to free
-            dtype.Free()
-    return out[1 : 1 + out[0]].copy()
+    theirs = keys.copy() if comm.Get_rank() == root else np.empty(fewest, dtype=np.int64)
+    wait(comm.Ibcast(theirs, root), deadline, what, theirs)
+    at = keys.searchsorted(theirs)
+    held = at < keys.size
+    held[held] = keys[at[held]] == theirs[held]
+    common = allreduce(comm, np.packbits(held), MPI.BAND, deadline, what)
+    found: np.ndarray[Any, Any] = theirs[np.unpackbits(common, count=fewest).astype(bool)]
+    return found
 
 
 def field_shift(field: int) -> int:
@@ -350,8 +423,8 @@ def field_shift(field: int) -> int:
 
 class Header:
     """What one rank brings to a sync point, besides its pending keys.
-    ``parts`` is a 16-bit fingerprint of its participants (see
-    :func:`fingerprint`): agreed for equality with the sync-point number."""
+    ``parts`` is a 64-bit fingerprint of its participants (see
+    :func:`fingerprint`), agreed for equality like the sync-point number."""
 
     __slots__ = ("seq", "next_key", "at_exit", "flags", "parts")
 
@@ -363,10 +436,18 @@ class Header:
         self.parts = parts
 
 
+@functools.lru_cache(maxsize=256)
 def fingerprint(identities: str) -> int:
-    """A 16-bit fingerprint of the participants' identities, the same in
-    every process (str hashes are salted per process; CRC-32 is not)."""
-    return zlib.crc32(identities.encode()) & 0xFFFF
+    """A 64-bit fingerprint of the participants' identities, as one int64
+    word, the same in every process (str hashes are salted per process).
+
+    Sent as x and ~x under MPI_BAND, so ranks whose identities differ pass
+    for equal only if their fingerprints collide: with a cryptographic hash,
+    a chance of 2**-64 per pair of differing sets (issue 25: a 16-bit CRC
+    collided after ~47k tries of a user participant's identity). Cached: a
+    manager's participants rarely change between sync points."""
+    digest = hashlib.blake2b(identities.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class Window:
@@ -443,8 +524,17 @@ class Agreed:
 
 
 _HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive keys spread over the filter
-_WORDS = 6  # seq, ~seq, next key, ~next key, ~flags, filter
-FLAG_DEADLINE = 4  # some rank has a deadline: the earliest one must be read
+# The message: the sync-point word (number and exit mark), the next key and
+# the participants' fingerprint, each as x and ~x; the flags, complemented;
+# the hash filter of the pending keys outside the window; then the window's
+# bitmap. Nothing in it is per rank.
+_WORDS = 8
+
+
+def message_words(window_bits: int) -> int:
+    """The agreement's message, in int64 words, for a window of ``window_bits``
+    keys: the same at any number of ranks."""
+    return _WORDS + window_bits // 64
 
 
 def _filter(keys: np.ndarray[Any, Any]) -> int:
@@ -498,10 +588,9 @@ _WINDOW_KEYS: Callable[..., np.ndarray[Any, Any]] = (
 class Agreement:
     """The agreement of one manager's sync points over its private communicator.
 
-    Keeps the window and one message buffer between sync points (an
-    ``array.array``, whose item stores are cheap, with a numpy view of the
-    same memory for the bitmap): an empty sync point then costs a few stores
-    around its allreduce.
+    Keeps the window, the communicator's :class:`Watch` and one message
+    buffer between sync points (an ``array.array``, whose item stores are
+    cheap): an empty sync point then costs eight stores around its allreduce.
     """
 
     __slots__ = (
@@ -509,8 +598,9 @@ class Agreement:
         "rank",
         "size",
         "window",
+        "watch",
         "_arr",
-        "_blank",
+        "_dirty",
         "_lo",
         "_nbits",
         "_persistent",
@@ -522,19 +612,26 @@ class Agreement:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.window = Window()
+        self.watch = Watch(comm)
         self._lo = self._nbits = -1  # the window the buffers are shaped for
         self._arr = array.array("q")
-        self._blank = array.array("q")
+        self._dirty = False  # the bitmap may hold bits from the last sync point
         # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
         # its shape lasts: starting it costs less than a new Iallreduce.
         init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
         self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT[0] else None
         self._preq: MPI.Prequest | None = None
 
+    @property
+    def words(self) -> int:
+        """The length, in int64 words, of the message the last agreement sent."""
+        return len(self._arr)
+
     def close(self) -> None:
-        """Free the persistent request, if an inactive one is kept. Local; call
-        it before freeing the communicator."""
+        """Free the persistent request, if an inactive one is kept, and withdraw
+        the watch's receive. Local; call it before freeing the communicator."""
         self._drop_request()
+        self.watch.close()
 
     def _drop_request(self) -> None:
         req, self._preq = self._preq, None
@@ -559,16 +656,10 @@ class Agreement:
         return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
 
     def _reshape(self, lo: int, nbits: int) -> None:
-        """New buffers for the window ``[lo, lo + nbits)`` (agreed, so on every rank)."""
+        """A new buffer for the window ``[lo, lo + nbits)`` (agreed, so on every rank)."""
         self._drop_request()  # bound to the old buffer
-        size = _WORDS + self.size + nbits // 64
-        self._arr = array.array("q", bytes(8 * size))
-        # What every message starts from, copied in one step: the header
-        # words zero, the other ranks' deadline words all ones (the identity
-        # of AND), this rank's NO_DEADLINE until it has one, an empty bitmap.
-        blank = self._blank = array.array("q", bytes(8 * size))
-        blank[_WORDS : _WORDS + self.size] = array.array("q", [-1] * self.size)
-        blank[_WORDS + self.rank] = NO_DEADLINE
+        self._arr = array.array("q", bytes(8 * message_words(nbits)))
+        self._dirty = False
         self._lo, self._nbits = lo, nbits
 
     def _forget_buffers(self) -> None:
@@ -587,33 +678,36 @@ class Agreement:
 
         One allreduce unless keys outside the window may be pending
         everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
-        when it completes here only after another rank's deadline passed.
+        when a rank gave up (see :class:`Watch`).
         """
+        deadline.watch = self.watch  # this sync point's later waits too
+        self.watch.seq = head.seq
         window = self.window
         lo, nbits = window.lo, window.bits
         if lo != self._lo or nbits != self._nbits:
             self._reshape(lo, nbits)
-        end = _WORDS + self.size
-        buf = self._arr
-        buf[:] = self._blank  # same length: the memory MPI may be bound to stays
-        flags = head.flags
-        at = deadline.at
-        if at is not None:
-            flags |= FLAG_DEADLINE
-            buf[_WORDS + self.rank] = deadline.wall_us()
-        # Equality of the sync-point number, the participants and the kind
-        # (exit or not) in one word and its complement.
-        seqword = ((head.seq << 16) + head.parts) * 2 + head.at_exit
+        buf = self._arr  # same length as before: the memory MPI may be bound to stays
+        # Equality of the sync-point number and kind (exit or not), of the
+        # next key and of the participants: each word and its complement.
+        seqword = head.seq * 2 + head.at_exit
         buf[0] = seqword
         buf[1] = ~seqword
         buf[2] = head.next_key
         buf[3] = ~head.next_key
-        buf[4] = ~flags
+        buf[4] = head.parts
+        buf[5] = ~head.parts
+        buf[6] = ~head.flags
         if pending.size:
-            # The keys [first, last) of pending are in the window.
-            first, last, buf[5] = _PACK(pending, lo, nbits, buf, end)
+            # The keys [first, last) of pending are in the window; the whole
+            # bitmap is written.
+            first, last, buf[7] = _PACK(pending, lo, nbits, buf, _WORDS)
+            self._dirty = True
         else:
             first = last = 0
+            buf[7] = 0
+            if self._dirty:  # the AND of bits this rank sent: clear them
+                np.frombuffer(buf, dtype=np.int64)[_WORDS:] = 0
+                self._dirty = False
         # In place, against the deadline if any: most of an empty sync point.
         # Non-blocking even without one: a blocking collective never matches
         # the non-blocking one of a rank that has a deadline.
@@ -628,25 +722,15 @@ class Agreement:
             self._forget_buffers()
             raise
         red = buf
-        agreed_flags = ~red[4]
-        if agreed_flags & FLAG_DEADLINE:
-            earliest = min(red[_WORDS:end])
-            deadline.agree(earliest)
-            late = deadline.late_after
-            if late is not None and time.time() > late:
-                raise CollectiveTimeoutError(
-                    what() + "\n(it completed here only after the deadline of another rank "
-                    "had passed: that rank gave up on this sync point)"
-                )
-        agreed_flags &= ~FLAG_DEADLINE
-        if red[0] != ~red[1] or red[2] != ~red[3]:
+        agreed_flags = ~red[6]
+        if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
             return Agreed(_NO_KEYS, agreed_flags, True, False)
-        fallback = red[5] != 0
+        fallback = red[7] != 0
         if last == first and not fallback and not agreed_flags:
             return _NOTHING  # the steady state: nothing to destroy, nothing to say
         keys = _NO_KEYS
         if last > first:  # only bits this rank set can have survived the AND
-            keys = _WINDOW_KEYS(red, end, nbits, lo)
+            keys = _WINDOW_KEYS(red, _WORDS, nbits, lo)
         if fallback:
             # Every rank saw the same filter, so every rank runs this round.
             outside = np.concatenate((pending[:first], pending[last:]))
@@ -657,8 +741,15 @@ class Agreement:
 
     def any_flags(self, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
         """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
+        deadline.watch = self.watch
         buf = array.array("q", (~flags,))
         return ~allreduce(self.comm, buf, MPI.BAND, deadline, what)[0]
+
+    def allgather(self, value: Any, deadline: Deadline, what: Callable[[], str]) -> list[Any]:
+        """Collective: every rank's ``value`` (picklable), against ``deadline``
+        and this communicator's watch."""
+        deadline.watch = self.watch
+        return allgather(self.comm, value, deadline, what)
 
 
 _IN_PLACE = MPI.IN_PLACE
@@ -676,14 +767,21 @@ def intersect_any(
     comm: MPI.Comm, keys: np.ndarray[Any, Any], deadline: Deadline, what: Callable[[], str]
 ) -> np.ndarray[Any, Any]:
     """Collective: the keys of ``keys`` (ascending) that every rank holds: one
-    round for the count and bounds, then :func:`intersect`."""
+    round for the counts and bounds, then :func:`intersect`."""
+    # Under MAX: the largest count, the highest lowest key, the lowest highest
+    # key (negated), and the smallest count with the lowest rank holding it
+    # (count * 2**32 + rank, negated).
+    rank = comm.Get_rank()
     if keys.size:
-        head = np.array([keys.size, keys[0], -keys[-1]], dtype=np.int64)
+        head = np.array(
+            [keys.size, keys[0], -keys[-1], -((keys.size << 32) + rank)], dtype=np.int64
+        )
     else:
-        head = np.array([0, NO_KEY, 1], dtype=np.int64)
+        head = np.array([0, NO_KEY, 1, -rank], dtype=np.int64)
     red = allreduce(comm, head, MPI.MAX, deadline, what)
     if red[0] == 0 or red[1] == NO_KEY:
+        # Any rank with no keys makes the intersection empty: its lowest key
+        # NO_KEY then bounds it beyond every other.
         return keys[:0]
-    # Any rank with no keys makes the intersection empty: its lowest key
-    # NO_KEY then bounds the window beyond every other.
-    return intersect(comm, keys, int(red[1]), int(-red[2]), int(red[0]), deadline, what)
+    fewest, root = divmod(-int(red[3]), 1 << 32)
+    return intersect(comm, keys, int(red[1]), int(-red[2]), fewest, root, deadline, what)

@@ -565,6 +565,9 @@ class Manager:
                 self._broken = f"duplicating its communicator was abandoned ({type(exc).__name__})"
                 raise
             self._comm = comm
+            if self._size > 1:
+                # Local: it only posts the receive of its watch (see _agree.Watch).
+                self._agreement = _agree.Agreement(comm)
             self._on_first_collective(self)
             return comm
 
@@ -600,9 +603,10 @@ class Manager:
                 None if timeout is None else time.monotonic() + timeout, hold=True
             )
             try:
-                gathered = _agree.allgather(
-                    self._private(deadline), value, deadline, self._what("a gather")
-                )
+                if self._agreement is None:
+                    self._private(deadline)  # makes the agreement
+                assert self._agreement is not None
+                gathered = self._agreement.allgather(value, deadline, self._what("a gather"))
             except BaseException as exc:
                 self._broken = f"a gather was left by {type(exc).__name__} ({exc})"
                 _raise_held(deadline, exc)
@@ -716,9 +720,10 @@ class Manager:
                 # From here until the last collective, leaving by an exception on
                 # this rank only makes the manager unusable (see sync).
                 self._collective = True
+                if self._agreement is None:
+                    self._private(dl)  # makes the agreement
                 agreement = self._agreement
-                if agreement is None:
-                    agreement = self._agreement = _agree.Agreement(self._private(dl))
+                assert agreement is not None
                 head = _agree.Header(
                     self._seq,
                     registry.next_key,
