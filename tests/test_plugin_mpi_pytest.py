@@ -122,6 +122,7 @@ def check_leak_reported(
         "suite_leak.py::test_after_the_leak",
         "suite_clean.py::test_solvers_in_cycles",
         "suite_clean.py::test_both_parallel_asserts",
+        "suite_clean.py::test_command_line_exported_for_forked_children",
     ):
         assert ("PASSED", test) in outcomes, (test, out)
     bad = {t for o, t in outcomes if o in ("FAILED", "ERROR")}
@@ -130,11 +131,12 @@ def check_leak_reported(
 
 @needs_mpi_pytest
 @pytest.mark.launcher
-@pytest.mark.parametrize("how", ["environment", "ini"])
+@pytest.mark.parametrize("how", ["environment", "ini", "command line"])
 def test_non_forking_mode_reports_a_leak(tmp_path: Path, how: str) -> None:
     suite = suite_copy(tmp_path, ini_leak_check=how == "ini")
     env = {"COLLECTIVE_GC_LEAK_CHECK": "1"} if how == "environment" else {}
-    proc, outcomes = non_forking(suite, env, "suite_clean.py", "suite_leak.py")
+    option = ["--cgc-leak-check"] if how == "command line" else []
+    proc, outcomes = non_forking(suite, env, *option, "suite_clean.py", "suite_leak.py")
     check_leak_reported(proc, outcomes)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from _resources import Solver
 from mpi4py import MPI
@@ -33,3 +35,11 @@ def test_serial_on_self() -> None:
     # mpi-pytest's serial test (marked parallel[1]): run by the forking
     # parent, deselected by `-m parallel[4]`.
     Solver(MPI.COMM_SELF, "serial")
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_command_line_exported_for_forked_children(request: pytest.FixtureRequest) -> None:
+    # mpi-pytest's forked children see the environment, not the command line:
+    # a --cgc-leak-check given here is handed on through it.
+    if request.config.getoption("cgc_leak_check"):
+        parallel_assert(os.environ.get("COLLECTIVE_GC_LEAK_CHECK") == "1", "not exported")
