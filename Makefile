@@ -20,14 +20,14 @@ MPIEXEC ?= tools/mpirun $(NP) 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
+.PHONY: all install test test-serial test-mpi test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c tools/install-system-deps.sh
 	bash tools/install-system-deps.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	$(PY) -c "import mpi4py, numpy, pytest_mpi; from petsc4py import PETSc" \
 	    || { echo "collective_gc: the environment in $(VENV) is incomplete" >&2; exit 1; }
 	touch $@
@@ -41,6 +41,24 @@ test-serial: install
 
 test-mpi: install
 	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" tests
+
+# Our pytest plugin under Firedrake's mpi-pytest (issue 22): a Firedrake-style
+# suite on 4 ranks with the leak check on. mpi-pytest lives in a venv of its
+# own: it and pytest-mpi (the main venv's) both install a top-level pytest_mpi.
+MPIPYTEST_VENV := .venv-mpipytest
+
+$(MPIPYTEST_VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c | $(VENV)/.installed
+	$(PYTHON) -m venv --system-site-packages $(MPIPYTEST_VENV)
+	$(MPIPYTEST_VENV)/bin/pip install -q --disable-pip-version-check mpi-pytest pytest-timeout
+	$(MPIPYTEST_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	$(MPIPYTEST_VENV)/bin/python -c "import pytest_mpi.plugin, collective_gc.pytest_plugin" \
+	    || { echo "collective_gc: the environment in $(MPIPYTEST_VENV) is incomplete" >&2; exit 1; }
+	touch $@
+
+# The runner runs in the main venv; it starts mpi-pytest's Python under tools/mpirun.
+test-plugin-mpipytest: install $(MPIPYTEST_VENV)/.installed
+	CGC_MPIPYTEST_PYTHON=$(abspath $(MPIPYTEST_VENV))/bin/python \
+	    $(PY) -m pytest $(PYTEST_FLAGS) -rs tests/test_plugin_mpi_pytest.py
 
 # The same two suites on the stacks users have (issue 12), one leg at a time,
 # each built once under .stacks/ (tools/stack-setup; tools/stack-run describes
@@ -127,4 +145,4 @@ lint: install
 	$(PY) -m mypy --strict collective_gc
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(MPIPYTEST_VENV) build *.egg-info .pytest_cache

@@ -3,10 +3,12 @@
 Registered through the ``pytest11`` entry point, so it is active in every
 pytest run once collective_gc is installed; with no option and no marker it
 only registers its markers and options (and imports neither mpi4py nor
-collective_gc). It works serially and under
-``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi`` beside pytest-mpi.
+collective_gc). It works serially, under
+``mpiexec -n 4 python -m mpi4py -m pytest --with-mpi`` beside pytest-mpi, and
+beside Firedrake's mpi-pytest in both its modes; it imports neither.
 
-- ``--cgc-leak-check`` (or ``cgc_leak_check = true`` in the ini file): after
+- ``--cgc-leak-check`` (or ``COLLECTIVE_GC_LEAK_CHECK=1`` in the environment,
+  or ``cgc_leak_check = true`` in the ini file; in that order): after
   each test, a final collective sync on every manager the test registered
   objects on; the test fails, on every rank together, if objects it
   registered are still alive or queued. ``@pytest.mark.cgc_leak_check`` turns
@@ -180,14 +182,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=None,
         help="after each test, sync the collective_gc managers it used and fail it "
-        "if objects it registered are still alive or queued (ini: cgc_leak_check)",
+        "if objects it registered are still alive or queued (env: COLLECTIVE_GC_LEAK_CHECK=1; "
+        "ini: cgc_leak_check)",
     )
     group.addoption(
         "--cgc-timeout",
         type=float,
         default=None,
         help="seconds the checks' own collectives may wait for the other ranks "
-        f"(ini: cgc_timeout; default {_DEFAULT_TIMEOUT:g})",
+        f"(env: COLLECTIVE_GC_TIMEOUT; ini: cgc_timeout; default {_DEFAULT_TIMEOUT:g})",
     )
     parser.addini(
         "cgc_leak_check", "collective_gc leak check for every test", type="bool", default=False
@@ -208,13 +211,53 @@ def pytest_configure(config: pytest.Config) -> None:
         "cgc_strict: fail this test if a collective_gc-managed object is finalized by "
         "the cyclic collector while it runs",
     )
-    option = config.getoption("cgc_leak_check")
-    leak = bool(config.getini("cgc_leak_check")) if option is None else bool(option)
-    timeout = config.getoption("cgc_timeout")
+    leak, timeout = _settings(config)
+    config.stash[_STATE] = _State(leak_default=leak, timeout=timeout)
+
+
+# The environment's names for the two settings. mpi-pytest's forking mode
+# re-runs each parallel test as `mpiexec ... pytest --runxfail -s -q file::test`:
+# the children find the same ini file and inherit the environment, but never
+# see the parent's command line.
+LEAK_CHECK_ENV = "COLLECTIVE_GC_LEAK_CHECK"
+TIMEOUT_ENV = "COLLECTIVE_GC_TIMEOUT"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _settings(config: pytest.Config) -> tuple[bool, float]:
+    """The leak check default and the timeout: command line, else environment, else ini."""
+    leak: bool | None = config.getoption("cgc_leak_check")
+    timeout: float | None = config.getoption("cgc_timeout")
+    from_command_line = (leak is not None, timeout is not None)
+    if leak is None and LEAK_CHECK_ENV in os.environ:
+        raw = os.environ[LEAK_CHECK_ENV].strip().lower()
+        if raw not in _TRUE + _FALSE:
+            raise pytest.UsageError(
+                f"{LEAK_CHECK_ENV}={os.environ[LEAK_CHECK_ENV]!r}: expected one of "
+                f"{', '.join(_TRUE + _FALSE[:-1])} (or empty)"
+            )
+        leak = raw in _TRUE
+    if timeout is None and os.environ.get(TIMEOUT_ENV, "").strip():
+        try:
+            timeout = float(os.environ[TIMEOUT_ENV])
+        except ValueError:
+            raise pytest.UsageError(
+                f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r}: expected a number of seconds"
+            ) from None
+    if leak is None:
+        leak = bool(config.getini("cgc_leak_check"))
     if timeout is None:
         raw = str(config.getini("cgc_timeout")).strip()
         timeout = float(raw) if raw else _DEFAULT_TIMEOUT
-    config.stash[_STATE] = _State(leak_default=leak, timeout=float(timeout))
+    if config.pluginmanager.has_plugin("mpi-pytest"):
+        # Hand the command-line values to mpi-pytest's forked children (see
+        # above); values from the environment or the ini reach them already.
+        if from_command_line[0]:
+            os.environ[LEAK_CHECK_ENV] = "1" if leak else "0"
+        if from_command_line[1]:
+            os.environ[TIMEOUT_ENV] = repr(float(timeout))
+    return bool(leak), float(timeout)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
