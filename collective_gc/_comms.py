@@ -55,7 +55,7 @@ from ._lookup import lookup, manager, on_first_collective, retire
 from ._manager import Manager, Participant
 from ._scope import current_scope
 
-__all__ = ["dup", "split", "derived", "adopt", "contains", "unreached"]
+__all__ = ["dup", "split", "derived", "adopt", "contains", "relation", "unreached"]
 
 _CHILD_KEYVAL: list[int] = []
 
@@ -85,7 +85,7 @@ def contains(parent: MPI.Intracomm, child: MPI.Intracomm) -> bool:
         cg.Free()
 
 
-def _relation(a: MPI.Comm, b: MPI.Comm) -> str:
+def relation(a: MPI.Comm, b: MPI.Comm) -> str:
     """How two communicators compare, in words (MPI_Comm_compare). Local."""
     result = MPI.Comm.Compare(a, b)
     return {
@@ -367,7 +367,7 @@ def adopt(parent: Manager, child: Manager) -> bool:
         return False
     children = _children(parent)
     label = (
-        f"a {_relation(comm, pcomm)} communicator of size {child.size} "
+        f"a {relation(comm, pcomm)} communicator of size {child.size} "
         f"(#{children.made}) reached from the {parent.describe()}"
     )
     record = _Derived(MPI.Intracomm(comm), label, owned=False, whole=child.size == parent.size)
