@@ -51,13 +51,15 @@ from ._errors import (
     CollectiveTimeoutError,
     DestroyError,
 )
-from ._lookup import lookup, manager, on_first_collective, retire
+from ._lookup import lookup, manager, on_first_collective, on_new_manager, retire
 from ._manager import Manager, Participant
 from ._scope import current_scope
 
 __all__ = ["dup", "split", "derived", "adopt", "contains", "relation", "unreached"]
 
 _CHILD_KEYVAL: list[int] = []
+# Which manager's sync points reach a manager (to refuse a cycle of visits).
+_PARENT: weakref.WeakKeyDictionary[Manager, Manager] = weakref.WeakKeyDictionary()
 
 
 def _child_deleted(comm: MPI.Comm, keyval: int, record: _Derived) -> None:
@@ -246,6 +248,8 @@ class _Children(Participant):
         self.made = 0
 
     def prepare(self, mgr: Manager, deadline: float | None) -> list[Failure]:
+        if _UNREACHED:
+            _reach(mgr)
         failures: list[Failure] = []
         for record in list(self.records):
             failures.extend(record.visit(deadline))
@@ -300,6 +304,7 @@ def _adopt(
             # on it makes no collective, so one rank registering alone is a
             # mismatch at the next sync point, not a rank waiting (defect 7).
             child = manager(new)
+            _PARENT[child] = manager(comm)
             child.sync()
             record.mgr = child
     except BaseException:
@@ -365,6 +370,11 @@ def adopt(parent: Manager, child: Manager) -> bool:
     kv = _keyval()
     if isinstance(comm.Get_attr(kv), _Derived) or not contains(pcomm, comm):
         return False
+    up: Manager | None = parent
+    while up is not None:
+        if up is child:
+            return False  # the parent is reached from the child: no cycle of visits
+        up = _PARENT.get(up)
     children = _children(parent)
     label = (
         f"a {relation(comm, pcomm)} communicator of size {child.size} "
@@ -373,16 +383,41 @@ def adopt(parent: Manager, child: Manager) -> bool:
     record = _Derived(MPI.Intracomm(comm), label, owned=False, whole=child.size == parent.size)
     record.mgr = child
     comm.Set_attr(kv, record)
+    _PARENT[child] = parent
     children.records.append(record)
     children.made += 1
-    _UNREACHED.discard(child)
     return True
 
 
-# Managers with a collective that no parent adopted (their own sync points
-# may still come: collect(comm) on them). Named by unreached().
-_UNREACHED: weakref.WeakSet[Manager] = weakref.WeakSet()
+# Managers with a collective that no parent adopted when it was made, in the
+# order of their first collective (the same on every rank that shares them):
+# the next sync point of a manager whose communicator contains theirs adopts
+# them (see _reach); until then unreached() names them.
+_UNREACHED: list[weakref.ref[Manager]] = []
 _WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
+
+
+def _reach(parent: Manager) -> None:
+    """At a sync point of ``parent`` (before its children are visited): adopt
+    the unreached managers its communicator contains. Every rank of such a
+    communicator is a rank of the parent and runs this at the same point, with
+    the same list (made at collectives), so they all adopt alike."""
+    try:
+        pcomm = parent.comm
+    except CollectiveGCError:
+        return
+    keep = []
+    for ref in _UNREACHED:
+        child = ref()
+        if child is None or child.broken is not None or child.comm_freed:
+            continue
+        try:
+            inside = contains(pcomm, child.comm)
+        except CollectiveGCError:
+            continue
+        if not (inside and adopt(parent, child)):
+            keep.append(ref)
+    _UNREACHED[:] = keep
 
 
 def _parent_for(mgr: Manager) -> Manager | None:
@@ -424,30 +459,58 @@ def _first_collective(mgr: Manager) -> None:
     parent = _parent_for(mgr)
     if parent is None:
         if comm != MPI.COMM_WORLD:
-            _UNREACHED.add(mgr)
+            _UNREACHED.append(weakref.ref(mgr))
         return
     adopt(parent, mgr)
 
 
+def _new_manager(mgr: Manager) -> None:
+    # Local: the view and the leak check of any communicator name this rank's
+    # unreached managers.
+    mgr.add_view_hook(_unreached_rows)
+    mgr.add_leak_hook(_unreached_lines)
+
+
 on_first_collective(_first_collective)
+on_new_manager(_new_manager)
 
 
 def unreached() -> list[Manager]:
     """Managers of communicators of size > 1 with registrations that no
-    parent's sync point reaches and that never ran a sync point of their
-    own: their destroys wait for one (``cgc.collect(comm)``) or for exit.
-    Local. The first time each is seen here, a RuntimeWarning names it (on
-    every rank of it, since the decision is made from collective state)."""
-    out = [m for m in list(_UNREACHED) if m.registered and m.sync_count == 0 and m.broken is None]
+    parent's sync point reaches yet and that never ran a sync point of their
+    own: their destroys wait for one (a sync point of a communicator that
+    contains theirs, ``cgc.collect(comm)`` on them) or for exit. Local. The
+    first time each is named here (by ``cgc.view`` and the pytest plugin's
+    leak check too), a RuntimeWarning names it; the list is made from
+    collective state, so on every rank of it alike."""
+    out = []
+    for ref in _UNREACHED:
+        mgr = ref()
+        if mgr is not None and mgr.registered and mgr.sync_count == 0 and mgr.broken is None:
+            out.append(mgr)
     for mgr in out:
         if mgr not in _WARNED:
             _WARNED.add(mgr)
             warnings.warn(
                 f"collective_gc: rank {mgr.rank}: {mgr.registered} registration(s) on a "
-                f"{mgr.describe()} that no sync point reaches: it was made outside any "
+                f"{mgr.describe()} that no sync point reaches: it was first used outside any "
                 "collective_scope whose communicator contains it, and COMM_WORLD's manager "
-                "was not in use; run cgc.collect on it, or open a scope first",
+                "was not in use; a sync point of a communicator that contains it, or "
+                "cgc.collect on it, reaches it",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     return out
+
+
+def _unreached_text(mgr: Manager) -> str:
+    return f"{mgr.registered} registered on a {mgr.describe()} that no sync point reaches"
+
+
+def _unreached_rows(mgr: Manager) -> list[tuple[str, str]]:
+    # In cgc.view of any communicator: the unreached managers of this rank.
+    return [("unreached", _unreached_text(m)) for m in unreached() if m is not mgr]
+
+
+def _unreached_lines(mgr: Manager) -> list[str]:
+    return [_unreached_text(m) for m in unreached() if m is not mgr]

@@ -26,6 +26,7 @@ __all__ = [
     "release_freed",
     "check_comm",
     "on_first_collective",
+    "on_new_manager",
     "retire",
 ]
 
@@ -47,6 +48,17 @@ _FREED: list[Manager] = []
 # Called with each manager at its first collective (collective_gc._comms:
 # a communicator a library made is adopted by a parent's sync points there).
 _ON_FIRST: list[Callable[[Manager], None]] = []
+
+
+# Called with each new manager (local: a view hook, say).
+_ON_NEW: list[Callable[[Manager], None]] = []
+
+
+def on_new_manager(hook: Callable[[Manager], None]) -> None:
+    """Call ``hook(mgr)`` when a manager is made (a local moment: it must not
+    make MPI calls). Local."""
+    if hook not in _ON_NEW:
+        _ON_NEW.append(hook)
 
 
 def on_first_collective(hook: Callable[[Manager], None]) -> None:
@@ -136,6 +148,8 @@ def manager(comm: MPI.Comm) -> Manager:
             mgr = Manager(c, _first_collective, _forget)
             c.Set_attr(kv, mgr)
             _MANAGERS.append(mgr)
+            for hook in _ON_NEW:
+                hook(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
     _LAST[0], _LAST[1] = weakref.ref(comm), mgr

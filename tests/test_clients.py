@@ -10,18 +10,23 @@ alone, so that ``make test`` checks them without DOLFINx.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from mpi4py import MPI
 
-from conftest import import_petsc
+from conftest import import_petsc, mpiexec_cmd, mpiexec_env
 
 PETSc = import_petsc()
 
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
 from collective_gc._comms import derived  # noqa: E402
+
+JOBS = Path(__file__).parent / "jobs"
 
 
 class Step:
@@ -175,3 +180,20 @@ def test_keep_drops_collective_resources_at_the_sync_point(comm: MPI.Intracomm) 
             scope.sync()
         assert log == [f"{n}{j}" for j in range(3) for n in ("file", "mesh")]
     lib.Free()
+
+
+@pytest.mark.launcher
+def test_a_manager_no_sync_point_reaches_is_named_then_reached() -> None:
+    """Issue 22: one manage per library communicator left managers nothing
+    synced, silently, until exit. A manager made before anything containing
+    it was in use is now named by view and a warning on every rank, and the
+    next sync point of a communicator containing it reaches it."""
+    proc = subprocess.run(
+        [*mpiexec_cmd(2, 90), sys.executable, "-m", "mpi4py", str(JOBS / "unreached.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=mpiexec_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == 2, proc.stdout + proc.stderr
