@@ -475,20 +475,20 @@ on_first_collective(_first_collective)
 on_new_manager(_new_manager)
 
 
-def unreached() -> list[Manager]:
+def unreached(warn: bool = True) -> list[Manager]:
     """Managers of communicators of size > 1 with registrations that no
     parent's sync point reaches yet and that never ran a sync point of their
     own: their destroys wait for one (a sync point of a communicator that
     contains theirs, ``cgc.collect(comm)`` on them) or for exit. Local. The
-    first time each is named here (by ``cgc.view`` and the pytest plugin's
-    leak check too), a RuntimeWarning names it; the list is made from
-    collective state, so on every rank of it alike."""
+    first time each is named here (or by the pytest plugin's leak check; ``cgc.view``
+    lists them without warning), a RuntimeWarning names it; the list is made from
+    collective state, so on every rank of it alike (``warn=False``: no warning)."""
     out = []
     for ref in _UNREACHED:
         mgr = ref()
         if mgr is not None and mgr.registered and mgr.sync_count == 0 and mgr.broken is None:
             out.append(mgr)
-    for mgr in out:
+    for mgr in out if warn else ():
         if mgr not in _WARNED:
             _WARNED.add(mgr)
             warnings.warn(
@@ -498,7 +498,7 @@ def unreached() -> list[Manager]:
                 "was not in use; a sync point of a communicator that contains it, or "
                 "cgc.collect on it, reaches it",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
     return out
 
@@ -509,7 +509,7 @@ def _unreached_text(mgr: Manager) -> str:
 
 def _unreached_rows(mgr: Manager) -> list[tuple[str, str]]:
     # In cgc.view of any communicator: the unreached managers of this rank.
-    return [("unreached", _unreached_text(m)) for m in unreached() if m is not mgr]
+    return [("unreached", _unreached_text(m)) for m in unreached(warn=False) if m is not mgr]
 
 
 def _unreached_lines(mgr: Manager) -> list[str]:

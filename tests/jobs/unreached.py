@@ -9,6 +9,7 @@ import warnings
 from mpi4py import MPI
 
 import collective_gc as cgc
+from collective_gc._comms import unreached
 
 WORLD = MPI.COMM_WORLD
 lib = WORLD.Dup()  # a library's own duplicate
@@ -21,11 +22,13 @@ class Owner:
 
 o = Owner()
 cgc.register(o, ran.append, "destroyed", comm=lib)
+text = cgc.view(WORLD, file=None)  # COMM_WORLD's first use: it names lib
+assert "no sync point reaches" in text, text
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    text = cgc.view(WORLD, file=None)  # COMM_WORLD's first use: it names lib
-assert "no sync point reaches" in text, text
-assert any("no sync point reaches" in str(w.message) for w in caught), caught
+    assert cgc.manager(lib) in unreached()
+    assert unreached() == [cgc.manager(lib)]  # warned once
+assert len(caught) == 1 and "no sync point reaches" in str(caught[0].message), caught
 del o
 gc.collect()
 cgc.collect(WORLD)  # reaches lib (its group is in WORLD's) and syncs it
