@@ -20,7 +20,7 @@ MPIEXEC ?= tools/mpirun $(NP) 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
+.PHONY: all install test test-serial test-mpi test-clients test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
@@ -41,6 +41,14 @@ test-serial: install
 
 test-mpi: install
 	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" tests
+
+# Real clients (issue 22): Debian 12's DOLFINx 0.5.2, installed by its own
+# script so that `make test` does not need it; its tests and the example loop
+# (200 steps, XDMF output, RSS <= 40 KiB/step from step 20, nothing left) on 4 ranks.
+test-clients: install test-plugin-mpipytest
+	bash tools/install-client-deps.sh
+	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
+	$(MPIRUN) examples/dolfinx_loop.py --steps 200 --check
 
 # Our pytest plugin under Firedrake's mpi-pytest (issue 22): a Firedrake-style
 # suite on 4 ranks with the leak check on. mpi-pytest lives in a venv of its

@@ -22,6 +22,7 @@ from ._errors import (
     ExitLeakWarning,
     RegistrationError,
 )
+from ._keep import keep
 from ._lookup import manager, managers
 from ._manager import CollectStats, Manager, Participant, Snapshot
 from ._registration import Registration
@@ -59,6 +60,7 @@ __all__ = [
     "current_scope",
     "dup",
     "find_cycles",
+    "keep",
     "manager",
     "managers",
     "pending",

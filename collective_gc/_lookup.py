@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -18,7 +19,16 @@ from mpi4py import MPI
 from ._errors import CollectiveGCError
 from ._manager import Manager
 
-__all__ = ["manager", "lookup", "managers", "release_freed", "check_comm"]
+__all__ = [
+    "manager",
+    "lookup",
+    "managers",
+    "release_freed",
+    "check_comm",
+    "on_first_collective",
+    "on_new_manager",
+    "retire",
+]
 
 _REGISTRY_LOCK = threading.RLock()
 _MANAGERS: list[Manager] = []
@@ -35,9 +45,35 @@ _LAST: list[Any] = [None, None]
 _FREED: list[Manager] = []
 
 
+# Called with each manager at its first collective (collective_gc._comms:
+# a communicator a library made is adopted by a parent's sync points there).
+_ON_FIRST: list[Callable[[Manager], None]] = []
+
+
+# Called with each new manager (local: a view hook, say).
+_ON_NEW: list[Callable[[Manager], None]] = []
+
+
+def on_new_manager(hook: Callable[[Manager], None]) -> None:
+    """Call ``hook(mgr)`` when a manager is made (a local moment: it must not
+    make MPI calls). Local."""
+    if hook not in _ON_NEW:
+        _ON_NEW.append(hook)
+
+
+def on_first_collective(hook: Callable[[Manager], None]) -> None:
+    """Call ``hook(mgr)`` at each manager's first collective (the making of its
+    private duplicate: collective over its communicator, so every rank of it
+    calls the hook at the same point of the program). Local."""
+    if hook not in _ON_FIRST:
+        _ON_FIRST.append(hook)
+
+
 def _first_collective(mgr: Manager) -> None:
     with _REGISTRY_LOCK:
         _COLLECTIVE_ORDER.append(mgr)
+    for hook in _ON_FIRST:
+        hook(mgr)
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
@@ -112,6 +148,8 @@ def manager(comm: MPI.Comm) -> Manager:
             mgr = Manager(c, _first_collective, _forget)
             c.Set_attr(kv, mgr)
             _MANAGERS.append(mgr)
+            for hook in _ON_NEW:
+                hook(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
     _LAST[0], _LAST[1] = weakref.ref(comm), mgr
@@ -156,6 +194,27 @@ def release_freed() -> None:
         elif mgr.registered:
             keep.append(mgr)
     _FREED[:] = keep
+
+
+def retire(mgr: Manager, comm: MPI.Intracomm | None) -> bool:
+    """Let go of ``mgr`` while its communicator ``comm`` may live on (None: it
+    was freed), if nothing is registered on it: its private duplicate is
+    freed, and a later lookup of ``comm`` makes a fresh manager. True if done.
+
+    Collective in effect (freeing the private duplicate is): call it on every
+    rank of the communicator at the same point, as a parent's sync point does
+    for the communicators it reaches (see collective_gc._comms).
+    """
+    if not mgr.release():
+        return False
+    _forget(mgr)
+    if comm is not None and _KEYVAL and not mgr.comm_freed:
+        with _REGISTRY_LOCK:
+            if comm.Get_attr(_KEYVAL[0]) is mgr:
+                comm.Delete_attr(_KEYVAL[0])  # runs _delete_attr: not a real free
+        if mgr in _FREED:
+            _FREED.remove(mgr)
+    return True
 
 
 def after_fork() -> None:

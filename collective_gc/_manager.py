@@ -664,7 +664,11 @@ class Manager:
                 raise
             except CollectiveMismatchError as exc:
                 # Every rank saw the same agreement, so every rank gets here.
-                self._broken = f"the ranks disagreed at sync point {self._seq}"
+                # Raised before this sync point's own collectives (by a
+                # derived communicator's, visited in prepare, alike on every
+                # rank: collective_gc._comms), it leaves this one usable.
+                if self._collective:
+                    self._broken = f"the ranks disagreed at sync point {self._seq}"
                 _raise_held(dl, exc)
                 raise
             except BaseException as exc:

@@ -53,6 +53,7 @@ from mpi4py import MPI
 from petsc4py import PETSc
 
 from ._api import add_comm_resolver, register
+from ._comms import adopt, contains, relation
 from ._destroy import set_batch
 from ._errors import ExitLeakWarning, RegistrationError
 from ._lookup import manager, managers
@@ -906,8 +907,18 @@ def batch_destroys(enabled: bool | None = None) -> bool:
     return _BATCHING[0]
 
 
-def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> bool:
-    """Refuse what cannot be managed on ``comm``; True if ``obj`` is serial."""
+def _describe_object(obj: Any) -> str:
+    try:
+        name = obj.getName()
+    except Exception:  # noqa: BLE001 (a name is only for the message)
+        name = None
+    return f"{type(obj).__name__} {name!r}" if name else type(obj).__name__
+
+
+def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> MPI.Intracomm | None:
+    """Refuse what cannot be managed on ``comm``. Returns None if ``obj`` is
+    serial or lives on ``comm`` itself (PETSc's inner duplicate of it), else
+    the communicator it lives on, congruent with or a subset of ``comm``."""
     if not isinstance(obj, PETSc.Object):
         raise RegistrationError(
             f"collective_gc.petsc.manage() manages petsc4py objects, not a "
@@ -921,21 +932,22 @@ def _check(obj: Any, comm: MPI.Comm, inner: int | None) -> bool:
     ocomm = obj.getComm()
     osize = ocomm.getSize()
     if osize == 1:
-        return True  # a serial object: destroying it at a sync point of any communicator is safe
-    if _PETSC is not None:
-        # PETSc keeps the object on the inner communicator of the one it was
-        # created with; no inner communicator means no PETSc object on comm.
-        same = inner is not None and MPI._handleof(ocomm.tompi4py()) == inner
-    else:
-        same = osize == comm.Get_size()
-    if not same:
-        raise RegistrationError(
-            f"this {type(obj).__name__} lives on a communicator of size {osize} that is not "
-            f"the communicator of size {comm.Get_size()} it is being registered on; pass "
-            "the communicator it was created on (PETSc bins its garbage by communicator, "
-            "and a sync point on another one would never see it)"
-        )
-    return False
+        return None  # a serial object: destroying it at a sync point of any communicator is safe
+    # PETSc keeps the object on its inner duplicate of the communicator it was
+    # created with: of comm itself, or of a library's duplicate of it
+    # (DOLFINx: each mesh's, and each IndexMap's), which Python sees only there.
+    where = MPI.Intracomm(ocomm.tompi4py())
+    if _PETSC is not None and inner is not None and MPI._handleof(where) == inner:
+        return None
+    if contains(MPI.Intracomm(comm), where):
+        return where
+    raise RegistrationError(
+        f"this {_describe_object(obj)} lives on a communicator of size {osize} whose "
+        f"processes are not all in the communicator of size {comm.Get_size()} it is being "
+        f"registered on (MPI_Comm_compare: {relation(where, comm)}); pass comm= a "
+        "communicator that contains every process of it: the one it was created on "
+        "(obj.getComm().tompi4py() is PETSc's duplicate of that), or COMM_WORLD"
+    )
 
 
 def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -> Registration:
@@ -958,7 +970,12 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     fine: petsc4py nulls its handle, and the managed destroy skips it.
 
     The objects must live on ``comm`` (the communicator they were created
-    with) or be serial (size 1). The registration keeps them alive until
+    with), on a communicator congruent with it or a subset of it (a
+    library's own duplicate, as each DOLFINx mesh and IndexMap has: PETSc
+    keeps the objects on its inner duplicate of that), or be serial (size 1).
+    Their destroys run at ``comm``'s sync points; PETSc's garbage on their own
+    communicators is cleaned there too (those are reached as derived
+    communicators). The registration keeps them alive until
     then, so they must not refer back to ``owner``: an application context,
     a callback that is a method of the owner or an attribute set with
     ``setAttr`` would keep the owner alive for ever (use a weak reference
@@ -975,8 +992,17 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     mgr = install(comm)
     inner = None if _PETSC is None else _PETSC.inner(comm)
     serial = True
+    elsewhere: dict[int, MPI.Intracomm] = {}
     for obj in objs:
-        serial = _check(obj, comm, inner) and serial
+        where = _check(obj, comm, inner)
+        if where is not None:
+            elsewhere.setdefault(MPI._handleof(where), where)
+        serial = serial and obj.getComm().getSize() == 1
+    for where in elsewhere.values():
+        # PETSc bins the garbage of these objects' other Python references
+        # on their own communicator: clean it there too, at comm's sync
+        # points, which reach it as a derived communicator.
+        adopt(mgr, install(where))
     state = _SERIAL if serial else _STATES[mgr]
     # (The owner itself among objs is register()'s to refuse.) Most objects
     # have no Python attributes at all: nothing to walk.

@@ -761,16 +761,25 @@ def test_owner_kept_alive_is_named_by_the_leak_check(tmp_path: Path) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_wrong_communicator_refused(comm: MPI.Intracomm) -> None:
-    other = comm.Dup()
+    """An object on a communicator with processes outside the one it is
+    managed on (here: on the whole of comm, managed on half of it) is
+    refused, naming both sizes, how they compare, the object and what to pass.
+    (A congruent duplicate or a subset is accepted: tests/test_clients.py.)"""
+    half = comm.Split(comm.Get_rank() % 2)
     try:
-        v = PETSc.Vec().createMPI(2, comm=other)
+        v = PETSc.Vec().createMPI(2, comm=comm)
+        v.setName("field")
         owner = Holder()
-        with pytest.raises(cgc.RegistrationError, match="not the communicator"):
-            cp.manage(owner, v, comm=comm)
+        with pytest.raises(cgc.RegistrationError) as info:
+            cp.manage(owner, v, comm=half)
+        text = str(info.value)
+        assert f"Vec 'field' lives on a communicator of size {comm.Get_size()}" in text, text
+        assert f"size {half.Get_size()} it is being registered on" in text, text
+        assert "MPI_Comm_compare: unequal" in text and "COMM_WORLD" in text, text
         v.destroy()
-        assert cgc.manager(comm).next_key == 0
+        assert cgc.manager(half).next_key == 0
     finally:
-        other.Free()
+        half.Free()
 
 
 # -- sync points destroy runs of single-object wrappers in C (collective_gc._speedups)

@@ -1,0 +1,153 @@
+"""A DOLFINx Poisson loop with XDMF output, its objects in reference cycles (issue 22).
+
+Each step makes a mesh (DOLFINx duplicates the communicator for it, and for its
+IndexMaps), a P1 space and a LinearProblem (CG + Jacobi), solves, writes the
+solution to an open XDMFFile, and leaves its wrapper in cycles, as real codes do.
+
+    mpiexec -n 4 python -m mpi4py examples/dolfinx_loop.py [--steps N] [--mode M]
+
+``--mode cgc`` (the default) is the documented path: one scope on COMM_WORLD;
+the PETSc objects are managed on COMM_WORLD (they live on DOLFINx's own
+duplicates of it: collective_gc reaches those), the XDMF file and the mesh are
+kept (their C++ destructors are collective) and dropped at the sync point.
+``--mode gc`` (plain GC: it leaks every PETSc object, and hangs with the open
+XDMF file) and ``--mode collect`` (``gc.disable()`` + ``gc.collect()`` +
+``PETSc.garbage_cleanup()`` per step) are there to compare. The last line
+printed by rank 0 is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import dolfinx
+import dolfinx.fem.petsc
+import dolfinx.io
+import ufl
+from mpi4py import MPI
+from petsc4py import PETSc
+
+import collective_gc as cgc
+from collective_gc import petsc as cp
+
+WORLD = MPI.COMM_WORLD
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+class Step:
+    """One step: mesh, space, problem, solution, output file, in cycles."""
+
+    def __init__(self, n: int, out_dir: str, i: int, xdmf: bool) -> None:
+        self.me = self  # a cycle, as real codes leave them
+        self.mesh = dolfinx.mesh.create_unit_square(WORLD, n, n)
+        V = dolfinx.fem.FunctionSpace(self.mesh, ("Lagrange", 1))
+        u, v = ufl.TrialFunction(V), ufl.TestFunction(V)
+        x = ufl.SpatialCoordinate(self.mesh)
+        f = 10 * ufl.exp(-((x[0] - 0.5) ** 2 + (x[1] - 0.5) ** 2) / 0.02)
+        a = ufl.inner(ufl.grad(u), ufl.grad(v)) * ufl.dx + u * v * ufl.dx
+        # No petsc_options=: LinearProblem adds them to PETSc's global options
+        # table and never removes them (512 at most: error 55 near step 170).
+        self.problem = dolfinx.fem.petsc.LinearProblem(a, f * v * ufl.dx, bcs=[])
+        self.problem.solver.setType("cg")
+        self.problem.solver.getPC().setType("jacobi")
+        self.callback = self.report  # a bound method: another cycle
+        self.file = None
+        if xdmf:
+            self.file = dolfinx.io.XDMFFile(WORLD, os.path.join(out_dir, f"u{i % 2}.xdmf"), "w")
+
+    def report(self) -> str:
+        return f"step on {self.mesh.comm.Get_size()} ranks"
+
+    def solve(self) -> Any:
+        uh = self.problem.solve()
+        if self.file is not None:
+            self.file.write_mesh(self.mesh)
+            self.file.write_function(uh)
+        return uh
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--mode", choices=("cgc", "gc", "collect"), default="cgc")
+    parser.add_argument("--no-xdmf", action="store_true")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 unless RSS <= 40 KiB/step and nothing is left"
+    )
+    args = parser.parse_args()
+    out_dir = tempfile.mkdtemp(prefix="cgc-dolfinx-") if WORLD.rank == 0 else ""
+    out_dir = WORLD.bcast(out_dir)
+    xdmf = not args.no_xdmf
+    rss: list[int] = []
+    sync_s = 0.0
+    t0 = time.perf_counter()
+    if args.mode == "cgc":
+        with cgc.collective_scope(WORLD, timeout=120) as scope:
+            for i in range(args.steps):
+                step = Step(args.n, out_dir, i, xdmf)
+                p = step.problem
+                # The PETSc objects, managed on WORLD: they live on DOLFINx's
+                # duplicates of it (the mesh's, the IndexMap's).
+                cp.manage(step, p.solver, p.A, p.b, p._x, comm=WORLD)
+                # What has a collective C++ destructor and no destroy call,
+                # kept by another member of the cycle (one registration per
+                # owner and communicator).
+                kept = [r for r in (step.file, step.mesh) if r is not None]
+                cgc.keep(step.problem, *kept, comm=WORLD)
+                del kept
+                step.solve()
+                del step, p
+                gc.collect()  # the step's cycles die (a young collection would do)
+                s0 = time.perf_counter()
+                scope.sync()
+                sync_s += time.perf_counter() - s0
+                rss.append(rss_kib())
+    else:
+        if args.mode == "collect":
+            gc.disable()
+        for i in range(args.steps):
+            step = Step(args.n, out_dir, i, xdmf)
+            step.solve()
+            del step
+            if args.mode == "collect":
+                s0 = time.perf_counter()
+                gc.collect()
+                PETSc.garbage_cleanup()
+                sync_s += time.perf_counter() - s0
+            rss.append(rss_kib())
+    total = time.perf_counter() - t0
+    gc.collect()
+    PETSc.garbage_cleanup()
+    start = min(20, len(rss) - 1)
+    growth = (rss[-1] - rss[start]) / max(1, len(rss) - 1 - start)
+    summary = {
+        "mode": args.mode,
+        "steps": args.steps,
+        "ms_per_step": 1e3 * total / args.steps,
+        "sync_share": sync_s / total,
+        "rss_kib_per_step": max(WORLD.allgather(growth)),
+        "petsc_garbage_world": len(cp.garbage(WORLD)),
+        "pending": sum(len(m.pending()) + m.registered for m in cgc.managers()),
+    }
+    summaries = WORLD.gather(summary)
+    if WORLD.rank == 0:
+        summary["pending_by_rank"] = [s["pending"] for s in summaries]
+        print(json.dumps(summary), flush=True)
+        bad = summary["rss_kib_per_step"] > 40 or any(summary["pending_by_rank"])
+        if args.check and bad:
+            raise SystemExit(f"dolfinx_loop: over budget: {summary}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""What real libraries make: their own communicators, PETSc's inner duplicates,
+collective resources that are not PETSc objects (issue 22).
+
+DOLFINx (tests/clients/, ``make test-clients``) duplicates the communicator of
+each mesh and of each IndexMap, and PETSc keeps every object on its own inner
+duplicate of those. These tests make the same shapes with mpi4py and petsc4py
+alone, so that ``make test`` checks them without DOLFINx.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+from conftest import import_petsc, mpiexec_cmd, mpiexec_env
+
+PETSc = import_petsc()
+
+import collective_gc as cgc  # noqa: E402
+from collective_gc import petsc as cp  # noqa: E402
+from collective_gc._comms import derived  # noqa: E402
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+class Step:
+    """One step's wrapper, in a reference cycle as real codes leave them."""
+
+    def __init__(self, lib: MPI.Intracomm) -> None:
+        self.me = self
+        self.A = PETSc.Mat().createAIJ([8, 8], nnz=1, comm=lib)
+        self.A.setUp()
+        self.A.assemble()
+        self.x = self.A.createVecRight()
+        # A second Python reference to the same PETSc Vec, left unmanaged (as
+        # DOLFINx's Function.vector is): when it dies, petsc4py hands the Vec
+        # to PETSc's garbage of the library's communicator.
+        self.alias = PETSc.Vec().createMPI(4, comm=lib)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_manage_takes_objects_on_a_library_duplicate(comm: MPI.Intracomm) -> None:
+    """Issue 22: ``cp.manage(step, ..., comm=COMM_WORLD)`` with objects on
+    DOLFINx's duplicate of it raised RegistrationError ("not the
+    communicator"). Now they are destroyed at the scope's sync point, and the
+    garbage their other references leave on the library's communicator is
+    cleaned there too (nothing else cleans it: garbage_cleanup(WORLD) never
+    reaches it)."""
+    with cgc.collective_scope(comm, timeout=60) as scope:
+        lib = comm.Dup()  # the library's own duplicate (a mesh's)
+        step = Step(lib)
+        cp.manage(step, step.A, step.x, comm=comm)
+        alias_comm = step.alias.getComm().tompi4py()
+        assert MPI.Comm.Compare(alias_comm, comm) == MPI.CONGRUENT
+        del step
+        gc.collect()  # the cycle dies; the alias goes to PETSc's garbage
+        scope.sync()
+        assert cp.garbage(lib) == []
+        assert cgc.manager(comm).registered == 0
+        lib.Free()  # as DOLFINx does when the mesh dies
+        scope.sync()
+        assert derived(comm) == []  # the adopted manager was let go of
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_library_communicators_per_step_do_not_accumulate(comm: MPI.Intracomm) -> None:
+    """Issue 22: one manager per library communicator, that the scope never
+    synced: 401 managers after 200 steps, nothing destroyed until exit. Now
+    each step's are reached by the scope's sync point and let go of there."""
+    base = len(cgc.managers())
+    with cgc.collective_scope(comm, timeout=60) as scope:
+        for _ in range(30):
+            mesh_comm, map_comm = comm.Dup(), comm.Dup()
+            step = Step(mesh_comm)
+            step.b = PETSc.Vec().createMPI(4, comm=map_comm)
+            cp.manage(step, step.A, step.x, step.b, comm=comm)
+            del step
+            gc.collect()
+            scope.sync()
+            mesh_comm.Free()
+            map_comm.Free()
+            assert len(derived(comm)) <= 4
+            assert len(cgc.managers()) <= base + 5
+        scope.sync()
+        assert derived(comm) == []
+    assert cgc.manager(comm).registered == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_registration_on_a_library_communicator_is_reached(comm: MPI.Intracomm) -> None:
+    """A library's communicator registered on directly (``comm=mesh.comm``)
+    used to wait for exit, silently; the parent scope's sync point now
+    destroys it, in the agreed order."""
+    ran: list[int] = []
+    with cgc.collective_scope(comm, timeout=60) as scope:
+        lib = comm.Split(0)  # congruent, made by "the library"
+
+        class Owner:
+            pass
+
+        owners = [Owner() for _ in range(3)]
+        for i, o in enumerate(owners):
+            cgc.register(o, ran.append, i, comm=lib)
+        del o
+        owners.clear()
+        scope.sync()
+        assert ran == [2, 1, 0]
+        lib.Free()
+        scope.sync()
+    assert derived(comm) == []
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_subset_library_communicator_is_reached(comm: MPI.Intracomm) -> None:
+    """A library's ``Split`` of the scope's communicator: each half's
+    registrations are destroyed at the parent's sync point; ranks of the
+    parent outside a half skip it."""
+    ran: list[str] = []
+    rank = comm.Get_rank()
+    with cgc.collective_scope(comm, timeout=60) as scope:
+        half = comm.Split(rank % 2)
+
+        class Owner:
+            pass
+
+        o: Any = Owner()
+        o.me = o
+        cgc.register(o, ran.append, f"half{rank % 2}", comm=half)
+        del o
+        gc.collect()
+        scope.sync()
+        assert ran == [f"half{rank % 2}"]
+        half.Free()
+        scope.sync()
+    assert derived(comm) == []
+
+
+class Collective:
+    """A resource whose destructor is a collective (as an XDMFFile's HDF5
+    close): a barrier on its communicator, and a log of the order."""
+
+    def __init__(self, comm: MPI.Intracomm, name: str, log: list[str]) -> None:
+        self.comm, self.name, self.log = comm, name, log
+
+    def __del__(self) -> None:
+        self.log.append(self.name)
+        self.comm.Barrier()  # what the C++ destructor does: a collective, here
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keep_drops_collective_resources_at_the_sync_point(comm: MPI.Intracomm) -> None:
+    """Issue 22, item 3: an XDMFFile-like resource (collective destructor) in
+    a step that dies in a cycle. Under plain GC the ranks run the destructor
+    at different moments (the loop hung at step 2-3); with cgc.keep the last
+    references are dropped at the sync point, on every rank, last first."""
+    lib = comm.Dup()  # the resources' own communicator, not ours to sync
+    log: list[str] = []
+    with cgc.collective_scope(comm, timeout=60) as scope:
+        for i in range(3):
+
+            class StepOwner:
+                pass
+
+            step: Any = StepOwner()
+            step.me = step
+            step.file = Collective(lib, f"file{i}", log)
+            step.mesh = Collective(lib, f"mesh{i}", log)
+            cgc.keep(step, step.mesh, step.file, comm=comm)
+            del step
+            if comm.Get_rank() == 0:
+                gc.collect()  # one rank alone: with keep, nothing collective runs here
+            assert log == [f"{n}{j}" for j in range(i) for n in ("file", "mesh")]
+            gc.collect()
+            scope.sync()
+        assert log == [f"{n}{j}" for j in range(3) for n in ("file", "mesh")]
+    lib.Free()
+
+
+@pytest.mark.launcher
+def test_a_manager_no_sync_point_reaches_is_named_then_reached() -> None:
+    """Issue 22: one manage per library communicator left managers nothing
+    synced, silently, until exit. A manager made before anything containing
+    it was in use is now named by view and a warning on every rank, and the
+    next sync point of a communicator containing it reaches it."""
+    proc = subprocess.run(
+        [*mpiexec_cmd(2, 90), sys.executable, "-m", "mpi4py", str(JOBS / "unreached.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=mpiexec_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == 2, proc.stdout + proc.stderr
