@@ -94,19 +94,15 @@ class Deadline:
     this rank's own deadline, ``late_after`` (``time.time()``) for the earliest
     deadline of any rank once the agreement has told it (see the module docs).
 
-    With ``hold``, a KeyboardInterrupt or SystemExit raised while waiting for a
-    collective is kept in ``held`` and the wait goes on (to completion or the
-    deadline), so that the caller can finish its collectives in step with the
-    other ranks and raise it afterwards; a second one is raised at once.
+    A signal's exception never lands in a wait of a sync point: the callers
+    wait inside protected regions (see :mod:`collective_gc._interrupts`).
     """
 
-    __slots__ = ("at", "late_after", "hold", "held")
+    __slots__ = ("at", "late_after")
 
-    def __init__(self, at: float | None, hold: bool = False) -> None:
+    def __init__(self, at: float | None) -> None:
         self.at = at
         self.late_after: float | None = None
-        self.hold = hold
-        self.held: BaseException | None = None
 
     def wall_us(self) -> int:
         """This rank's deadline as wall-clock microseconds, or NO_DEADLINE."""
@@ -119,28 +115,6 @@ class Deadline:
         """Take the earliest deadline of any rank (NO_DEADLINE: none had one)."""
         if wall_us != NO_DEADLINE:
             self.late_after = wall_us / 1e6
-
-    def keep(self, exc: BaseException) -> bool:
-        """Hold ``exc`` (an interrupt during a wait) if this deadline holds one
-        and holds none yet. False: the caller must raise it now."""
-        if not self.hold or self.held is not None or isinstance(exc, Exception):
-            return False
-        self.held = exc
-        return True
-
-    def release(self) -> None:
-        """Raise the held interrupt, if any (once the collectives are done)."""
-        held, self.held = self.held, None
-        if held is not None:
-            held.add_note(
-                "collective_gc: it arrived during a sync point (waiting for the other "
-                "ranks, or between its destroys) and was held until the sync point's "
-                "collectives were done, so that every rank ran the same destroys"
-            )
-            try:
-                raise held
-            finally:
-                held = None
 
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
@@ -162,35 +136,22 @@ def wait(
     """
     try:
         if deadline is None or deadline.at is None:
-            while True:
-                try:
-                    req.Wait()  # an interrupt surfaces here, once Wait has returned
-                    break
-                except BaseException as exc:
-                    if deadline is None or not deadline.keep(exc):
-                        raise
+            req.Wait()
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
             # not burn a core.
             delay = 0.0
             at = deadline.at
-            while True:
-                try:
-                    if req.Test():
-                        break
-                    if time.monotonic() > at:
-                        raise CollectiveTimeoutError(what())
-                    time.sleep(delay)
-                    delay = min(1e-3, delay * 2 + 2e-5)
-                except CollectiveTimeoutError:
-                    raise
-                except BaseException as exc:
-                    if not deadline.keep(exc):
-                        raise
+            while not req.Test():
+                if time.monotonic() > at:
+                    raise CollectiveTimeoutError(what())
+                time.sleep(delay)
+                delay = min(1e-3, delay * 2 + 2e-5)
     except BaseException:
-        # Timed out, or interrupted again: the request stays pending, and so
-        # must what MPI may still touch.
+        # Timed out, or left (outside a protected region, or by a second
+        # Ctrl-C): the request stays pending, and so must what MPI may still
+        # touch.
         if req != MPI.REQUEST_NULL:
             _ABANDONED.append((req, buffers))
         raise

@@ -23,6 +23,10 @@
  * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
  * the Python versions).
  *
+ * handlers_changed: whether the signal handlers a protected region relies on
+ * were replaced (see collective_gc._interrupts), checked at every region's
+ * entry for a cost well below a microsecond.
+ *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
  * loop: for each object, PETSc's PetscObjectDestroy() on the handle slot
@@ -997,7 +1001,40 @@ window_keys(PyObject *module, PyObject *args)
     return out;
 }
 
+/* -- handlers_changed --------------------------------------------------- */
+
+PyDoc_STRVAR(handlers_changed_doc,
+"handlers_changed(getsignal, signals, expected) -> bool\n\n"
+"Whether getsignal(signals[i]) is not expected[i] for some i (identity).");
+
+static PyObject *
+handlers_changed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])
+        || PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "handlers_changed: expected getsignal and two tuples of one length");
+        return NULL;
+    }
+    PyObject *getsignal = args[0];
+    Py_ssize_t n = PyTuple_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *handler = PyObject_CallOneArg(getsignal, PyTuple_GET_ITEM(args[1], i));
+        if (handler == NULL) {
+            return NULL;
+        }
+        int changed = handler != PyTuple_GET_ITEM(args[2], i);
+        Py_DECREF(handler);
+        if (changed) {
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
+    {"handlers_changed", (PyCFunction)(void (*)(void))handlers_changed, METH_FASTCALL,
+     handlers_changed_doc},
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
     {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
     {"new_registration", (PyCFunction)(void (*)(void))new_registration, METH_FASTCALL,

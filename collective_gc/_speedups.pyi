@@ -28,3 +28,6 @@ def take_batch(
 def run_each(
     fns: list[Callable[..., object]], argss: list[tuple[Any, ...]], /
 ) -> list[tuple[int, BaseException]]: ...
+def handlers_changed(
+    getsignal: Callable[[int], object], signals: tuple[int, ...], expected: tuple[object, ...], /
+) -> bool: ...
