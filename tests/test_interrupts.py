@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
@@ -108,3 +109,76 @@ def test_an_interrupt_storm_on_comm_self_loses_no_destroy() -> None:
     assert sorted(ran) == list(range(registered)), (
         f"{registered - len(set(ran))} of {registered} destroys never ran"
     )
+
+
+def _storm_on_one_rank(
+    comm: MPI.Intracomm, exc: Callable[[], BaseException], timeout: float | None, steps: int
+) -> None:
+    """Every rank registers 400 objects per step and drops them, then runs one
+    ``collect(comm)``; rank 1 does so under a storm raising ``exc()``. Every
+    rank must run every sync point (none left unusable), and every destroy must
+    run once on every rank."""
+    rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
+    ran: list[int] = []
+    raised = 0
+    other: list[str] = []
+    registered = 0
+    for step in range(steps):
+        objs = [Obj() for _ in range(400)]
+        for i, o in enumerate(objs):
+            cgc.register(o, ran.append, registered + i, comm=comm)
+        registered += len(objs)
+        del objs, o
+        # An exception that lands before the sync point began (in collect's
+        # own steps) leaves it not run on this rank: retried, as a program
+        # that catches interrupts would (sync_count says whether it ran).
+        target = mgr.sync_count + 1
+        with storm(exc, seed=step) if rank == 1 else _calm() as st:
+            while mgr.sync_count < target and not other:
+                try:
+                    st.budget = 3
+                    cgc.collect(comm, generation=None, timeout=timeout)
+                    st.budget = 0
+                except (KeyboardInterrupt, TimeoutError):
+                    st.budget = 0
+                except Exception as err:  # noqa: BLE001 (what the test looks for)
+                    st.budget = 0
+                    other.append(f"{type(err).__name__}: {err}"[:300])
+        raised += st.raised
+        if other:
+            break  # this rank's manager is unusable: the others would wait
+    # At once, on this rank alone: the others may be waiting in a sync point
+    # this rank will not reach (a failed assertion aborts the job).
+    assert not other, other[:2]
+    everyone = comm.allgather(raised)
+    assert everyone[1] > 5, everyone  # the storm reached rank 1's sync points
+    while cgc.pending(comm) or comm.allreduce(len(cgc.pending(comm))):
+        cgc.collect(comm, generation=None, timeout=timeout)
+    counts = comm.allgather((len(ran), len(set(ran)), sorted(ran) == list(range(registered))))
+    assert all(c == (registered, registered, True) for c in counts), (registered, counts)
+
+
+@contextmanager
+def _calm() -> Iterator[Storm]:
+    yield Storm()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_keyboard_interrupt_storm_on_one_rank_leaves_every_rank_in_step(
+    timeout: float | None,
+) -> None:
+    """Issue 25, defect 1: one rank under a KeyboardInterrupt storm in a loop of
+    ``collect(comm)``: an interrupt landing between starting the agreement's
+    allreduce and waiting on it left that rank's manager unusable while the
+    others went on (and then waited for ever at the next sync point)."""
+    _storm_on_one_rank(WORLD, KeyboardInterrupt, timeout, 60)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_watchdog_raising_timeouterror_on_one_rank_leaves_every_rank_in_step() -> None:
+    """Issue 25, defect 1: the same with a handler that raises an ordinary
+    exception (TimeoutError, as a per-step ``signal.alarm`` watchdog would):
+    inside ``wait()`` an Exception was not held at all."""
+    _storm_on_one_rank(WORLD, lambda: TimeoutError("step watchdog"), 30.0, 60)
