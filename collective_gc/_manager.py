@@ -585,6 +585,21 @@ class Manager:
         with self._lock:
             if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("run a sync point")
+            registry = self._registry
+            if self._size == 1 and not (
+                registry.inbox
+                or registry.pend.size
+                or registry.stale
+                or registry.last_cyclic
+                or participants
+                or self._participants
+            ):
+                # Nothing to drain, agree on or destroy, and no collective: what
+                # the steps below would do, without a protected region (an
+                # object dying from now on is the next sync point's).
+                seq = self._seq
+                self._seq = seq + 1
+                return CollectStats(0, 0, 0, time.perf_counter() - t0, seq, collected)
             # A protected region: a signal's handler runs once the sync point's
             # collectives are done on this rank (see _interrupts).
             entered = _interrupts.enter()
@@ -666,6 +681,7 @@ class Manager:
                 if agreed.mismatch:
                     raise self._mismatch(agreement.comm, dl, at_exit, identities)
                 agreement.window.advance(registry.next_key)
+                registry.new_interval()
                 keys, flags = agreed.keys, agreed.flags
             if flags & FLAG_BAD_VOTE:
                 # Seen alike by every rank, before anything is destroyed: the
@@ -727,6 +743,10 @@ class Manager:
                 )
             self._collective = False
             if caught:
+                caught[0].add_note(
+                    "collective_gc: it was held until the sync point's collectives were "
+                    "done, so that every rank ran the same destroys"
+                )
                 _raise_own([(-1, "the sync point's own steps", e) for e in caught])
             return CollectStats(
                 count,

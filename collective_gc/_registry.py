@@ -81,6 +81,7 @@ class Registry(Ledger):
         "registrar",
         "registrar_ident",
         "busy",
+        "thread",
         "push",
         "cyclic_total",
         "last_cyclic",
@@ -117,6 +118,13 @@ class Registry(Ledger):
         # next one in add (under its guard): add_plain, which takes no guard,
         # leaves the registry to them while it is not 0.
         self.busy = 0
+        # On a communicator of size > 1, the ident of the one thread that has
+        # registered since the last sync point (0: none yet). Two threads
+        # registering between the same two sync points would be numbered in
+        # an order that may differ between ranks even when their calls never
+        # overlap (the C path's never do), so the second is refused. -1: any
+        # thread may register (the keys of a size-1 communicator are local).
+        self.thread = 0 if parallel else -1
         self.cyclic_total = 0
         # (type, name, key, origin) of the cyclic deaths the last drain found,
         # and of the last LOG ones found by any drain (cyclic_total - len of
@@ -152,7 +160,14 @@ class Registry(Ledger):
                 holder = self._holder_or_acquire(registrar)
                 if holder:
                     self._refuse_thread(holder)
-            self.registrar_ident = _get_ident()
+            me = _get_ident()
+            owner = self.thread
+            if owner != me:
+                if owner:
+                    registrar.release()
+                    self._refuse_thread(owner)
+                self.thread = me
+            self.registrar_ident = me
             guard = registrar
         self.busy += 1
         try:
@@ -211,10 +226,18 @@ class Registry(Ledger):
         raise RegistrationError(
             f"thread {threading.current_thread().name!r} tried to register an object "
             f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
-            "registering one: registration on a communicator of size > 1 is "
-            "collective, and ranks would number objects registered from two "
-            "threads at once in different orders. Register from one thread."
+            "registering objects there (since the last sync point): registration on "
+            "a communicator of size > 1 is collective, and ranks would number objects "
+            "registered from two threads between the same two sync points in "
+            "different orders. Register from one thread, or run a sync point between "
+            "the two threads' registrations."
         )
+
+    def new_interval(self) -> None:
+        """A sync point was agreed: the next registration may come from any
+        one thread (see ``thread``)."""
+        if self.thread > 0:
+            self.thread = 0
 
     def retire(
         self, reg: Registration, state: int
@@ -291,6 +314,7 @@ class Registry(Ledger):
         locks: one another thread held at the fork is never released there."""
         if self.registrar is not None:
             self.registrar = threading.RLock()
+            self.thread = 0
         regs = Ledger.after_fork(self)
         self.inbox.clear()
         self.pend = self.pend_seq = NO_KEYS

@@ -488,7 +488,7 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * _registration's switches: [track origins], [the finalizer], [fast add on]. */
 static PyTypeObject *registry_type = NULL;
 static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = -1,
-                  off_rpush = -1;
+                  off_rpush = -1, off_thread = -1;
 static PyObject *origins_switch = NULL, *callback_box = NULL, *fast_switch = NULL;
 
 PyDoc_STRVAR(set_registry_type_doc,
@@ -516,7 +516,8 @@ set_registry_type(PyObject *module, PyObject *args)
     Py_ssize_t b = k < 0 ? -1 : slot_offset((PyTypeObject *)cls, "busy");
     Py_ssize_t o = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "owner");
     Py_ssize_t p = o < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
-    if (p < 0) {
+    Py_ssize_t t = p < 0 ? -1 : slot_offset((PyTypeObject *)cls, "thread");
+    if (t < 0) {
         return NULL;
     }
     off_live = l;
@@ -524,6 +525,7 @@ set_registry_type(PyObject *module, PyObject *args)
     off_busy = b;
     off_rowner = o;
     off_rpush = p;
+    off_thread = t;
     Py_INCREF(cls);
     Py_XSETREF(registry_type, (PyTypeObject *)cls);
     Py_INCREF(origins);
@@ -540,8 +542,9 @@ PyDoc_STRVAR(add_plain_doc,
 "Registry.add's common case in one call: ``destroy`` a plain function without\n"
 "a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
 "``obj`` weakly referenceable and with no other weak reference, no origin to\n"
-"record, and no other registration half-way through on ``registry`` (its busy\n"
-"count 0). Then the registration is made, given the next key and stored,\n"
+"record, no other registration half-way through on ``registry`` (its busy\n"
+"count 0), and its ``thread`` -1 (any thread may register), 0 (none has since\n"
+"the last sync point: this one becomes it) or this thread's ident. Then the registration is made, given the next key and stored,\n"
 "with no Python code run between reading the key and storing the next one\n"
 "(so it needs no lock). Otherwise None, having changed nothing:\n"
 "Registry.add then does it (or says what is wrong).");
@@ -597,7 +600,7 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         return NULL;
     }
-    PyObject *next = NULL;
+    PyObject *next = NULL, *claim = NULL;
     /* From here to the stores, no Python code runs (an int's allocation does
      * not start the collector, an int key's hash and comparison call nothing),
      * so no other thread can take a key in between. */
@@ -605,12 +608,35 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *busy = SLOT(registry, off_busy);
     PyObject *key = SLOT(registry, off_next_key);
     PyObject *live = SLOT(registry, off_live);
+    PyObject *thread = SLOT(registry, off_thread);
     if (wr->wr_prev != NULL || wr->wr_next != NULL /* another weak reference to obj */
         || busy == NULL || !PyLong_CheckExact(busy) || PyLong_AsLong(busy) != 0
-        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)) {
+        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)
+        || thread == NULL || !PyLong_CheckExact(thread)) {
         /* (busy: another registration is between taking its key and storing
          * the next one, on another thread or below us on this one) */
         goto slow;
+    }
+    /* The one thread that registers between two sync points on a
+     * communicator of size > 1 (ranks would number two threads' objects in
+     * different orders): another one goes to Registry.add, which refuses it. */
+    long long owner_ident = PyLong_AsLongLong(thread);
+    if (owner_ident == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto slow;
+    }
+    if (owner_ident != -1) {
+        unsigned long me = PyThread_get_thread_ident();
+        if (owner_ident == 0) {
+            claim = PyLong_FromUnsignedLong(me);
+            if (claim == NULL) {
+                Py_DECREF(reg);
+                return NULL;
+            }
+        }
+        else if ((unsigned long long)owner_ident != (unsigned long long)me) {
+            goto slow;
+        }
     }
     long long k = PyLong_AsLongLong(key);
     if (k < 0 || k == LLONG_MAX) {
@@ -619,19 +645,25 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     next = PyLong_FromLongLong(k + 1);
     if (next == NULL) {
+        Py_XDECREF(claim);
         Py_DECREF(reg);
         return NULL;
     }
     Py_INCREF(key);
     Py_SETREF(SLOT(reg, off_key), key); /* was None */
     if (PyDict_SetItem(live, key, reg) < 0) {
+        Py_XDECREF(claim);
         Py_DECREF(next);
         Py_DECREF(reg);
         return NULL;
     }
     Py_SETREF(SLOT(registry, off_next_key), next);
+    if (claim != NULL) {
+        Py_SETREF(SLOT(registry, off_thread), claim);
+    }
     return reg;
 slow:
+    Py_XDECREF(claim);
     Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */
     Py_RETURN_NONE;
 }
