@@ -62,7 +62,7 @@ from ._registration import SPEEDUPS
 # for a function handler (measured here), more than an empty sync point.
 _getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
-__all__ = ["SIGNALS", "Deferring", "enter", "leave", "deferred"]
+__all__ = ["SIGNALS", "Deferring", "enter", "leave", "enter_py", "leave_py", "use", "deferred"]
 
 Handler = Callable[[int, types.FrameType | None], Any]
 
@@ -137,7 +137,7 @@ def _guard() -> None:
     _GUARDED[0] = tuple(map(_getsignal, SIGNALS))
 
 
-def enter() -> bool:
+def enter_py() -> bool:
     """Enter a protected region (on the main thread; elsewhere a no-op).
     Returns what :func:`leave` needs. Local."""
     if _get_ident() != _MAIN:
@@ -148,7 +148,7 @@ def enter() -> bool:
     return True
 
 
-def leave(entered: bool) -> None:
+def leave_py(entered: bool) -> None:
     """Leave the region :func:`enter` entered; leaving the outermost one calls
     the handlers of the signals that arrived inside it (what they raise is
     raised here). Local."""
@@ -171,6 +171,29 @@ def leave(entered: bool) -> None:
             raise first
         finally:
             first = None
+
+
+# enter() and leave() in C where the extension is built (the same steps; it
+# calls _guard and leave_py for the rare ones): a sync point enters and leaves
+# a region, and the Python pair costs about 0.5 us, the C one about 0.2 us.
+enter: Callable[[], bool] = enter_py
+leave: Callable[[bool], None] = leave_py
+if SPEEDUPS is not None:
+    SPEEDUPS.region_setup(
+        _MAIN or 0, _DEPTH, _DEFERRED, SIGNALS, _GUARDED, _getsignal, _guard, leave_py
+    )
+    enter = SPEEDUPS.region_enter
+    leave = SPEEDUPS.region_leave
+_C_PAIR = (enter, leave)
+
+
+def use(kind: str) -> None:
+    """``"c"`` (the default where the extension is built) or ``"python"``: which
+    version of :func:`enter` and :func:`leave` regions use. For tests."""
+    global enter, leave
+    if kind not in ("c", "python"):
+        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
+    enter, leave = _C_PAIR if kind == "c" else (enter_py, leave_py)
 
 
 def deferred() -> int:

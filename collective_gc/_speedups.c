@@ -23,9 +23,10 @@
  * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
  * the Python versions).
  *
- * handlers_changed: whether the signal handlers a protected region relies on
- * were replaced (see collective_gc._interrupts), checked at every region's
- * entry for a cost well below a microsecond.
+ * handlers_changed, region_enter, region_leave: a protected region's entry and
+ * exit (see collective_gc._interrupts, whose Python versions they mirror): a
+ * sync point enters and leaves one, and in Python the two cost more than the
+ * rest of an empty sync point's bookkeeping.
  *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
@@ -620,7 +621,9 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* The one thread that registers between two sync points on a
      * communicator of size > 1 (ranks would number two threads' objects in
      * different orders): another one goes to Registry.add, which refuses it. */
-    long long owner_ident = PyLong_AsLongLong(thread);
+    /* PyLong_AsLong: PyLong_AsLongLong goes through a byte array for a
+     * two-digit int such as a thread ident (about 40 ns here). */
+    long owner_ident = PyLong_AsLong(thread);
     if (owner_ident == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         goto slow;
@@ -634,7 +637,7 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 return NULL;
             }
         }
-        else if ((unsigned long long)owner_ident != (unsigned long long)me) {
+        else if ((unsigned long)owner_ident != me) {
             goto slow;
         }
     }
@@ -1064,7 +1067,132 @@ handlers_changed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_FALSE;
 }
 
+/* _interrupts' state, given once by region_setup: the main thread's ident, the
+ * one-item depth list, the deferred list, the signals, the one-item list of
+ * their expected handlers, getsignal, and the Python functions for the rare
+ * steps (wrapping handlers, delivering deferred signals). */
+static unsigned long region_main = 0;
+static PyObject *region_depth = NULL, *region_deferred = NULL, *region_signals = NULL,
+                *region_guarded = NULL, *region_getsignal = NULL, *region_guard = NULL,
+                *region_deliver = NULL;
+
+PyDoc_STRVAR(region_setup_doc,
+"region_setup(main_ident, depth, deferred, signals, guarded, getsignal, guard, deliver)\n\n"
+"Give region_enter and region_leave collective_gc._interrupts' state.");
+
+static PyObject *
+region_setup(PyObject *module, PyObject *args)
+{
+    unsigned long main_ident;
+    PyObject *depth, *deferred, *signals, *guarded, *getsignal, *guard, *deliver;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "kO!O!O!O!OOO:region_setup", &main_ident, &PyList_Type, &depth,
+                          &PyList_Type, &deferred, &PyTuple_Type, &signals, &PyList_Type,
+                          &guarded, &getsignal, &guard, &deliver)) {
+        return NULL;
+    }
+    if (PyList_GET_SIZE(depth) != 1 || PyList_GET_SIZE(guarded) != 1) {
+        PyErr_SetString(PyExc_TypeError, "region_setup: expected one-item lists");
+        return NULL;
+    }
+    region_main = main_ident;
+    Py_XSETREF(region_depth, Py_NewRef(depth));
+    Py_XSETREF(region_deferred, Py_NewRef(deferred));
+    Py_XSETREF(region_signals, Py_NewRef(signals));
+    Py_XSETREF(region_guarded, Py_NewRef(guarded));
+    Py_XSETREF(region_getsignal, Py_NewRef(getsignal));
+    Py_XSETREF(region_guard, Py_NewRef(guard));
+    Py_XSETREF(region_deliver, Py_NewRef(deliver));
+    Py_RETURN_NONE;
+}
+
+/* depth[0] + delta, stored; -1 on error. */
+static long
+region_add(long delta)
+{
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    long depth = PyLong_AsLong(d);
+    if (depth == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *next = PyLong_FromLong(depth + delta);
+    if (next == NULL) {
+        return -1;
+    }
+    PyList_SetItem(region_depth, 0, next); /* steals; the old item is released */
+    return depth + delta;
+}
+
+PyDoc_STRVAR(region_enter_doc, "region_enter() -> bool: see collective_gc._interrupts.enter.");
+
+static PyObject *
+region_enter(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (region_depth == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "region_enter: region_setup was not called");
+        return NULL;
+    }
+    if (PyThread_get_thread_ident() != region_main) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    if (d == NULL || !PyLong_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "region_enter: the depth is not an int");
+        return NULL;
+    }
+    if (PyLong_AsLong(d) == 0) {
+        PyObject *expected = PyList_GET_ITEM(region_guarded, 0);
+        PyObject *a[3] = {region_getsignal, region_signals, expected};
+        PyObject *changed = handlers_changed(NULL, a, 3);
+        if (changed == NULL) {
+            return NULL;
+        }
+        Py_DECREF(changed);
+        if (changed == Py_True) {
+            PyObject *r = PyObject_CallNoArgs(region_guard);
+            if (r == NULL) {
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
+    }
+    if (region_add(1) < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(region_leave_doc,
+"region_leave(entered) -> None: see collective_gc._interrupts.leave.");
+
+static PyObject *
+region_leave(PyObject *module, PyObject *entered)
+{
+    (void)module;
+    if (entered != Py_True) {
+        Py_RETURN_NONE;
+    }
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    if (d == NULL || !PyLong_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "region_leave: the depth is not an int");
+        return NULL;
+    }
+    if (PyLong_AsLong(d) == 1 && PyList_GET_SIZE(region_deferred) > 0) {
+        /* Rare: the Python version delivers, decrements and raises. */
+        return PyObject_CallOneArg(region_deliver, entered);
+    }
+    if (region_add(-1) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"region_setup", region_setup, METH_VARARGS, region_setup_doc},
+    {"region_enter", region_enter, METH_NOARGS, region_enter_doc},
+    {"region_leave", region_leave, METH_O, region_leave_doc},
     {"handlers_changed", (PyCFunction)(void (*)(void))handlers_changed, METH_FASTCALL,
      handlers_changed_doc},
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},

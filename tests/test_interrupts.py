@@ -22,6 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+from collective_gc import _interrupts
 
 from _util import Obj
 
@@ -70,7 +71,17 @@ def storm(
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_an_interrupt_storm_on_comm_self_loses_no_destroy() -> None:
+@pytest.fixture(params=["c", "python"])
+def regions(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The C and the Python versions of the regions' entry and exit."""
+    _interrupts.use(request.param)
+    try:
+        yield request.param
+    finally:
+        _interrupts.use("c")
+
+
+def test_an_interrupt_storm_on_comm_self_loses_no_destroy(regions: str) -> None:
     """Issue 25, defect 2: an interrupt storm during a loop of
     ``collect(COMM_SELF)``, 400 objects dying per step: some destroys never ran
     and nothing reported them (lost at ``Registry.drain`` after ``del
