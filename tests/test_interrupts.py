@@ -193,3 +193,39 @@ def test_a_watchdog_raising_timeouterror_on_one_rank_leaves_every_rank_in_step()
     exception (TimeoutError, as a per-step ``signal.alarm`` watchdog would):
     inside ``wait()`` an Exception was not held at all."""
     _storm_on_one_rank(WORLD, lambda: TimeoutError("step watchdog"), 30.0, 60)
+
+
+def test_handlers_are_wrapped_and_keep_working_and_a_second_ctrl_c_is_at_once() -> None:
+    """What a program sees (issue 25): after a region, its SIGINT handler is
+    wrapped (``__wrapped__`` is it) and still runs outside regions; inside one
+    it runs at the region's end, with the frame the signal arrived in; a second
+    SIGINT inside the same region runs at once."""
+    calls: list[str] = []
+
+    def mine(signum: int, frame: Any) -> None:
+        calls.append("frame" if frame is not None else "none")
+        raise KeyboardInterrupt("mine")
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        entered = _interrupts.enter()
+        _interrupts.leave(entered)
+        wrapper = signal.getsignal(signal.SIGINT)
+        assert isinstance(wrapper, _interrupts.Deferring) and wrapper.__wrapped__ is mine
+        with pytest.raises(KeyboardInterrupt, match="mine"):
+            signal.raise_signal(signal.SIGINT)  # outside a region: at once
+        entered = _interrupts.enter()
+        try:
+            signal.raise_signal(signal.SIGINT)  # deferred
+            assert _interrupts.deferred() == 1 and calls == ["frame"]
+            with pytest.raises(KeyboardInterrupt, match="mine"):
+                signal.raise_signal(signal.SIGINT)  # the second: at once
+            assert calls == ["frame", "frame"]
+        finally:
+            with pytest.raises(KeyboardInterrupt, match="mine") as info:
+                _interrupts.leave(entered)
+        assert calls == ["frame"] * 3
+        assert any("handler ran once" in n for n in info.value.__notes__)
+        assert _interrupts.deferred() == 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
