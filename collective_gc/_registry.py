@@ -82,6 +82,7 @@ class Registry(Ledger):
         "registrar_ident",
         "busy",
         "thread",
+        "thread_name",
         "push",
         "cyclic_total",
         "last_cyclic",
@@ -125,6 +126,7 @@ class Registry(Ledger):
         # overlap (the C path's never do), so the second is refused. -1: any
         # thread may register (the keys of a size-1 communicator are local).
         self.thread = 0 if parallel else -1
+        self.thread_name = ""  # its name, for a refusal (it may have exited since)
         self.cyclic_total = 0
         # (type, name, key, origin) of the cyclic deaths the last drain found,
         # and of the last LOG ones found by any drain (cyclic_total - len of
@@ -166,6 +168,9 @@ class Registry(Ledger):
                 if owner:
                     registrar.release()
                     self._refuse_thread(owner)
+                # The first registration since the last sync point (the C
+                # path leaves it to this one): this thread is the interval's.
+                self.thread_name = threading.current_thread().name
                 self.thread = me
             self.registrar_ident = me
             guard = registrar
@@ -223,9 +228,10 @@ class Registry(Ledger):
         return self.registrar_ident or -1
 
     def _refuse_thread(self, holder: int) -> None:
+        name = self.thread_name if holder == self.thread else _thread_name(holder)
         raise RegistrationError(
             f"thread {threading.current_thread().name!r} tried to register an object "
-            f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
+            f"on the {self.owner.describe()} while thread {name!r} was "
             "registering objects there (since the last sync point): registration on "
             "a communicator of size > 1 is collective, and ranks would number objects "
             "registered from two threads between the same two sync points in "

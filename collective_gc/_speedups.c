@@ -544,8 +544,8 @@ PyDoc_STRVAR(add_plain_doc,
 "a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
 "``obj`` weakly referenceable and with no other weak reference, no origin to\n"
 "record, no other registration half-way through on ``registry`` (its busy\n"
-"count 0), and its ``thread`` -1 (any thread may register), 0 (none has since\n"
-"the last sync point: this one becomes it) or this thread's ident. Then the registration is made, given the next key and stored,\n"
+"count 0), and its ``thread`` -1 (any thread may register) or this thread's\n"
+"ident (the thread that has registered since the last sync point). Then the registration is made, given the next key and stored,\n"
 "with no Python code run between reading the key and storing the next one\n"
 "(so it needs no lock). Otherwise None, having changed nothing:\n"
 "Registry.add then does it (or says what is wrong).");
@@ -601,7 +601,7 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         return NULL;
     }
-    PyObject *next = NULL, *claim = NULL;
+    PyObject *next = NULL;
     /* From here to the stores, no Python code runs (an int's allocation does
      * not start the collector, an int key's hash and comparison call nothing),
      * so no other thread can take a key in between. */
@@ -628,18 +628,11 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         goto slow;
     }
-    if (owner_ident != -1) {
-        unsigned long me = PyThread_get_thread_ident();
-        if (owner_ident == 0) {
-            claim = PyLong_FromUnsignedLong(me);
-            if (claim == NULL) {
-                Py_DECREF(reg);
-                return NULL;
-            }
-        }
-        else if ((unsigned long)owner_ident != me) {
-            goto slow;
-        }
+    /* 0: the first registration since the last sync point, which
+     * Registry.add makes (it records the thread's name, for a refusal). */
+    if (owner_ident == 0
+        || (owner_ident != -1 && (unsigned long)owner_ident != PyThread_get_thread_ident())) {
+        goto slow;
     }
     long long k = PyLong_AsLongLong(key);
     if (k < 0 || k == LLONG_MAX) {
@@ -648,25 +641,19 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     next = PyLong_FromLongLong(k + 1);
     if (next == NULL) {
-        Py_XDECREF(claim);
         Py_DECREF(reg);
         return NULL;
     }
     Py_INCREF(key);
     Py_SETREF(SLOT(reg, off_key), key); /* was None */
     if (PyDict_SetItem(live, key, reg) < 0) {
-        Py_XDECREF(claim);
         Py_DECREF(next);
         Py_DECREF(reg);
         return NULL;
     }
     Py_SETREF(SLOT(registry, off_next_key), next);
-    if (claim != NULL) {
-        Py_SETREF(SLOT(registry, off_thread), claim);
-    }
     return reg;
 slow:
-    Py_XDECREF(claim);
     Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */
     Py_RETURN_NONE;
 }
