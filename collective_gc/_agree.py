@@ -105,41 +105,15 @@ class Deadline:
     communicator its collectives are on once the agreement has set it (see
     the module docs).
 
-    With ``hold``, a KeyboardInterrupt or SystemExit raised while waiting for a
-    collective is kept in ``held`` and the wait goes on (to completion or the
-    deadline), so that the caller can finish its collectives in step with the
-    other ranks and raise it afterwards; a second one is raised at once.
+    A signal's exception never lands in a wait of a sync point: the callers
+    wait inside protected regions (see :mod:`collective_gc._interrupts`).
     """
 
-    __slots__ = ("at", "watch", "hold", "held")
+    __slots__ = ("at", "watch")
 
-    def __init__(self, at: float | None, hold: bool = False) -> None:
+    def __init__(self, at: float | None) -> None:
         self.at = at
         self.watch: Watch | None = None
-        self.hold = hold
-        self.held: BaseException | None = None
-
-    def keep(self, exc: BaseException) -> bool:
-        """Hold ``exc`` (an interrupt during a wait) if this deadline holds one
-        and holds none yet. False: the caller must raise it now."""
-        if not self.hold or self.held is not None or isinstance(exc, Exception):
-            return False
-        self.held = exc
-        return True
-
-    def release(self) -> None:
-        """Raise the held interrupt, if any (once the collectives are done)."""
-        held, self.held = self.held, None
-        if held is not None:
-            held.add_note(
-                "collective_gc: it arrived during a sync point (waiting for the other "
-                "ranks, or between its destroys) and was held until the sync point's "
-                "collectives were done, so that every rank ran the same destroys"
-            )
-            try:
-                raise held
-            finally:
-                held = None
 
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
@@ -249,54 +223,33 @@ def wait(
             raise watch.error(what)  # a rank gave up earlier: nothing completes in step
         waited = False  # whether Waitsome last saw both requests
         if deadline is None or deadline.at is None:
-            again = False
-            while True:
-                try:
-                    # An interrupt surfaces here, once the wait has returned:
-                    # then what completed is not known, and waiting again on a
-                    # completed request would wait for the other one alone.
-                    if watch is None:
-                        req.Wait()
-                    elif not (again and (req.Test() or watch.fired())):
-                        # Waitsome, not Waitany: it also says whether a notice
-                        # is there when the collective completes, so no Test
-                        # is needed after it.
-                        MPI.Request.Waitsome((req, watch.request))
-                        waited = True
-                    break
-                except BaseException as exc:
-                    if deadline is None or not deadline.keep(exc):
-                        raise
-                    again = True
-                    waited = False
+            if watch is None:
+                req.Wait()
+            else:
+                # Waitsome, not Waitany: it also says whether a notice is
+                # there when the collective completes, so no Test is needed
+                # after it.
+                MPI.Request.Waitsome((req, watch.request))
+                waited = True
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
             # not burn a core.
             delay = 0.0
             at = deadline.at
-            while True:
-                try:
-                    # Each request on its own: a completed one tests true
-                    # again after an interrupt, which Testany would not say.
-                    if req.Test() or (watch is not None and watch.fired()):
-                        break
-                    if time.monotonic() > at:
-                        if watch is not None:
-                            watch.announce()
-                        raise CollectiveTimeoutError(what())
-                    time.sleep(delay)
-                    delay = min(1e-3, delay * 2 + 2e-5)
-                except CollectiveTimeoutError:
-                    raise
-                except BaseException as exc:
-                    if not deadline.keep(exc):
-                        raise
+            while not (req.Test() or (watch is not None and watch.fired())):
+                if time.monotonic() > at:
+                    if watch is not None:
+                        watch.announce()
+                    raise CollectiveTimeoutError(what())
+                time.sleep(delay)
+                delay = min(1e-3, delay * 2 + 2e-5)
         if watch is not None and (watch.arrived() if waited else watch.fired()):
             raise watch.error(what)
     except BaseException:
-        # Timed out, or interrupted again: the request stays pending, and so
-        # must what MPI may still touch.
+        # Timed out, or left (outside a protected region, or by a second
+        # Ctrl-C): the request stays pending, and so must what MPI may still
+        # touch.
         if req != MPI.REQUEST_NULL:
             _ABANDONED.append((req, buffers))
         raise

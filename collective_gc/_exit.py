@@ -20,7 +20,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import _gcpolicy, _lookup, _registration, local
+from . import _gcpolicy, _interrupts, _lookup, _registration, local
 from ._errors import ExitLeakWarning
 
 __all__ = ["exit_timeout"]
@@ -75,22 +75,28 @@ def _at_exit() -> None:
         _lookup.release_freed()
         deadline = time.monotonic() + exit_timeout()
         interrupt: BaseException | None = None
-        for mgr in reversed(_lookup.managers()):
-            try:
-                mgr.exit_agreement(deadline)
-            except BaseException as exc:
-                # An interrupt, raised by a destroy on this rank: the other
-                # ranks go on with the other managers' exit agreements, and
-                # so does this one; it is raised once they are done.
-                if interrupt is None:
-                    interrupt = exc
-                else:
-                    interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
-        if interrupt is not None:
-            try:
-                raise interrupt
-            finally:
-                interrupt = None
+        # One protected region for every manager's exit agreement: a signal's
+        # handler runs once they are all done (see _interrupts).
+        entered = _interrupts.enter()
+        try:
+            for mgr in reversed(_lookup.managers()):
+                try:
+                    mgr.exit_agreement(deadline)
+                except BaseException as exc:
+                    # An interrupt, raised by a destroy on this rank: the other
+                    # ranks go on with the other managers' exit agreements, and
+                    # so does this one; it is raised once they are done.
+                    if interrupt is None:
+                        interrupt = exc
+                    else:
+                        interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
+            if interrupt is not None:
+                try:
+                    raise interrupt
+                finally:
+                    interrupt = None
+        finally:
+            _interrupts.leave(entered)
     finally:
         _registration.set_shut_down(True)  # finalizers from now on do nothing
         local.shutdown()

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from mpi4py import MPI
 
-from . import _agree, _destroy
+from . import _agree, _destroy, _interrupts
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
 from ._errors import (
     CollectiveGCError,
@@ -171,56 +171,13 @@ def _what_raised(exc: BaseException) -> str:
         return f"{type(exc).__name__} (whose str() raised)"
 
 
-def _raise_held(dl: _agree.Deadline, exc: BaseException) -> None:
-    """If ``dl`` holds an interrupt, raise it in place of ``exc``, the error
-    that ends the sync point (its context, and named in a note): the user
-    asked this rank to stop, which must not be lost because the sync point
-    failed as well."""
-    held, dl.held = dl.held, None
-    if held is not None and held is not exc:
-        _raise_instead(held, exc)
-
-
-def _raise_instead(held: BaseException, exc: BaseException) -> NoReturn:
-    held.add_note(
-        f"collective_gc: it arrived while this rank waited at a sync point, which "
-        f"then failed with {type(exc).__name__} (above); the interrupt is raised instead"
-    )
-    try:
-        raise held
-    finally:
-        del held
-
-
-def _joined(interrupts: list[BaseException]) -> BaseException:
-    """The first of ``interrupts``, with the others noted on it; empties the list."""
-    first = interrupts[0]
-    for later in interrupts[1:]:
-        first.add_note(f"collective_gc: then {later!r}, dropped")
-    interrupts.clear()
-    return first
-
-
-def _hold(dl: _agree.Deadline, caught: list[BaseException]) -> None:
-    """Hold the interrupts in ``caught`` in ``dl`` (the first; the others as its
-    notes), and empty it."""
-    for exc in caught:
-        if not dl.keep(exc) and dl.held is not None:
-            dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
-    caught.clear()
-
-
-def _raise_own(failures: list[_destroy.Failure], dl: _agree.Deadline) -> NoReturn:
-    """Raise the first of this rank's ``failures`` (the others as its notes),
-    or the interrupt ``dl`` holds, with them as notes."""
+def _raise_own(failures: list[_destroy.Failure]) -> NoReturn:
+    """Raise the first of this rank's ``failures`` (the others as its notes)."""
     _, what, first = failures[0]
     notes = [f"collective_gc: {w} raised too: {exc!r}" for _, w, exc in failures[1:]]
     failures.clear()  # the caller's frame must not hold what its traceback holds
     for note in notes:
         first.add_note(note)
-    if dl.held is not None:
-        dl.held.add_note(f"collective_gc: {what} raised too: {first!r}")
-        dl.release()
     try:
         raise first
     finally:
@@ -484,16 +441,15 @@ class Manager:
         # The first registration makes the private duplicate while the
         # communicator is surely alive (the user may free it before any sync
         # point), against the innermost scope's timeout.
-        # An interrupt while waiting for the other ranks is held until the
-        # duplicate is made, as every rank's registration then completes.
+        # A protected region: a signal's handler runs once the duplicate is
+        # made, as every rank's registration then completes.
         timeout = _TIMEOUT_SOURCE[0]()
-        dl = _agree.Deadline(None if timeout is None else time.monotonic() + timeout, hold=True)
+        dl = _agree.Deadline(None if timeout is None else time.monotonic() + timeout)
+        entered = _interrupts.enter()
         try:
             self._private(dl)
-        except BaseException as exc:
-            _raise_held(dl, exc)
-            raise
-        dl.release()
+        finally:
+            _interrupts.leave(entered)
 
     def destroy_registration(self, reg: Registration) -> None:
         """``reg.destroy()``: run it now, once. Collective like the destroy itself."""
@@ -596,23 +552,21 @@ class Manager:
         with self._lock:
             if self._forked or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("gather from every rank")
-            # Holding: an interrupt while waiting for the other ranks is raised
-            # once the gather is done, so that this rank does not leave a
-            # collective the others complete (see _agree.Deadline).
-            deadline = _agree.Deadline(
-                None if timeout is None else time.monotonic() + timeout, hold=True
-            )
+            # A protected region: a signal's handler runs once the gather is
+            # done, so that this rank does not leave a collective the others
+            # complete (see _interrupts).
+            deadline = _agree.Deadline(None if timeout is None else time.monotonic() + timeout)
+            entered = _interrupts.enter()
             try:
                 if self._agreement is None:
                     self._private(deadline)  # makes the agreement
                 assert self._agreement is not None
-                gathered = self._agreement.allgather(value, deadline, self._what("a gather"))
+                return self._agreement.allgather(value, deadline, self._what("a gather"))
             except BaseException as exc:
                 self._broken = f"a gather was left by {type(exc).__name__} ({exc})"
-                _raise_held(deadline, exc)
                 raise
-            deadline.release()
-            return gathered
+            finally:
+                _interrupts.leave(entered)
 
     def sync(
         self,
@@ -630,59 +584,56 @@ class Manager:
         and ``t0`` only feed the returned stats. ``at_exit`` marks the exit
         agreement, which never matches a sync point of the program.
         """
-        return self._sync_point(deadline, participants, collected, t0, at_exit, None)
-
-    def _sync_point(
-        self,
-        deadline: float | None,
-        participants: Sequence[Participant],
-        collected: int | None,
-        t0: float | None,
-        at_exit: bool,
-        held: list[BaseException] | None,
-    ) -> CollectStats:
-        """:meth:`sync`; with ``held`` (a list), an interrupt it held is
-        appended to it instead of being raised at its end."""
         if t0 is None:
             t0 = time.perf_counter()
         with self._lock:
             if self._forked or self._destroying or self._broken is not None or MPI.Is_finalized():
                 self._check_usable("run a sync point")
-            # Holding: an interrupt while waiting for the other ranks is raised
-            # once the sync point's collectives are done (see _agree.Deadline).
-            dl = _agree.Deadline(deadline, hold=True)
+            registry = self._registry
+            if self._size == 1 and not (
+                registry.inbox
+                or registry.pend.size
+                or registry.stale
+                or registry.last_cyclic
+                or participants
+                or self._participants
+            ):
+                # Nothing to drain, agree on or destroy, and no collective: what
+                # the steps below would do, without a protected region (an
+                # object dying from now on is the next sync point's).
+                seq = self._seq
+                self._seq = seq + 1
+                return CollectStats(0, 0, 0, time.perf_counter() - t0, seq, collected)
+            # A protected region: a signal's handler runs once the sync point's
+            # collectives are done on this rank (see _interrupts).
+            entered = _interrupts.enter()
             try:
-                stats = self._sync(dl, participants, collected, t0, at_exit, held is None)
-                if held is not None and dl.held is not None:
-                    held.append(dl.held)
-                    dl.held = None
-                return stats
-            except CollectiveTimeoutError as exc:
+                return self._sync(_agree.Deadline(deadline), participants, collected, t0, at_exit)
+            except CollectiveTimeoutError:
                 # An abandoned collective could match a later one: never again.
                 self._broken = f"sync point {self._seq} timed out on this rank"
-                _raise_held(dl, exc)
                 raise
-            except CollectiveMismatchError as exc:
+            except CollectiveMismatchError:
                 # Every rank saw the same agreement, so every rank gets here.
                 # Raised before this sync point's own collectives (by a
                 # derived communicator's, visited in prepare, alike on every
                 # rank: collective_gc._comms), it leaves this one usable.
                 if self._collective:
                     self._broken = f"the ranks disagreed at sync point {self._seq}"
-                _raise_held(dl, exc)
                 raise
             except BaseException as exc:
                 if self._collective:
-                    # Left half-way through its collectives on this rank only:
-                    # the other ranks' next collective would match the wrong one.
+                    # Left half-way through its collectives on this rank only
+                    # (a second Ctrl-C, out of memory): the other ranks' next
+                    # collective would match the wrong one.
                     self._broken = (
                         f"sync point {self._seq} was left on this rank by "
                         f"{type(exc).__name__} before its collectives were done"
                     )
-                _raise_held(dl, exc)
                 raise
             finally:
                 self._collective = False
+                _interrupts.leave(entered)
 
     def _sync(
         self,
@@ -691,11 +642,11 @@ class Manager:
         collected: int | None,
         t0: float,
         at_exit: bool,
-        release: bool,
     ) -> CollectStats:
         failures: list[_destroy.Failure] = []
         more: list[_destroy.Failure] = []
         local: list[BaseException] = []
+        caught: list[BaseException] = []
         interrupt: BaseException | None = None
         try:
             parts = self._participants
@@ -739,6 +690,7 @@ class Manager:
                 if agreed.mismatch:
                     raise self._mismatch(agreement.comm, dl, at_exit, identities)
                 agreement.window.advance(registry.next_key)
+                registry.new_interval()
                 keys, flags = agreed.keys, agreed.flags
             if flags & FLAG_BAD_VOTE:
                 # Seen alike by every rank, before anything is destroyed: the
@@ -757,8 +709,6 @@ class Manager:
                 self._destroying = threading.get_ident()
                 try:
                     count, more, interrupt = _destroy.run(registry, keys)
-                    if interrupt is not None and dl.held is None:
-                        dl.held = interrupt  # raised once the collectives are done, as in a wait
                 finally:
                     self._destroying = 0
                     self.destroyed += count
@@ -778,21 +728,21 @@ class Manager:
                 # A finish that said it could not raise did, on this rank: the
                 # others know nothing of it, so it is raised here only, as is.
                 self._collective = False
-                _raise_own(failures, dl)
+                _raise_own(failures)
+            # Interrupts that did not come from a signal (those wait for the end
+            # of the protected region) but from the sync point's own steps: a
+            # second Ctrl-C between two runs of destroys, an exception's str().
+            # Raised on this rank once the collectives are done.
+            caught = [interrupt] if interrupt is not None else []
             if flags & FLAG_FAILED:
-                caught: list[BaseException] = []
                 rows = _destroy.rows_of(failures, self._rank, caught)
-                _hold(dl, caught)  # raised once the report is out, as in a wait
                 if self._size > 1:
                     everyone = _agree.allgather(
                         self._private(dl), rows, dl, self._what("its error report")
                     )
                     rows = [row for per_rank in everyone for row in per_rank]
                 self._collective = False
-                local = [e for _, _, e in failures]
-                if dl.held is not None:
-                    local.insert(0, dl.held)
-                    dl.held = None
+                local = caught + [e for _, _, e in failures]
                 _destroy.raise_failures(
                     rows,
                     local,
@@ -801,8 +751,12 @@ class Manager:
                     self._broken,
                 )
             self._collective = False
-            if release:
-                dl.release()
+            if caught:
+                caught[0].add_note(
+                    "collective_gc: it was held until the sync point's collectives were "
+                    "done, so that every rank ran the same destroys"
+                )
+                _raise_own([(-1, "the sync point's own steps", e) for e in caught])
             return CollectStats(
                 count,
                 registry.pend.size + len(registry.inbox),
@@ -812,7 +766,7 @@ class Manager:
                 collected,
             )
         finally:
-            del failures, more, local, interrupt  # see _destroy.Failure
+            del failures, more, local, interrupt, caught  # see _destroy.Failure
 
     def _finish(
         self,
@@ -827,40 +781,21 @@ class Manager:
         FLAG_FAILED if a destroy or a finish failed on any rank."""
         # Whether to check is asked of every participant before any finish
         # runs, from agreed values only, so it is decided alike on every rank.
-        # Each loop's counter moves before its call, and what lands between
-        # two calls (an interrupt at a loop's back-jump) is held or recorded:
-        # the rest still run, as the other ranks run them.
+        # No signal's handler runs in between (the sync point is a protected
+        # region): what raises is the participants' own code.
         try:
-            n = len(parts)
             check = False
-            asked = ran = 0
-            while asked < n or ran < n:
+            for p in parts:
                 try:
-                    while asked < n:
-                        p = parts[asked]
-                        asked += 1
-                        try:
-                            check = p.may_raise(flags) or check
-                        except Exception as exc:  # a yes (alike on every rank: see may_raise)
-                            check = True
-                            failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
-                        except BaseException as exc:
-                            # An interrupt: held (a second one is dropped, noted
-                            # on the first), and the question asked again, so that
-                            # this rank does not decide the check alone.
-                            if not dl.keep(exc) and dl.held is not None:
-                                dl.held.add_note(f"collective_gc: then {exc!r}, dropped")
-                            asked -= 1
-                    while ran < n:
-                        p = parts[ran]
-                        ran += 1
-                        try:
-                            p.finish(self, flags)
-                        except BaseException as exc:  # every participant finishes; reported after
-                            failures.append((-1, f"the finish of {type(p).__name__}", exc))
-                except BaseException as exc:  # landed between two calls
-                    if isinstance(exc, Exception) or not dl.keep(exc):
-                        failures.append((-1, "the sync point's own steps among its finishes", exc))
+                    check = p.may_raise(flags) or check
+                except BaseException as exc:  # a yes (alike on every rank: see may_raise)
+                    check = True
+                    failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
+            for p in parts:
+                try:
+                    p.finish(self, flags)
+                except BaseException as exc:  # every participant finishes; reported after
+                    failures.append((-1, f"the finish of {type(p).__name__}", exc))
             if not check:
                 return flags
             mine = FLAG_FAILED if failures else 0
@@ -959,40 +894,31 @@ class Manager:
         if self._broken == "it was closed":
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        held = None
-        if self._broken is None and not (self._size > 1 and self._comm is None):
-            held = self._last_syncs(deadline, at_exit=False)
-        # The sync points completed on every rank (an error raised above is
-        # raised on every rank, and the manager stays open on every rank):
-        # every rank lets go, then an interrupt one of them held is raised.
-        self._let_go("it was closed")
-        self._on_close(self)
-        if held is not None:
-            try:
-                raise held
-            finally:
-                held = None
+        # One protected region: a signal's handler runs once every rank has
+        # let go (see _interrupts).
+        entered = _interrupts.enter()
+        try:
+            if self._broken is None and not (self._size > 1 and self._comm is None):
+                self._last_syncs(deadline, at_exit=False)
+            # The sync points completed on every rank (an error raised above is
+            # raised on every rank, and the manager stays open on every rank).
+            self._let_go("it was closed")
+            self._on_close(self)
+        finally:
+            _interrupts.leave(entered)
 
     # A destroy may drop more managed objects; each later sync point agrees on
     # those, up to this many rounds (a destroy that always makes more would
     # never end).
     LAST_ROUNDS = 100
 
-    def _last_syncs(self, deadline: float | None, at_exit: bool) -> BaseException | None:
-        """Sync points until one destroys nothing (or LAST_ROUNDS); returns an
-        interrupt they held, for the caller to raise once it is done. Collective:
-        how many each destroyed is agreed, so every rank runs as many, and an
-        interrupt on one rank must not stop them there."""
-        held: list[BaseException] = []
-        try:
-            for _ in range(self.LAST_ROUNDS):
-                if self._sync_point(deadline, (), None, None, at_exit, held).destroyed == 0:
-                    break
-        except BaseException as exc:
-            if held:
-                _raise_instead(_joined(held), exc)  # as a sync point does (see _raise_held)
-            raise
-        return _joined(held) if held else None
+    def _last_syncs(self, deadline: float | None, at_exit: bool) -> None:
+        """Sync points until one destroys nothing (or LAST_ROUNDS). Collective:
+        how many each destroyed is agreed, so every rank runs as many. The
+        caller makes it one protected region."""
+        for _ in range(self.LAST_ROUNDS):
+            if self.sync(deadline=deadline, at_exit=at_exit).destroyed == 0:
+                break
 
     def _let_go(self, reason: str) -> None:
         left = self._registry.pending(self._seq) + self._registry.alive()
@@ -1029,10 +955,18 @@ class Manager:
         then a warning naming what is left. Collective."""
         if self._forked:
             return
-        held = None
+        # One protected region (see close); the caller, at exit, makes all the
+        # managers' exit agreements one.
+        entered = _interrupts.enter()
+        try:
+            self._exit_agreement(deadline)
+        finally:
+            _interrupts.leave(entered)
+
+    def _exit_agreement(self, deadline: float) -> None:
         if self._broken is None and not (self._size > 1 and self._comm is None):
             try:
-                held = self._last_syncs(deadline, at_exit=True)
+                self._last_syncs(deadline, at_exit=True)
             except CollectiveTimeoutError:
                 warnings.warn(
                     f"collective_gc: rank {self._rank}: the final agreement on the "
@@ -1054,11 +988,14 @@ class Manager:
                 ExitLeakWarning,
                 stacklevel=1,
             )
-        if held is not None:
-            try:
-                raise held  # held until the exit agreement was done on every rank
-            finally:
-                held = None
+        # MPI is finalized next (mpi4py's Py_AtExit): a receive still posted
+        # then is erroneous, so the watch's is withdrawn (local), and no sync
+        # point can run on this manager after its exit agreement.
+        with self._lock:
+            if self._agreement is not None and not MPI.Is_finalized():
+                self._close_agreement()
+                if self._broken is None:
+                    self._broken = "the program is exiting (its exit agreement ran)"
 
     def drain_at_exit(self) -> None:
         """After MPI was finalized by hand: take the inbox in, so that

@@ -81,6 +81,8 @@ class Registry(Ledger):
         "registrar",
         "registrar_ident",
         "busy",
+        "thread",
+        "thread_name",
         "push",
         "cyclic_total",
         "last_cyclic",
@@ -117,6 +119,14 @@ class Registry(Ledger):
         # next one in add (under its guard): add_plain, which takes no guard,
         # leaves the registry to them while it is not 0.
         self.busy = 0
+        # On a communicator of size > 1, the ident of the one thread that has
+        # registered since the last sync point (0: none yet). Two threads
+        # registering between the same two sync points would be numbered in
+        # an order that may differ between ranks even when their calls never
+        # overlap (the C path's never do), so the second is refused. -1: any
+        # thread may register (the keys of a size-1 communicator are local).
+        self.thread = 0 if parallel else -1
+        self.thread_name = ""  # its name, for a refusal (it may have exited since)
         self.cyclic_total = 0
         # (type, name, key, origin) of the cyclic deaths the last drain found,
         # and of the last LOG ones found by any drain (cyclic_total - len of
@@ -152,7 +162,17 @@ class Registry(Ledger):
                 holder = self._holder_or_acquire(registrar)
                 if holder:
                     self._refuse_thread(holder)
-            self.registrar_ident = _get_ident()
+            me = _get_ident()
+            owner = self.thread
+            if owner != me:
+                if owner:
+                    registrar.release()
+                    self._refuse_thread(owner)
+                # The first registration since the last sync point (the C
+                # path leaves it to this one): this thread is the interval's.
+                self.thread_name = threading.current_thread().name
+                self.thread = me
+            self.registrar_ident = me
             guard = registrar
         self.busy += 1
         try:
@@ -208,13 +228,22 @@ class Registry(Ledger):
         return self.registrar_ident or -1
 
     def _refuse_thread(self, holder: int) -> None:
+        name = self.thread_name if holder == self.thread else _thread_name(holder)
         raise RegistrationError(
             f"thread {threading.current_thread().name!r} tried to register an object "
-            f"on the {self.owner.describe()} while thread {_thread_name(holder)!r} was "
-            "registering one: registration on a communicator of size > 1 is "
-            "collective, and ranks would number objects registered from two "
-            "threads at once in different orders. Register from one thread."
+            f"on the {self.owner.describe()} while thread {name!r} was "
+            "registering objects there (since the last sync point): registration on "
+            "a communicator of size > 1 is collective, and ranks would number objects "
+            "registered from two threads between the same two sync points in "
+            "different orders. Register from one thread, or run a sync point between "
+            "the two threads' registrations."
         )
+
+    def new_interval(self) -> None:
+        """A sync point was agreed: the next registration may come from any
+        one thread (see ``thread``)."""
+        if self.thread > 0:
+            self.thread = 0
 
     def retire(
         self, reg: Registration, state: int
@@ -291,6 +320,7 @@ class Registry(Ledger):
         locks: one another thread held at the fork is never released there."""
         if self.registrar is not None:
             self.registrar = threading.RLock()
+            self.thread = 0
         regs = Ledger.after_fork(self)
         self.inbox.clear()
         self.pend = self.pend_seq = NO_KEYS

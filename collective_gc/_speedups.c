@@ -23,6 +23,11 @@
  * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
  * the Python versions).
  *
+ * handlers_changed, region_enter, region_leave: a protected region's entry and
+ * exit (see collective_gc._interrupts, whose Python versions they mirror): a
+ * sync point enters and leaves one, and in Python the two cost more than the
+ * rest of an empty sync point's bookkeeping.
+ *
  * destroy_each: a sync point that destroys many PETSc objects spends more time
  * calling obj.destroy() from Python than it must. This runs a batch in one C
  * loop: for each object, PETSc's PetscObjectDestroy() on the handle slot
@@ -484,7 +489,7 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * _registration's switches: [track origins], [the finalizer], [fast add on]. */
 static PyTypeObject *registry_type = NULL;
 static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = -1,
-                  off_rpush = -1;
+                  off_rpush = -1, off_thread = -1;
 static PyObject *origins_switch = NULL, *callback_box = NULL, *fast_switch = NULL;
 
 PyDoc_STRVAR(set_registry_type_doc,
@@ -512,7 +517,8 @@ set_registry_type(PyObject *module, PyObject *args)
     Py_ssize_t b = k < 0 ? -1 : slot_offset((PyTypeObject *)cls, "busy");
     Py_ssize_t o = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "owner");
     Py_ssize_t p = o < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
-    if (p < 0) {
+    Py_ssize_t t = p < 0 ? -1 : slot_offset((PyTypeObject *)cls, "thread");
+    if (t < 0) {
         return NULL;
     }
     off_live = l;
@@ -520,6 +526,7 @@ set_registry_type(PyObject *module, PyObject *args)
     off_busy = b;
     off_rowner = o;
     off_rpush = p;
+    off_thread = t;
     Py_INCREF(cls);
     Py_XSETREF(registry_type, (PyTypeObject *)cls);
     Py_INCREF(origins);
@@ -536,8 +543,9 @@ PyDoc_STRVAR(add_plain_doc,
 "Registry.add's common case in one call: ``destroy`` a plain function without\n"
 "a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
 "``obj`` weakly referenceable and with no other weak reference, no origin to\n"
-"record, and no other registration half-way through on ``registry`` (its busy\n"
-"count 0). Then the registration is made, given the next key and stored,\n"
+"record, no other registration half-way through on ``registry`` (its busy\n"
+"count 0), and its ``thread`` -1 (any thread may register) or this thread's\n"
+"ident (the thread that has registered since the last sync point). Then the registration is made, given the next key and stored,\n"
 "with no Python code run between reading the key and storing the next one\n"
 "(so it needs no lock). Otherwise None, having changed nothing:\n"
 "Registry.add then does it (or says what is wrong).");
@@ -601,11 +609,29 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *busy = SLOT(registry, off_busy);
     PyObject *key = SLOT(registry, off_next_key);
     PyObject *live = SLOT(registry, off_live);
+    PyObject *thread = SLOT(registry, off_thread);
     if (wr->wr_prev != NULL || wr->wr_next != NULL /* another weak reference to obj */
         || busy == NULL || !PyLong_CheckExact(busy) || PyLong_AsLong(busy) != 0
-        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)) {
+        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)
+        || thread == NULL || !PyLong_CheckExact(thread)) {
         /* (busy: another registration is between taking its key and storing
          * the next one, on another thread or below us on this one) */
+        goto slow;
+    }
+    /* The one thread that registers between two sync points on a
+     * communicator of size > 1 (ranks would number two threads' objects in
+     * different orders): another one goes to Registry.add, which refuses it. */
+    /* PyLong_AsLong: PyLong_AsLongLong goes through a byte array for a
+     * two-digit int such as a thread ident (about 40 ns here). */
+    long owner_ident = PyLong_AsLong(thread);
+    if (owner_ident == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto slow;
+    }
+    /* 0: the first registration since the last sync point, which
+     * Registry.add makes (it records the thread's name, for a refusal). */
+    if (owner_ident == 0
+        || (owner_ident != -1 && (unsigned long)owner_ident != PyThread_get_thread_ident())) {
         goto slow;
     }
     long long k = PyLong_AsLongLong(key);
@@ -997,7 +1023,165 @@ window_keys(PyObject *module, PyObject *args)
     return out;
 }
 
+/* -- handlers_changed --------------------------------------------------- */
+
+PyDoc_STRVAR(handlers_changed_doc,
+"handlers_changed(getsignal, signals, expected) -> bool\n\n"
+"Whether getsignal(signals[i]) is not expected[i] for some i (identity).");
+
+static PyObject *
+handlers_changed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])
+        || PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "handlers_changed: expected getsignal and two tuples of one length");
+        return NULL;
+    }
+    PyObject *getsignal = args[0];
+    Py_ssize_t n = PyTuple_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *handler = PyObject_CallOneArg(getsignal, PyTuple_GET_ITEM(args[1], i));
+        if (handler == NULL) {
+            return NULL;
+        }
+        int changed = handler != PyTuple_GET_ITEM(args[2], i);
+        Py_DECREF(handler);
+        if (changed) {
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+/* _interrupts' state, given once by region_setup: the main thread's ident, the
+ * one-item depth list, the deferred list, the signals, the one-item list of
+ * their expected handlers, getsignal, and the Python functions for the rare
+ * steps (wrapping handlers, delivering deferred signals). */
+static unsigned long region_main = 0;
+static PyObject *region_depth = NULL, *region_deferred = NULL, *region_signals = NULL,
+                *region_guarded = NULL, *region_getsignal = NULL, *region_guard = NULL,
+                *region_deliver = NULL;
+
+PyDoc_STRVAR(region_setup_doc,
+"region_setup(main_ident, depth, deferred, signals, guarded, getsignal, guard, deliver)\n\n"
+"Give region_enter and region_leave collective_gc._interrupts' state.");
+
+static PyObject *
+region_setup(PyObject *module, PyObject *args)
+{
+    unsigned long main_ident;
+    PyObject *depth, *deferred, *signals, *guarded, *getsignal, *guard, *deliver;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "kO!O!O!O!OOO:region_setup", &main_ident, &PyList_Type, &depth,
+                          &PyList_Type, &deferred, &PyTuple_Type, &signals, &PyList_Type,
+                          &guarded, &getsignal, &guard, &deliver)) {
+        return NULL;
+    }
+    if (PyList_GET_SIZE(depth) != 1 || PyList_GET_SIZE(guarded) != 1) {
+        PyErr_SetString(PyExc_TypeError, "region_setup: expected one-item lists");
+        return NULL;
+    }
+    region_main = main_ident;
+    Py_XSETREF(region_depth, Py_NewRef(depth));
+    Py_XSETREF(region_deferred, Py_NewRef(deferred));
+    Py_XSETREF(region_signals, Py_NewRef(signals));
+    Py_XSETREF(region_guarded, Py_NewRef(guarded));
+    Py_XSETREF(region_getsignal, Py_NewRef(getsignal));
+    Py_XSETREF(region_guard, Py_NewRef(guard));
+    Py_XSETREF(region_deliver, Py_NewRef(deliver));
+    Py_RETURN_NONE;
+}
+
+/* depth[0] + delta, stored; -1 on error. */
+static long
+region_add(long delta)
+{
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    long depth = PyLong_AsLong(d);
+    if (depth == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *next = PyLong_FromLong(depth + delta);
+    if (next == NULL) {
+        return -1;
+    }
+    PyList_SetItem(region_depth, 0, next); /* steals; the old item is released */
+    return depth + delta;
+}
+
+PyDoc_STRVAR(region_enter_doc, "region_enter() -> bool: see collective_gc._interrupts.enter.");
+
+static PyObject *
+region_enter(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (region_depth == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "region_enter: region_setup was not called");
+        return NULL;
+    }
+    if (PyThread_get_thread_ident() != region_main) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    if (d == NULL || !PyLong_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "region_enter: the depth is not an int");
+        return NULL;
+    }
+    if (PyLong_AsLong(d) == 0) {
+        PyObject *expected = PyList_GET_ITEM(region_guarded, 0);
+        PyObject *a[3] = {region_getsignal, region_signals, expected};
+        PyObject *changed = handlers_changed(NULL, a, 3);
+        if (changed == NULL) {
+            return NULL;
+        }
+        Py_DECREF(changed);
+        if (changed == Py_True) {
+            PyObject *r = PyObject_CallNoArgs(region_guard);
+            if (r == NULL) {
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
+    }
+    if (region_add(1) < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(region_leave_doc,
+"region_leave(entered) -> None: see collective_gc._interrupts.leave.");
+
+static PyObject *
+region_leave(PyObject *module, PyObject *entered)
+{
+    (void)module;
+    if (entered != Py_True) {
+        Py_RETURN_NONE;
+    }
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    if (d == NULL || !PyLong_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "region_leave: the depth is not an int");
+        return NULL;
+    }
+    if (PyLong_AsLong(d) == 1 && PyList_GET_SIZE(region_deferred) > 0) {
+        /* Rare: the Python version delivers, decrements and raises. */
+        return PyObject_CallOneArg(region_deliver, entered);
+    }
+    if (region_add(-1) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"region_setup", region_setup, METH_VARARGS, region_setup_doc},
+    {"region_enter", region_enter, METH_NOARGS, region_enter_doc},
+    {"region_leave", region_leave, METH_O, region_leave_doc},
+    {"handlers_changed", (PyCFunction)(void (*)(void))handlers_changed, METH_FASTCALL,
+     handlers_changed_doc},
     {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
     {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
     {"new_registration", (PyCFunction)(void (*)(void))new_registration, METH_FASTCALL,

@@ -28,3 +28,19 @@ def take_batch(
 def run_each(
     fns: list[Callable[..., object]], argss: list[tuple[Any, ...]], /
 ) -> list[tuple[int, BaseException]]: ...
+def handlers_changed(
+    getsignal: Callable[[int], object], signals: tuple[int, ...], expected: tuple[object, ...], /
+) -> bool: ...
+def region_setup(
+    main_ident: int,
+    depth: list[int],
+    deferred: list[Any],
+    signals: tuple[int, ...],
+    guarded: list[tuple[object, ...]],
+    getsignal: Callable[[int], object],
+    guard: Callable[[], None],
+    deliver: Callable[[bool], None],
+    /,
+) -> None: ...
+def region_enter() -> bool: ...
+def region_leave(entered: bool, /) -> None: ...

@@ -24,7 +24,9 @@ KeyboardInterrupt and SystemExit raised inside destroys on one rank, destroys
 that detach, register, drop and call diagnostics, late ranks against
 deadlines, communicators freed with destroys pending, diagnostics before a
 strict scope's sync point, and (expected to be refused) two threads
-registering at once on a communicator of size > 1. Per seed it reports hangs,
+registering at once on a communicator of size > 1, and (issue 25) a SIGALRM
+handler raising KeyboardInterrupt, SystemExit or RuntimeError every 50-400 us
+during loops of sync points, on one rank or on COMM_SELF. Per seed it reports hangs,
 double destroys, destroys of live objects, lost destroys and ranks that
 disagree on how a sync point ended (plus duplicate keys and errors a correct
 library would not raise); see :mod:`stress.ledger`. ``--only EPISODE,...``

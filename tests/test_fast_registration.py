@@ -227,6 +227,7 @@ def test_a_c_path_registration_during_a_held_one_is_refused_on_a_parallel_comm(
     the C path must not slip past a registration held half-way through."""
     mgr = cgc.manager(comm)
     cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
+    cgc.collect(comm, generation=None, timeout=30)  # from now on any one thread may register
     start = mgr.next_key
     keep: list[Obj] = []
     outcome: list[str] = []
@@ -432,3 +433,54 @@ def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept()
         assert done == ["first", "late"]
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_threads_registering_plain_destroys_at_once_are_refused(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 25, defect 3: an I/O thread and the main thread register
+    plain-function destroys (the C path) at the same time on every rank. Their
+    calls never overlap, so nothing was refused, and about 6,000 keys named
+    different objects on different ranks. Now the thread that is second to
+    register since the last sync point gets a RegistrationError naming both."""
+    mgr = cgc.manager(comm)
+    cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
+    cgc.collect(comm, generation=None, timeout=30)
+    keep: list[Obj] = []
+    regs: list[cgc.Registration] = []
+    refusals: list[tuple[str, str]] = []
+    start = threading.Barrier(2)
+
+    def register_many() -> None:
+        start.wait(30)
+        for _ in range(20_000):
+            o = Obj()
+            keep.append(o)
+            try:
+                regs.append(cgc.register(o, noop, comm=comm))
+            except cgc.RegistrationError as exc:
+                refusals.append((threading.current_thread().name, str(exc)))
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the two threads interleave many times
+    try:
+        io = threading.Thread(target=register_many, name="io-thread")
+        io.start()
+        register_many()
+        io.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    named = [
+        "'io-thread'" in text and "'MainThread'" in text and "was registering" in text
+        for _, text in refusals
+    ]
+    verdict = everyone(WORLD, (len(refusals), named))
+    # Each rank refused one thread (which one may differ), naming both.
+    assert all(v == (1, [True]) for v in verdict), (verdict, refusals[:1])
+    # The ranks' registrations now differ: forget them here, no sync point.
+    for reg in regs:
+        reg.detach()
+    del keep[:]
+    assert mgr.registered == 0

@@ -29,7 +29,9 @@ What a correct library must do here (issue 11):
   destroy arguments, data those other threads are changing).
 
 Episodes: threads (defects 1, 11), interrupt (3), meddle (8), late (4),
-freed (2), strict (9), args (10, 12), racing (the erroneous case of 1).
+freed (2), strict (9), args (10, 12), racing (the erroneous case of 1),
+storm (issue 25: signal handlers raising anywhere in sync points, drains and
+destroys; every rank runs every sync point and nothing is lost).
 ``run_faults`` draws which of them a seed runs.
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import functools
 import gc
 import random
+import signal
 import sys
 import threading
 import time
@@ -907,6 +910,81 @@ def strict(ctx: Ctx) -> None:
     comm.Free()
 
 
+# -- signal handlers raising at random points of sync points (issue 25) ----------
+
+
+def storm(ctx: Ctx) -> None:
+    """A SIGALRM handler raising KeyboardInterrupt, SystemExit or RuntimeError
+    every 50-400 us, on one rank of a duplicate of the world (or, on some seeds,
+    on every rank, each on its own duplicate of COMM_SELF), during loops of
+    sync points in which 20-200 managed objects die per step: it lands
+    anywhere, in sync points, drains and destroys. The user catches it and
+    runs the sync point again only if it did not run (its manager's
+    sync_count), as a program that catches interrupts would. Checked: no hang,
+    no other error, every rank runs every sync point, every destroy runs once
+    and the same on every rank."""
+    L = ctx.ledger
+    L.episode = "storm"
+    label = "storm"
+    sh = ctx.shared
+    ctx.arm("storm", ctx.ck_timeout * 4)
+    on_self = sh.random() < 0.3
+    comm = MPI.COMM_SELF.Dup() if on_self else ctx.world.Dup()
+    stormed = on_self or ctx.rank == sh.randrange(ctx.size)
+    kind = _RAISABLE[sh.choice(("KeyboardInterrupt", "SystemExit", "RuntimeError"))]
+    timeout = None if sh.random() < 0.3 else ctx.hang_timeout
+    mgr = cgc.manager(comm)
+    rng = ctx.mine
+    # Raises only while the budget lasts: set just before the sync point,
+    # zeroed just after, so that nothing lands in the harness's own steps.
+    state = {"budget": 0, "raised": 0, "on": True}
+
+    def handler(signum: int, frame: Any) -> None:
+        if state["on"]:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(50e-6, 400e-6))
+        if state["budget"] > 0:
+            state["budget"] -= 1
+            state["raised"] += 1
+            raise kind("storm")
+
+    errors: list[str] = []
+    previous = signal.signal(signal.SIGALRM, handler) if stormed else None
+    try:
+        if stormed:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(50e-6, 400e-6))
+        for step in range(sh.randrange(5, 25)):
+            holders = Holders(L.make(comm, label)[0] for _ in range(sh.randrange(20, 200)))
+            holders.clear()
+            want = mgr.sync_count + 1
+            while mgr.sync_count < want and not errors:
+                try:
+                    state["budget"] = 3
+                    cgc.collect(comm, generation=None, timeout=timeout)
+                    state["budget"] = 0
+                except BaseException as exc:  # the storm's, or a defect
+                    state["budget"] = 0
+                    if type(exc) is not kind or str(exc) != "storm":
+                        errors.append(f"step {step}: {type(exc).__name__}: {exc}"[:400])
+            if errors:
+                break  # this rank's manager is unusable: a checkpoint says so
+    finally:
+        state["on"] = False
+        if stormed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    got = ctx.checkpoint("storm outcome", (errors[:1], state["raised"]))
+    if ctx.rank == 0:
+        for q, (errs, _) in enumerate(got):
+            if errs:
+                L.defect("error", f"storm ({kind.__name__}) on rank {q}: {errs[0]}")
+    if any(errs for errs, _ in got):
+        comm.Free()
+        raise EpisodeAbandoned
+    if final_collects(ctx, comm, label, "storm"):
+        check_lost_everywhere(ctx, label)
+    comm.Free()
+
+
 EPISODES: dict[str, Callable[[Ctx], None]] = {
     "threads": threads,
     "interrupt": interrupt,
@@ -916,6 +994,7 @@ EPISODES: dict[str, Callable[[Ctx], None]] = {
     "racing": racing,
     "strict": strict,
     "args": bad_args,
+    "storm": storm,
 }
 # How often each episode runs (per seed, decided by the shared RNG).
 WEIGHTS = {
@@ -927,6 +1006,7 @@ WEIGHTS = {
     "racing": 0.15,
     "strict": 0.3,
     "args": 0.15,
+    "storm": 0.3,
 }
 
 
