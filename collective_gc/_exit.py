@@ -90,6 +90,8 @@ def _at_exit() -> None:
                         interrupt = exc
                     else:
                         interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
+            for mgr in _lookup.managers():
+                mgr.end_exit()
             if interrupt is not None:
                 try:
                     raise interrupt

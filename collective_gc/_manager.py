@@ -988,9 +988,12 @@ class Manager:
                 ExitLeakWarning,
                 stacklevel=1,
             )
-        # MPI is finalized next (mpi4py's Py_AtExit): a receive still posted
-        # then is erroneous, so the watch's is withdrawn (local), and no sync
-        # point can run on this manager after its exit agreement.
+
+    def end_exit(self) -> None:
+        """At exit, once every manager's exit agreement ran: withdraw the
+        standing receive of the agreement's watch, since MPI is finalized next
+        (mpi4py's ``Py_AtExit``) and a receive still posted then is erroneous.
+        No sync point runs on this manager afterwards. Local."""
         with self._lock:
             if self._agreement is not None and not MPI.Is_finalized():
                 self._close_agreement()
