@@ -42,11 +42,11 @@ test-serial: install
 test-mpi: install
 	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" --ignore=tests/clients tests
 
-# Real clients (issue 22): Debian 12's DOLFINx 0.5.2, installed by its own
-# script so that `make test` does not need it; its tests and the example loop
+# Real clients (issue 22): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
+# packages), installed only here so that `make test` does not need it; its tests and the example loop
 # (200 steps, XDMF output, RSS <= 40 KiB/step from step 20, nothing left) on 4 ranks.
 test-clients: install test-plugin-mpipytest
-	bash tools/install-client-deps.sh
+	bash tools/install-system-deps.sh python3-dolfinx
 	CGC_REQUIRE_DOLFINX=1 $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
 	$(MPIRUN) examples/dolfinx_loop.py --steps 200 --check
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Make sure Debian's MPI/PETSc stack is present: OpenMPI, mpi4py, petsc4py, numpy.
+# tools/install-system-deps.sh [PKG...]: make sure Debian's packages are present,
+# by default the MPI/PETSc stack `make test` needs (OpenMPI, mpi4py, petsc4py,
+# numpy); `make test-clients` names DOLFINx, the debian13 leg its host tools.
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail
 # python3-dev and gcc build the optional C extension (collective_gc._speedups).
 # procps: pgrep, with which a launcher test checks that no rank outlived SIGTERM.
-PKGS="procps openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
+DEFAULT_PKGS="procps openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
+PKGS=${*:-$DEFAULT_PKGS}
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -20,6 +23,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     # shellcheck disable=SC2086
     apt-get install -y -qq $missing >/dev/null
     exit 0
+fi
+if [ $# -gt 0 ]; then
+    echo "collective_gc: missing Debian packages:$missing (as root: apt-get install$missing)" >&2
+    exit 1
 fi
 cat >&2 <<MSG
 collective_gc needs an MPI implementation with mpi4py, petsc4py and numpy. Missing:$missing

@@ -1,5 +1,5 @@
 """DOLFINx as a real client (issue 22): run by ``make test-clients`` on 4 ranks,
-with Debian 12's python3-dolfinx (tools/install-client-deps.sh)."""
+with Debian 12's python3-dolfinx (installed by the Makefile's test-clients)."""
 
 from __future__ import annotations
 

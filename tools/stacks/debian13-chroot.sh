@@ -9,17 +9,7 @@ DIR=${1:?usage: debian13-chroot.sh DIR}
 # The host's tools for this leg, checked even when the chroot exists: a chroot
 # made on another machine (or kept in .stacks/) does not bring them. debootstrap
 # builds the chroot; tools/stack-run copies the tree in with rsync.
-missing=""
-for tool in debootstrap rsync; do
-    command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
-done
-if [ -n "$missing" ]; then
-    echo "collective_gc: installing Debian packages for the debian13 leg:$missing"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    # shellcheck disable=SC2086
-    apt-get install -y -qq $missing >/dev/null
-fi
+bash "$(dirname "$0")/../install-system-deps.sh" debootstrap rsync
 [ -e "$DIR/.bootstrapped" ] && exit 0
 
 # python3-pytest and python3-setuptools come from Debian too: inside the chroot
