@@ -157,13 +157,6 @@ class Watch:
         """The standing receive, to wait on together with a collective."""
         return self._req
 
-    def arrived(self) -> bool:
-        """Whether a rank gave up, as far as the last wait or test of the
-        receive knew: no MPI call."""
-        if self.gone is None and not self._closed and self._req == MPI.REQUEST_NULL:
-            self.gone = (int(self._buf[0]), int(self._buf[1]))
-        return self.gone is not None
-
     def fired(self) -> bool:
         """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
         # A receive that Waitsome or Test completed is already null.
@@ -221,16 +214,11 @@ def wait(
     try:
         if watch is not None and watch.gone is not None:
             raise watch.error(what)  # a rank gave up earlier: nothing completes in step
-        waited = False  # whether Waitsome last saw both requests
         if deadline is None or deadline.at is None:
             if watch is None:
                 req.Wait()
             else:
-                # Waitsome, not Waitany: it also says whether a notice is
-                # there when the collective completes, so no Test is needed
-                # after it.
                 MPI.Request.Waitsome((req, watch.request))
-                waited = True
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
@@ -244,7 +232,11 @@ def wait(
                     raise CollectiveTimeoutError(what())
                 time.sleep(delay)
                 delay = min(1e-3, delay * 2 + 2e-5)
-        if watch is not None and (watch.arrived() if waited else watch.fired()):
+        # A Test of the notice even when Waitsome returned the collective
+        # alone: MPICH's Waitsome returns at the first completion without
+        # matching a notice that has waited in its queue since long before
+        # (a rank arriving late then carried on as if nobody had given up).
+        if watch is not None and watch.fired():
             raise watch.error(what)
     except BaseException:
         # Timed out, or left (outside a protected region, or by a second
