@@ -58,8 +58,8 @@ from typing import Any
 from ._registration import SPEEDUPS
 
 # The stdlib's own C implementation of signal.getsignal, which the public one
-# wraps: the wrapper converts every answer to an enum, which costs about 10 us
-# for a function handler (measured here), more than an empty sync point.
+# wraps: the wrapper converts every answer to an enum, which costs more than an
+# empty sync point.
 _getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
 __all__ = ["SIGNALS", "Deferring", "enter", "leave", "enter_py", "leave_py", "use", "deferred"]
