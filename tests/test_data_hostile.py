@@ -169,6 +169,25 @@ def test_thread_loader_interrupted_inside_next(exc: type[BaseException]) -> None
         assert _in_thread(it.close, 10)[0], "close() hangs"
 
 
+def _script_env() -> dict[str, str]:
+    """The environment of a script in a fresh interpreter: no MPI launcher's
+    variables (it would take itself for a rank of this job), this sys.path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def _run_script(name: str) -> subprocess.CompletedProcess[str]:
+    """Run ``data_scripts/NAME`` in a fresh interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, name)],
+        capture_output=True,
+        text=True,
+        env=_script_env(),
+        timeout=120,
+    )
+
+
 def _memfds() -> set[str]:
     """This process's descriptors and mappings of loader segments (memfds)."""
     found = set()
@@ -232,15 +251,7 @@ def test_start_up_finishes_under_an_interrupt_every_50_to_300_us() -> None:
     interval; an interrupt inside the pickling even came out as TypeError.
     Run in a fresh interpreter (``data_scripts/startup.py``), where start-up
     has all its work to do."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "startup.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = _run_script("startup.py")
     words = result.stdout.split()
     assert result.returncode == 0 and words[0] == "ok", result.stdout + result.stderr
     assert int(words[1]) > 0, "no interrupt reached the start-up"
@@ -364,8 +375,7 @@ def _descendants(pid: int) -> set[int]:
 
 @pytest.mark.parametrize("mode", ["main-fork", "thread-fork"])
 def test_everything_dies_with_the_rank_whatever_fn_forked(mode: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env = _script_env()
     victim = subprocess.Popen(
         [sys.executable, os.path.join(SCRIPTS, "victim.py"), mode],
         stdout=subprocess.PIPE,
@@ -403,15 +413,7 @@ def test_a_start_up_cut_short_by_descriptor_exhaustion_is_silent_and_explained()
     """Issue 24, defect 5: a worker spawned by a start-up that then failed
     (EMFILE on a later worker) printed ``EOFError: Ran out of input`` from
     its ``pickle.load(boot)`` on the user's stderr when it was stopped."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "exhaust.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = _run_script("exhaust.py")
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and lines[-1] == "ok", result.stdout + result.stderr
     assert result.stderr == "", "a worker stopped at start-up wrote on stderr"
