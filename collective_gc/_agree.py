@@ -45,7 +45,9 @@ the nodes of a cluster do not. Instead a rank that gives up at its own
 its own on the private communicator (:class:`Watch`: only on that error
 path, so its cost in ranks does not matter); every rank keeps a receive of
 it posted, waits on it together with each collective, and checks it once
-each collective completes, before anything is destroyed. What is left is
+each collective completes, before anything is destroyed. The agreement's
+flags say whether any rank had a deadline (only such a rank gives up): when
+none had, the check after the agreement is skipped. What is left is
 message latency, not clock skew: a rank whose collective completes before
 the notice reaches it carries on with that sync point (it hears of it at
 its next wait).
@@ -69,6 +71,7 @@ from ._registration import SPEEDUPS
 __all__ = [
     "FLAG_CYCLIC",
     "FLAG_FAILED",
+    "FLAG_DEADLINE",
     "FLAG_BAD_VOTE",
     "FIELD_BITS",
     "NO_KEY",
@@ -94,6 +97,9 @@ NO_KEY = int(np.iinfo(np.int64).max)
 # Flags, ORed over the ranks.
 FLAG_CYCLIC = 1  # a cyclic-GC death of a managed object was drained
 FLAG_FAILED = 2  # a destroy raised (on a derived communicator, or in the sync point's own)
+# Some rank waited for the agreement against a deadline: only then may one have
+# given up, and only then is the watch checked once the agreement completed.
+FLAG_DEADLINE = 4
 FLAG_BAD_VOTE = 8  # a participant voted outside 0..255
 FIELD_BITS = 8  # participant field f owns bits [8 (f + 1), 8 (f + 2)) of the flags
 MAX_FIELDS = 6
@@ -128,12 +134,14 @@ _ABANDONED: list[tuple[MPI.Request | None, tuple[object, ...]]] = []
 # The tag of a Watch's notices: the private communicator carries no other
 # point-to-point message.
 _TAG_GAVE_UP = 25
+_GAVE_UP, _LEFT = 0, 1  # why, in a notice
 
 
 class Watch:
-    """The notice a rank that gave up at its deadline sends to every other
-    rank of a private communicator, and the receive of it each rank keeps
-    posted there (see the module docs).
+    """The notice a rank that gave up at its deadline, or left a sync point's
+    collectives by an exception, sends to every other rank of a private
+    communicator, and the receive of it each rank keeps posted there (see
+    the module docs).
 
     Once a notice arrived (or this rank sent one) the communicator's
     collectives can never again complete in step on every rank: every later
@@ -146,8 +154,9 @@ class Watch:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.seq = 0  # the sync point under way, named in a notice
-        self.gone: tuple[int, int] | None = None  # (rank, sync point) of the one that gave up
-        self._buf = np.zeros(2, dtype=np.int64)
+        # (rank, sync point, why: _GAVE_UP or _LEFT) of the one that gave up
+        self.gone: tuple[int, int, int] | None = None
+        self._buf = np.zeros(3, dtype=np.int64)
         self._sent = self._closed = False
         # Local: posting a receive waits for nobody.
         self._req: MPI.Request = comm.Irecv(self._buf, MPI.ANY_SOURCE, _TAG_GAVE_UP)
@@ -159,32 +168,39 @@ class Watch:
 
     def fired(self) -> bool:
         """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
-        # A receive that Waitsome or Test completed is already null.
+        # A receive that Waitany or Test completed is already null.
         if (
             self.gone is None
             and not self._closed
             and (self._req == MPI.REQUEST_NULL or self._req.Test())
         ):
-            self.gone = (int(self._buf[0]), int(self._buf[1]))
+            self.gone = (int(self._buf[0]), int(self._buf[1]), int(self._buf[2]))
         return self.gone is not None
 
     def error(self, what: Callable[[], str]) -> CollectiveTimeoutError:
         assert self.gone is not None
-        rank, seq = self.gone
+        rank, seq, why = self.gone
+        how = (
+            "gave up waiting at its deadline"
+            if why == _GAVE_UP
+            else "left the collectives by an exception"
+        )
         return CollectiveTimeoutError(
-            f"rank {self.rank}: rank {rank} gave up waiting at its deadline at sync point "
-            f"{seq} of this communicator, so the collectives there can no longer complete "
-            f"in step on every rank ({what()})"
+            f"rank {self.rank}: rank {rank} {how} at sync point {seq} of this "
+            "communicator, so the collectives there can no longer complete in step on "
+            f"every rank ({what()})"
         )
 
-    def announce(self) -> None:
-        """Tell every other rank that this one gives up (at its deadline). Local:
-        non-blocking sends, kept for the life of the process like any
-        abandoned request (a rank that never waits again never receives)."""
-        if self._sent or self.gone is not None:
+    def announce(self, left: bool = False) -> None:
+        """Tell every other rank that this one gives up: at its deadline, or
+        (``left``) because an exception took it out of a sync point's
+        collectives. Local: non-blocking sends, kept for the life of the
+        process like any abandoned request (a rank that never waits again
+        never receives)."""
+        if self._sent or self.gone is not None or self._closed:
             return  # once: the others need only one notice
         self._sent = True
-        self.gone = (self.rank, self.seq)
+        self.gone = (self.rank, self.seq, _LEFT if left else _GAVE_UP)
         note = np.array(self.gone, dtype=np.int64)
         for other in range(self.comm.Get_size()):
             if other != self.rank:
@@ -200,12 +216,17 @@ class Watch:
 
 
 def wait(
-    req: MPI.Request, deadline: Deadline | None, what: Callable[[], str], *buffers: object
+    req: MPI.Request,
+    deadline: Deadline | None,
+    what: Callable[[], str],
+    *buffers: object,
+    check: bool = True,
 ) -> None:
     """Complete ``req`` (a collective on the manager's communicator) against
     ``deadline`` and, if it has one, its watch: a rank that gave up anywhere
     ends the wait here with :class:`CollectiveTimeoutError`, whether or not
-    this rank has a deadline, and so does a notice found once ``req`` completed.
+    this rank has a deadline, and so does a notice found once ``req`` completed
+    (unless ``check`` is false: the caller checks, see Agreement.agree).
 
     ``buffers`` are kept alive for ever if the request is abandoned, since MPI
     may still read or write them when a late rank arrives.
@@ -214,11 +235,12 @@ def wait(
     try:
         if watch is not None and watch.gone is not None:
             raise watch.error(what)  # a rank gave up earlier: nothing completes in step
+        notice = False
         if deadline is None or deadline.at is None:
             if watch is None:
                 req.Wait()
             else:
-                MPI.Request.Waitsome((req, watch.request))
+                notice = _WAITANY((req, watch.request)) == 1
         else:
             # Poll: yield the core at first (ranks may share cores with the one
             # we wait for), then back off to a millisecond so a long wait does
@@ -232,11 +254,12 @@ def wait(
                     raise CollectiveTimeoutError(what())
                 time.sleep(delay)
                 delay = min(1e-3, delay * 2 + 2e-5)
-        # A Test of the notice even when Waitsome returned the collective
-        # alone: MPICH's Waitsome returns at the first completion without
-        # matching a notice that has waited in its queue since long before
-        # (a rank arriving late then carried on as if nobody had given up).
-        if watch is not None and watch.fired():
+            notice = watch is not None and watch.gone is not None
+        # A Test of the notice even when Waitany returned the collective: MPI
+        # returns at the first completion it finds (MPICH without matching a
+        # notice that had waited in its queue since long before: a rank
+        # arriving late then carried on as if nobody had given up).
+        if watch is not None and (notice or check) and watch.fired():
             raise watch.error(what)
     except BaseException:
         # Timed out, or left (outside a protected region, or by a second
@@ -245,6 +268,9 @@ def wait(
         if req != MPI.REQUEST_NULL:
             _ABANDONED.append((req, buffers))
         raise
+
+
+_WAITANY = MPI.Request.Waitany
 
 
 def keep_alive(req: MPI.Request, *buffers: object) -> None:
@@ -641,7 +667,7 @@ class Agreement:
         buf[3] = ~head.next_key
         buf[4] = head.parts
         buf[5] = ~head.parts
-        buf[6] = ~head.flags
+        buf[6] = ~(head.flags if deadline.at is None else head.flags | FLAG_DEADLINE)
         if pending.size:
             # The keys [first, last) of pending are in the window; the whole
             # bitmap is written.
@@ -657,7 +683,7 @@ class Agreement:
         # Non-blocking even without one: a blocking collective never matches
         # the non-blocking one of a rank that has a deadline.
         try:
-            wait(self._start(buf), deadline, what, buf)
+            wait(self._start(buf), deadline, what, buf, check=False)
         except BaseException:
             # MPI may still write into it, and the request may still be
             # active: neither is used again, and both are kept for ever (wait
@@ -668,6 +694,13 @@ class Agreement:
             raise
         red = buf
         agreed_flags = ~red[6]
+        if agreed_flags & FLAG_DEADLINE:
+            # A rank that had a deadline may have given up after sending its
+            # part (see wait): then this agreement completed only because of
+            # what it left behind.
+            if self.watch.fired():
+                raise self.watch.error(what)
+            agreed_flags &= ~FLAG_DEADLINE
         if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
             return Agreed(_NO_KEYS, agreed_flags, True, False)
         fallback = red[7] != 0

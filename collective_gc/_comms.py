@@ -52,7 +52,7 @@ from ._errors import (
     DestroyError,
 )
 from ._lookup import lookup, manager, on_first_collective, on_new_manager, retire
-from ._manager import Manager, Participant
+from ._manager import Manager
 from ._scope import current_scope
 
 __all__ = ["dup", "split", "derived", "adopt", "contains", "relation", "unreached"]
@@ -221,7 +221,7 @@ class _Derived:
         # while the communicator lives: then it goes once its owner freed it.
         mgr = self.mgr
         if mgr is not None and mgr.broken is None:
-            if mgr.registered or (_has_own_participants(mgr) and not mgr.comm_freed):
+            if mgr.registered or (mgr.participants and not mgr.comm_freed):
                 return
             freed = self.handle_freed or mgr.comm_freed
             if not retire(mgr, None if freed else self.handle):
@@ -238,42 +238,45 @@ class _Derived:
         return f"<collective_gc derived communicator {self.label}: {state}>"
 
 
-class _Children(Participant):
-    """The communicators derived from one parent, visited at each of its sync
-    points before the agreement (their resources are newer, and may have to
-    go before one of the parent's can), in creation order."""
+class _Children:
+    """The communicators derived from one parent, visited first at each of its
+    sync points (their resources are newer, and may have to go before one of
+    the parent's can), in creation order: the parent manager's visitor.
+
+    Not a participant: ranks of the parent inside and outside a subset
+    communicator have different records, and nothing of them enters the
+    parent's agreement but the failures of the visits."""
+
+    __slots__ = ("records", "made")
 
     def __init__(self) -> None:
         self.records: list[_Derived] = []
         self.made = 0
 
-    def prepare(self, mgr: Manager, deadline: float | None) -> list[Failure]:
+    def __call__(self, mgr: Manager, deadline: float | None) -> list[Failure]:
         if _UNREACHED:
             _reach(mgr)
+        records = self.records
+        if not records:
+            return _NO_FAILURES
         failures: list[Failure] = []
-        for record in list(self.records):
+        # Those dropped at the last sync point were released by their destroys.
+        for record in [r for r in records if not r.released]:
             failures.extend(record.visit(deadline))
-        self.records = [r for r in self.records if not r.released]
+        self.records = [r for r in records if not r.released]
         return failures
 
-    def may_raise(self, flags: int) -> bool:
-        return False
 
-    def finish(self, mgr: Manager, flags: int) -> None:
-        # Those dropped at this sync point were released by their destroys.
-        self.records = [r for r in self.records if not r.released]
-
-
-def _has_own_participants(mgr: Manager) -> bool:
-    return any(not isinstance(p, _Children) for p in mgr.participants)
+_NO_FAILURES: list[Failure] = []  # never appended to: returned by visits that found nothing
+# Each parent manager's children (the value is also the manager's visitor).
+_CHILDREN: weakref.WeakKeyDictionary[Manager, _Children] = weakref.WeakKeyDictionary()
 
 
 def _children(parent: Manager) -> _Children:
-    for p in parent.participants:
-        if isinstance(p, _Children):
-            return p
-    children = _Children()
-    parent.add_participant(children)
+    children = _CHILDREN.get(parent)
+    if children is None:
+        children = _CHILDREN[parent] = _Children()
+        parent.set_visitor(children)
     return children
 
 
@@ -282,7 +285,8 @@ def derived(comm: MPI.Intracomm) -> list[str]:
     mgr = lookup(comm)
     if mgr is None:
         return []
-    return [r.label for p in mgr.participants if isinstance(p, _Children) for r in p.records]
+    children = _CHILDREN.get(mgr)
+    return [] if children is None else [r.label for r in children.records if not r.released]
 
 
 def _adopt(
@@ -443,10 +447,9 @@ def _parent_for(mgr: Manager) -> Manager | None:
 
 def _first_collective(mgr: Manager) -> None:
     """At a manager's first collective (every rank of its communicator at the
-    same point): every manager of size > 1 gets the participant that visits
-    derived communicators (so that ranks outside a subset one have the same
-    participants as those inside), and a communicator a library made is
-    adopted by a parent's sync points."""
+    same point): every manager of size > 1 gets the visitor of derived
+    communicators (it also adopts unreached ones: see _reach), and a
+    communicator a library made is adopted by a parent's sync points."""
     if mgr.size == 1:
         return
     _children(mgr)

@@ -224,6 +224,7 @@ class Manager:
         self.destroyed = 0
         self._participants: list[Participant] = []
         self._identities = ""  # of _participants, joined (see Participant.identity)
+        self._visitor: Callable[[Manager, float | None], Sequence[_destroy.Failure]] | None = None
         self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
         self._leak_hooks: list[Callable[[Manager], Iterable[str]]] = []
 
@@ -325,6 +326,15 @@ class Manager:
         if self._broken is None:
             self._broken = reason
 
+    def _abandon(self, reason: str) -> None:
+        """This rank left collectives of the private communicator that the
+        others may still be in: unusable, and the others are told through
+        the watch (their waits there end at once, not at a deadline they may
+        not have). A timeout has told them already (see _agree.wait)."""
+        self.mark_unusable(reason)
+        if self._agreement is not None:
+            self._agreement.watch.announce(left=True)
+
     # -- participants and hooks ------------------------------------------------
 
     def add_participant(self, participant: Participant) -> None:
@@ -347,6 +357,19 @@ class Manager:
     def participants(self) -> tuple[Participant, ...]:
         """The participants added to every sync point, in order."""
         return tuple(self._participants)
+
+    def set_visitor(
+        self, visit: Callable[[Manager, float | None], Sequence[_destroy.Failure]]
+    ) -> None:
+        """Call ``visit(mgr, deadline)`` first at each sync point of size > 1 (or
+        with something to do), before anything is drained or agreed; what it
+        returns are failures of the sync point, reported like a destroy's.
+        Local. Unlike a participant it votes nothing and adds nothing to the
+        agreement, so ranks may differ in having one; what it runs must be
+        collective only over communicators whose ranks all run it at this
+        sync point (:mod:`collective_gc._comms` visits the derived
+        communicators there)."""
+        self._visitor = visit
 
     def add_view_hook(self, hook: Callable[[Manager], Iterable[tuple[str, str]]]) -> None:
         """Let :func:`collective_gc.view` show pending entries we do not manage.
@@ -563,7 +586,7 @@ class Manager:
                 assert self._agreement is not None
                 return self._agreement.allgather(value, deadline, self._what("a gather"))
             except BaseException as exc:
-                self._broken = f"a gather was left by {type(exc).__name__} ({exc})"
+                self._abandon(f"a gather was left by {type(exc).__name__} ({exc})")
                 raise
             finally:
                 _interrupts.leave(entered)
@@ -597,6 +620,7 @@ class Manager:
                 or registry.last_cyclic
                 or participants
                 or self._participants
+                or self._visitor is not None
             ):
                 # Nothing to drain, agree on or destroy, and no collective: what
                 # the steps below would do, without a protected region (an
@@ -626,7 +650,7 @@ class Manager:
                     # Left half-way through its collectives on this rank only
                     # (a second Ctrl-C, out of memory): the other ranks' next
                     # collective would match the wrong one.
-                    self._broken = (
+                    self._abandon(
                         f"sync point {self._seq} was left on this rank by "
                         f"{type(exc).__name__} before its collectives were done"
                     )
@@ -658,10 +682,14 @@ class Manager:
             registry = self._registry
             flags = 0
             bad: list[str] = []
+            if self._visitor is not None:
+                failures.extend(self._visitor(self, dl.at))
             if parts:
                 for p in parts:
                     failures.extend(p.prepare(self, dl.at))
-                flags = self._votes(parts, bad) | (FLAG_FAILED if failures else 0)
+                flags = self._votes(parts, bad)
+            if failures:
+                flags |= FLAG_FAILED
             cyclic = (
                 registry.drain(self._seq)
                 if registry.inbox or registry.stale or registry.last_cyclic

@@ -8,9 +8,12 @@ own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -107,6 +110,51 @@ def test_a_rank_that_gives_up_wakes_the_ranks_waiting_without_a_deadline(
             assert took < 2.0, f"rank {r} waited {took:.1f} s for the late rank"
         if r >= 1:
             assert re.search(r"rank 0 gave up .*sync point 1\b", text), (r, text)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_leaves_by_an_exception_wakes_the_others(comm: MPI.Intracomm) -> None:
+    """Rank 1 leaves a sync point's wait by a second Ctrl-C (the first is held
+    until the region's end, the second runs at once) while the others are
+    still on their way. They must hear of it at once, naming rank 1, instead
+    of waiting for it at their next collective (before: for ever, or until
+    their own timeout, 20 s here)."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    comm.Barrier()
+    outcome, message, took = "OK", "", 0.0
+    if rank == 1:
+        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.6)]
+        for t in timers:
+            t.start()
+        try:
+            cgc.collect(comm, generation=None, timeout=30)
+        except KeyboardInterrupt:
+            outcome = "INTERRUPTED"
+        finally:
+            for t in timers:
+                t.join()
+    else:
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):  # this one may complete: rank 1 had sent its part
+                cgc.collect(comm, generation=None, timeout=20)
+        except cgc.CollectiveTimeoutError as exc:
+            outcome, message = "TIMEOUT", str(exc)
+        took = time.monotonic() - t0
+    states = everyone(comm, (outcome, took, message, cgc.manager(comm).broken is not None))
+    assert states[1][0] == "INTERRUPTED" and states[1][3], states[1]
+    for r, (got, took, text, broken) in enumerate(states):
+        if r != 1:
+            assert got == "TIMEOUT" and broken, (r, got, text)
+            assert took < 5.0, f"rank {r} waited {took:.1f} s for the rank that left"
+            assert re.search(
+                r"rank 1 left the collectives by an exception at sync point 1\b", text
+            ), (
+                r,
+                text,
+            )
 
 
 # -- the message: independent of the number of ranks (Scale) -----------------------------
