@@ -56,37 +56,20 @@ _ROUNDS = 3
 
 # -- parallel_assert ------------------------------------------------------------
 
-# Requests abandoned at their deadline, with their buffers: MPI may still write
-# into the receive buffer when a late rank arrives, so both must outlive the
-# call. Completed ones are dropped at the next call.
-_ABANDONED: list[tuple[Any, array.array[int], array.array[int]]] = []
+
+def _not_in_time() -> str:
+    return "not every rank arrived before the deadline"
 
 
-def _reduce(
-    comm: MPI.Comm, values: list[int], op: MPI.Op, deadline: float | None
-) -> list[int] | None:
-    """Collective. Non-blocking allreduce of ints; None if ``deadline`` passed first.
+def _reduce(comm: MPI.Comm, values: list[int], op: MPI.Op, deadline: Any) -> list[int]:
+    """Collective. Non-blocking allreduce of ints against ``deadline`` (an
+    ``_agree.Deadline``, or None): the agreement's own transport (a
+    non-blocking collective never matches a blocking one, so every rank
+    issues the same kind; what a late rank may still write into is kept).
+    Raises CollectiveTimeoutError."""
+    from . import _agree
 
-    Always non-blocking, with or without a deadline: a non-blocking collective
-    never matches a blocking one, so every rank must issue the same kind.
-    """
-    if _ABANDONED:
-        _ABANDONED[:] = [a for a in _ABANDONED if not a[0].Test()]
-    send = array.array("q", values)
-    recv = array.array("q", values)
-    req = comm.Iallreduce(send, recv, op)
-    if deadline is None:
-        req.Wait()
-        return recv.tolist()
-    delay = 0.0
-    while not req.Test():
-        if time.monotonic() > deadline:
-            _ABANDONED.append((req, send, recv))
-            return None
-        # Yield the core: oversubscribed ranks share cores with the one we wait for.
-        time.sleep(delay)
-        delay = min(1e-3, delay * 2 + 2e-5)
-    return recv.tolist()
+    return _agree.allreduce(comm, array.array("q", values), op, deadline, _not_in_time).tolist()
 
 
 def _holds(condition: object) -> tuple[bool, str]:
@@ -147,14 +130,17 @@ def parallel_assert(
         if not ok:
             raise AssertionError(_assert_message([(rank, detail)], size))
         return
-    deadline = None if timeout is None else time.monotonic() + timeout
-    agreed = _reduce(c, [int(ok)], MPI.MIN, deadline)
-    if agreed is None:
+    from . import _agree
+
+    deadline = None if timeout is None else _agree.Deadline(time.monotonic() + timeout)
+    try:
+        agreed = _reduce(c, [int(ok)], MPI.MIN, deadline)
+    except CollectiveTimeoutError:
         raise AssertionError(
             f"rank {rank}: parallel_assert did not hear from every rank of a communicator "
             f"of size {size} within {timeout} s (did a rank fail before reaching it, or "
             f"skip it?); here the condition {'held' if ok else 'failed: ' + detail}"
-        )
+        ) from None
     if agreed[0]:
         return
     # Every rank got here together, so this blocking gather cannot wait for long.
@@ -262,6 +248,9 @@ def _settings(config: pytest.Config) -> tuple[bool, float]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
+    if state is not None and state.notice is not None:
+        state.notice.close()  # local: no receive of ours is posted at MPI_Finalize
+        state.notice = None
     if state is not None and state.comm is not None and state.broken is None:
         # Collective, and every rank gets here (unless one aborted, when the
         # job is over anyway).
@@ -286,7 +275,18 @@ class _State:
     # the first check (at the same test on every rank), so it never matches a
     # test's own collectives on COMM_WORLD.
     comm: Any = None
+    # The _agree.Watch of comm: a rank that gives up at its deadline tells the
+    # others, so a late rank fails at once instead of carrying on alone.
+    notice: Any = None
     broken: str | None = None
+
+    def deadline(self, at: float) -> Any:
+        """An ``_agree.Deadline`` at ``at`` for the checks' collectives on ``comm``."""
+        from . import _agree
+
+        dl = _agree.Deadline(at)
+        dl.watch = self.notice
+        return dl
 
 
 _STATE = pytest.StashKey[_State]()
@@ -382,11 +382,12 @@ def _checks_comm(state: _State, deadline: float) -> Any:
     world = MPI.COMM_WORLD
     if state.comm is None and state.broken is None and world.Get_size() > 1:
         try:
-            comm = _agree.dup(world, _agree.Deadline(deadline), lambda: "")
+            comm = _agree.dup(world, _agree.Deadline(deadline), _not_in_time)
         except CollectiveTimeoutError:
             state.broken = "making its own communicator timed out"
             return None
         state.comm = comm
+        state.notice = _agree.Watch(comm)
     return state.comm
 
 
@@ -400,7 +401,7 @@ def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
     world = MPI.COMM_WORLD
     comm = _checks_comm(state, deadline)
     if watch.leak and state.broken is None:
-        used, errors = _agree_used(watch, comm, deadline)
+        used, errors = _agree_used(watch, state, comm, deadline)
         if state.broken is None:
             errors += _final_syncs(used, state, deadline)
             leak_rows = _leaks(watch)
@@ -410,22 +411,25 @@ def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
     everyone = [mine]
     if comm is not None and state.broken is None:
         flags = [int(bool(strict_rows or leak_rows or errors)), int(failed_here)]
-        agreed = _reduce(comm, flags, MPI.MAX, deadline)
-        if agreed is None:
-            state.broken = "its agreement timed out"
-        elif agreed[0]:
-            # Something to report somewhere: every rank is here, gather it all.
-            from . import _agree
+        try:
+            agreed = _reduce(comm, flags, MPI.MAX, state.deadline(deadline))
+        except CollectiveTimeoutError as exc:
+            state.broken = f"its agreement: {exc}"
+        else:
+            if agreed[0]:
+                # Something to report somewhere: every rank is here, gather it all.
+                from . import _agree
 
-            try:
-                everyone = _agree.allgather(comm, mine, _agree.Deadline(deadline), lambda: "")
-            except CollectiveTimeoutError:
-                state.broken = "gathering its report timed out"
+                try:
+                    everyone = _agree.allgather(comm, mine, state.deadline(deadline), _not_in_time)
+                except CollectiveTimeoutError as exc:
+                    state.broken = f"gathering its report: {exc}"
     if state.broken is not None:
         pytest.fail(
-            f"collective_gc checks: rank {world.Get_rank()} waited {state.timeout:g} s for "
-            f"the other ranks at the end of this test ({state.broken}: did a rank stop, or "
-            "hang in the test?); the checks are off for the rest of the session",
+            f"collective_gc checks: rank {world.Get_rank()} stopped waiting for the other "
+            f"ranks at the end of this test, within its {state.timeout:g} s ({state.broken}): "
+            "did a rank stop, or hang in the test? The checks are off for the rest of the "
+            "session",
             pytrace=False,
         )
     _raise(everyone, item)
@@ -461,7 +465,9 @@ def _identity(mgr: Manager) -> tuple[tuple[int, ...], int] | None:
     return mine, ordinal
 
 
-def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager], list[str]]:
+def _agree_used(
+    watch: _Watch, state: _State, comm: Any, deadline: float
+) -> tuple[list[Manager], list[str]]:
     """Collective over COMM_WORLD: which managers to sync for this test.
 
     Those the test registered objects on (their next key moved), once the
@@ -485,9 +491,10 @@ def _agree_used(watch: _Watch, comm: Any, deadline: float) -> tuple[list[Manager
             names = sorted({r.name for r in mgr.alive() + mgr.pending() if r.key >= start})
             manifest.append((ident, mgr.next_key - start, names[:3]))
     try:
-        everyone = _agree.allgather(comm, manifest, _agree.Deadline(deadline), lambda: "")
-    except CollectiveTimeoutError:
-        return [], ["the leak check's own agreement timed out"]
+        everyone = _agree.allgather(comm, manifest, state.deadline(deadline), _not_in_time)
+    except CollectiveTimeoutError as exc:
+        state.broken = f"the leak check's agreement: {exc}"
+        return [], []
     counts: dict[tuple[tuple[int, ...], int], dict[int, tuple[int, list[str]]]] = {}
     for r, rows in enumerate(everyone):
         for ident, count, names in rows:
@@ -582,10 +589,15 @@ def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[st
             continue
         # Another round only if some rank destroyed something (its destroys
         # may have dropped more managed objects) and nothing went wrong.
-        agreed = _reduce(state.comm, [int(destroyed > 0), int(bool(errors))], MPI.MAX, deadline)
-        if agreed is None:
-            state.broken = "its agreement timed out"
-            errors.append("the leak check's own agreement timed out")
+        try:
+            agreed = _reduce(
+                state.comm,
+                [int(destroyed > 0), int(bool(errors))],
+                MPI.MAX,
+                state.deadline(deadline),
+            )
+        except CollectiveTimeoutError as exc:
+            state.broken = f"the leak check's sync rounds: {exc}"
             break
         if not agreed[0] or agreed[1]:
             break

@@ -206,6 +206,21 @@ def test_sample_suite_on_4_ranks() -> None:
 
 
 @pytest.mark.launcher
+def test_a_rank_late_for_the_checks_hears_that_the_others_gave_up() -> None:
+    """The last rank reaches a test's checks 4 s late, the others give up
+    after 1.5 s: it must fail at once, saying that a rank gave up (the
+    checks' own communicator has the agreement's watch), not carry on alone
+    and wait out its own timeout in a collective nobody else will join."""
+    proc, outcomes = run_suite("--cgc-leak-check", "--cgc-timeout=1.5", "suite_late.py", ranks=4)
+    out = proc.stdout + proc.stderr
+    assert ("ERROR", "suite_late.py::test_last_rank_is_late") in outcomes, out
+    assert re.search(r"rank 3 stopped waiting .*rank [0-2] gave up waiting at its deadline", out), (
+        out
+    )
+    assert ("PASSED", "suite_late.py::test_after_it") in outcomes, out
+
+
+@pytest.mark.launcher
 def test_sample_suite_serially_with_the_ini_option() -> None:
     proc, outcomes = run_suite(
         "-o", "cgc_leak_check=true", "-m", "not mpi", "suite_pass.py", "suite_fail.py", ranks=1
