@@ -361,9 +361,9 @@ class Manager:
     def set_visitor(
         self, visit: Callable[[Manager, float | None], Sequence[_destroy.Failure]]
     ) -> None:
-        """Call ``visit(mgr, deadline)`` first at each sync point of size > 1 (or
-        with something to do), before anything is drained or agreed; what it
-        returns are failures of the sync point, reported like a destroy's.
+        """Call ``visit(mgr, deadline)`` first at each sync point, before
+        anything is drained or agreed; what it returns are failures of the
+        sync point, reported like a destroy's.
         Local. Unlike a participant it votes nothing and adds nothing to the
         agreement, so ranks may differ in having one; what it runs must be
         collective only over communicators whose ranks all run it at this
