@@ -45,6 +45,8 @@ test-mpi: install
 # Real clients (issue 22): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
 # packages), installed only here so that `make test` does not need it; its tests and the example loop
 # (200 steps, XDMF output, RSS <= 40 KiB/step from step 20, nothing left) on 4 ranks.
+# The example sets SCOTCH_PTHREAD_NUMBER=1 (its tests import it): PT-Scotch's
+# threads hang DOLFINx's mesh partitioning now and then (docs/guides/fenicsx.rst).
 test-clients: install test-plugin-mpipytest
 	bash tools/install-system-deps.sh python3-dolfinx
 	CGC_REQUIRE_DOLFINX=1 $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients

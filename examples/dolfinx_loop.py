@@ -26,15 +26,22 @@ import tempfile
 import time
 from typing import Any
 
-import dolfinx
-import dolfinx.fem.petsc
-import dolfinx.io
-import ufl
-from mpi4py import MPI
-from petsc4py import PETSc
+# PT-Scotch 7.0.3's own threads (Debian 12's, under DOLFINx 0.5.2's mesh
+# partitioner) make the ranks' partitioning diverge now and then: each rank
+# ends up in a different collective of SCOTCH_dgraphPart and the job hangs in
+# create_unit_square, with or without collective_gc (docs/guides/fenicsx.rst).
+# One Scotch thread per rank; set before DOLFINx partitions its first mesh.
+os.environ.setdefault("SCOTCH_PTHREAD_NUMBER", "1")
 
-import collective_gc as cgc
-from collective_gc import petsc as cp
+import dolfinx  # noqa: E402
+import dolfinx.fem.petsc  # noqa: E402
+import dolfinx.io  # noqa: E402
+import ufl  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from petsc4py import PETSc  # noqa: E402
+
+import collective_gc as cgc  # noqa: E402
+from collective_gc import petsc as cp  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 

@@ -32,6 +32,20 @@ WORLD = MPI.COMM_WORLD
 
 
 @pytest.mark.mpi(min_size=2)
+def test_meshes_are_partitioned_without_hanging() -> None:
+    """100 meshes in a row on every rank, as the example makes them (issue 22:
+    a fresh-clone CI run hung in ``create_unit_square``, every rank inside
+    PT-Scotch's ``SCOTCH_dgraphPart`` but in different collectives; 4 ranks on
+    2 cores hung in 6 of 14 such runs without the example's
+    ``SCOTCH_PTHREAD_NUMBER=1``). A hang here is ended by the job's timeout."""
+    assert os.environ.get("SCOTCH_PTHREAD_NUMBER") == "1"
+    for _ in range(100):
+        mesh = dolfinx.mesh.create_unit_square(WORLD, 8, 8)
+        assert mesh.topology.index_map(2).size_global == 128
+        del mesh
+
+
+@pytest.mark.mpi(min_size=2)
 def test_each_steps_objects_are_gone_at_the_next_sync_point() -> None:
     """The documented path of docs/guides/fenicsx.rst: after each step's sync
     point nothing of that step is registered or pending on any manager, no
