@@ -20,7 +20,7 @@ MPIEXEC ?= tools/mpirun $(NP) 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi test-clients test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
+.PHONY: all install test test-serial test-mpi test-clients bench-dolfinx test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
@@ -51,6 +51,13 @@ test-clients: install test-plugin-mpipytest
 	bash tools/install-system-deps.sh python3-dolfinx
 	CGC_REQUIRE_DOLFINX=1 $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
 	$(MPIRUN) examples/dolfinx_loop.py --steps 200 --check
+
+# Issue 22's figures: every mode of the DOLFINx loop in one 4-rank job, and
+# where collective_gc's sync points spend their time (not in `make bench`,
+# which needs no DOLFINx).
+bench-dolfinx: install
+	bash tools/install-system-deps.sh python3-dolfinx
+	$(MPIRUN) bench/bench_dolfinx.py --steps 200 --profile
 
 # Our pytest plugin under Firedrake's mpi-pytest (issue 22): a Firedrake-style
 # suite on 4 ranks with the leak check on. mpi-pytest lives in a venv of its
