@@ -20,7 +20,7 @@ MPIEXEC ?= tools/mpirun $(NP) 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi test-clients test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
+.PHONY: all install test test-serial test-mpi test-clients bench-dolfinx test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
@@ -45,10 +45,19 @@ test-mpi: install
 # Real clients (issue 22): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
 # packages), installed only here so that `make test` does not need it; its tests and the example loop
 # (200 steps, XDMF output, RSS <= 40 KiB/step from step 20, nothing left) on 4 ranks.
+# The example sets SCOTCH_PTHREAD_NUMBER=1 (its tests import it): PT-Scotch's
+# threads hang DOLFINx's mesh partitioning now and then (docs/guides/fenicsx.rst).
 test-clients: install test-plugin-mpipytest
 	bash tools/install-system-deps.sh python3-dolfinx
 	CGC_REQUIRE_DOLFINX=1 $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
 	$(MPIRUN) examples/dolfinx_loop.py --steps 200 --check
+
+# Issue 22's figures: every mode of the DOLFINx loop in one 4-rank job, and
+# where collective_gc's sync points spend their time (not in `make bench`,
+# which needs no DOLFINx).
+bench-dolfinx: install
+	bash tools/install-system-deps.sh python3-dolfinx
+	$(MPIRUN) bench/bench_dolfinx.py --steps 200 --profile
 
 # Our pytest plugin under Firedrake's mpi-pytest (issue 22): a Firedrake-style
 # suite on 4 ranks with the leak check on. mpi-pytest lives in a venv of its

@@ -22,19 +22,27 @@ import argparse
 import gc
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Any
 
-import dolfinx
-import dolfinx.fem.petsc
-import dolfinx.io
-import ufl
-from mpi4py import MPI
-from petsc4py import PETSc
+# PT-Scotch 7.0.3's own threads (Debian 12's, under DOLFINx 0.5.2's mesh
+# partitioner) make the ranks' partitioning diverge now and then: each rank
+# ends up in a different collective of SCOTCH_dgraphPart and the job hangs in
+# create_unit_square, with or without collective_gc (docs/guides/fenicsx.rst).
+# One Scotch thread per rank; set before DOLFINx partitions its first mesh.
+os.environ.setdefault("SCOTCH_PTHREAD_NUMBER", "1")
 
-import collective_gc as cgc
-from collective_gc import petsc as cp
+import dolfinx  # noqa: E402
+import dolfinx.fem.petsc  # noqa: E402
+import dolfinx.io  # noqa: E402
+import ufl  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from petsc4py import PETSc  # noqa: E402
+
+import collective_gc as cgc  # noqa: E402
+from collective_gc import petsc as cp  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -42,6 +50,33 @@ WORLD = MPI.COMM_WORLD
 def rss_kib() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def petsc_log_alive() -> dict[str, int]:
+    """This rank's PETSc objects created and not destroyed since
+    ``PETSc.Log.begin()``, by type, from PETSc's own log (the "Object Type /
+    Creations / Destructions" table of ``-log_view``), read through a viewer
+    on COMM_SELF: not collective. The viewer it opens is not counted."""
+    fd, path = tempfile.mkstemp(prefix="cgc-petsc-log-", suffix=".txt")
+    os.close(fd)
+    try:
+        viewer = PETSc.Viewer().createASCII(path, comm=PETSc.COMM_SELF)
+        PETSc.Log.view(viewer)
+        viewer.destroy()
+        with open(path) as f:
+            text = f.read()
+    finally:
+        os.unlink(path)
+    alive: dict[str, int] = {}
+    table = text.split("Object Type", 1)[1].split("=" * 20, 1)[0]
+    for line in table.splitlines()[1:]:
+        # "       Krylov Solver     1              1" (one row per type and stage)
+        m = re.match(r"\s*(\S.*?)\s+(\d+)\s+(\d+)(?:\s|$)", line)
+        if m:
+            name = m.group(1)
+            alive[name] = alive.get(name, 0) + int(m.group(2)) - int(m.group(3))
+    alive["Viewer"] = alive.get("Viewer", 0) - 1  # the one that printed the table
+    return {k: v for k, v in alive.items() if v}
 
 
 class Step:
@@ -76,26 +111,22 @@ class Step:
         return uh
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--n", type=int, default=32)
-    parser.add_argument("--mode", choices=("cgc", "gc", "collect"), default="cgc")
-    parser.add_argument("--no-xdmf", action="store_true")
-    parser.add_argument(
-        "--check", action="store_true", help="exit 1 unless RSS <= 40 KiB/step and nothing is left"
-    )
-    args = parser.parse_args()
-    out_dir = tempfile.mkdtemp(prefix="cgc-dolfinx-") if WORLD.rank == 0 else ""
-    out_dir = WORLD.bcast(out_dir)
-    xdmf = not args.no_xdmf
+def run(
+    mode: str, steps: int, n: int = 32, xdmf: bool = True, out_dir: str | None = None
+) -> dict[str, Any]:
+    """The loop in one mode; returns this rank's figures (bench/bench_dolfinx.py
+    runs it once per mode). Collective."""
+    if out_dir is None:
+        out_dir = tempfile.mkdtemp(prefix="cgc-dolfinx-") if WORLD.rank == 0 else ""
+        out_dir = WORLD.bcast(out_dir)
     rss: list[int] = []
     sync_s = 0.0
+    WORLD.Barrier()
     t0 = time.perf_counter()
-    if args.mode == "cgc":
+    if mode == "cgc":
         with cgc.collective_scope(WORLD, timeout=120) as scope:
-            for i in range(args.steps):
-                step = Step(args.n, out_dir, i, xdmf)
+            for i in range(steps):
+                step = Step(n, out_dir, i, xdmf)
                 p = step.problem
                 # The PETSc objects, managed on WORLD: they live on DOLFINx's
                 # duplicates of it (the mesh's, the IndexMap's).
@@ -114,34 +145,52 @@ def main() -> None:
                 sync_s += time.perf_counter() - s0
                 rss.append(rss_kib())
     else:
-        if args.mode == "collect":
+        if mode == "collect":
             gc.disable()
-        for i in range(args.steps):
-            step = Step(args.n, out_dir, i, xdmf)
-            step.solve()
-            del step
-            if args.mode == "collect":
-                s0 = time.perf_counter()
-                gc.collect()
-                PETSc.garbage_cleanup()
-                sync_s += time.perf_counter() - s0
-            rss.append(rss_kib())
+        try:
+            for i in range(steps):
+                step = Step(n, out_dir, i, xdmf)
+                step.solve()
+                del step
+                if mode == "collect":
+                    s0 = time.perf_counter()
+                    gc.collect()
+                    PETSc.garbage_cleanup()
+                    sync_s += time.perf_counter() - s0
+                rss.append(rss_kib())
+        finally:
+            gc.enable()
     total = time.perf_counter() - t0
     gc.collect()
     PETSc.garbage_cleanup()
     start = min(20, len(rss) - 1)
-    growth = (rss[-1] - rss[start]) / max(1, len(rss) - 1 - start)
-    summary = {
-        "mode": args.mode,
-        "steps": args.steps,
-        "ms_per_step": 1e3 * total / args.steps,
+    return {
+        "mode": mode,
+        "steps": steps,
+        "xdmf": xdmf,
+        "ms_per_step": 1e3 * total / steps,
         "sync_share": sync_s / total,
-        "rss_kib_per_step": max(WORLD.allgather(growth)),
+        "rss_kib_per_step": (rss[-1] - rss[start]) / max(1, len(rss) - 1 - start),
         "petsc_garbage_world": len(cp.garbage(WORLD)),
         "pending": sum(len(m.pending()) + m.registered for m in cgc.managers()),
     }
-    summaries = WORLD.gather(summary)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--n", type=int, default=32)
+    parser.add_argument("--mode", choices=("cgc", "gc", "collect"), default="cgc")
+    parser.add_argument("--no-xdmf", action="store_true")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 unless RSS <= 40 KiB/step and nothing is left"
+    )
+    args = parser.parse_args()
+    mine = run(args.mode, args.steps, args.n, not args.no_xdmf)
+    summaries = WORLD.gather(mine)
     if WORLD.rank == 0:
+        summary = dict(mine)
+        summary["rss_kib_per_step"] = max(s["rss_kib_per_step"] for s in summaries)
         summary["pending_by_rank"] = [s["pending"] for s in summaries]
         print(json.dumps(summary), flush=True)
         bad = summary["rss_kib_per_step"] > 40 or any(summary["pending_by_rank"])
