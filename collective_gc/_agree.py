@@ -58,6 +58,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -242,18 +243,28 @@ def wait(
             else:
                 notice = _WAITANY((req, watch.request)) == 1
         else:
-            # Poll: yield the core at first (ranks may share cores with the one
-            # we wait for), then back off to a millisecond so a long wait does
-            # not burn a core.
+            # Poll. For the first SPIN seconds between Tests only yield the
+            # core (to a rank sharing it, perhaps the one we wait for): a
+            # collective such as MPI_Comm_idup takes several rounds, each
+            # progressed only inside a Test, so a sleep between Tests costs
+            # every round its length (most of a sync point of DOLFINx's loop,
+            # which adopts two new communicators per step: bench_dolfinx.py).
+            # Then back off to a millisecond, so that a long wait does not
+            # burn a core.
             delay = 0.0
             at = deadline.at
+            spin = time.monotonic() + SPIN
             while not (req.Test() or (watch is not None and watch.fired())):
-                if time.monotonic() > at:
+                now = time.monotonic()
+                if now > at:
                     if watch is not None:
                         watch.announce()
                     raise CollectiveTimeoutError(what())
-                time.sleep(delay)
-                delay = min(1e-3, delay * 2 + 2e-5)
+                if now < spin:
+                    _YIELD()
+                else:
+                    time.sleep(delay)
+                    delay = min(1e-3, delay * 2 + 2e-5)
             notice = watch is not None and watch.gone is not None
         # A Test of the notice even when Waitany returned the collective: MPI
         # returns at the first completion it finds (MPICH without matching a
@@ -271,6 +282,9 @@ def wait(
 
 
 _WAITANY = MPI.Request.Waitany
+_YIELD = os.sched_yield  # releases the GIL
+# How long a wait against a deadline only yields the core between its Tests.
+SPIN = 0.05
 
 
 def keep_alive(req: MPI.Request, *buffers: object) -> None:
