@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from _util import windows_fail
 from conftest import mpiexec_cmd, mpiexec_env
 from stress_harness import ALL_KINDS, Watchdog, check_seed
 
@@ -50,7 +51,12 @@ def _run(world: MPI.Intracomm, seeds: range, kinds: tuple[str, ...] = ALL_KINDS)
 
 @pytest.mark.mpi(min_size=2)
 def test_twenty_seeds_with_faults() -> None:
-    found = _run(MPI.COMM_WORLD, range(20))
+    kinds = ALL_KINDS
+    if windows_fail(MPI.COMM_WORLD) is not None:
+        # This MPI cannot create windows (Open MPI 4.1 with btl tcp,self):
+        # the seeds run with the other resources.
+        kinds = tuple(k for k in ALL_KINDS if k not in ("win", "derived"))
+    found = _run(MPI.COMM_WORLD, range(20), kinds)
     assert found == [], "\n".join(found)
 
 
