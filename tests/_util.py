@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
@@ -65,3 +66,32 @@ class GcDisabled:
     def __exit__(self, *exc: object) -> None:
         if self.was:
             gc.enable()
+
+
+_WINDOWS: list[str | None] = []
+
+
+def windows_or_skip(comm: MPI.Intracomm) -> None:
+    """Collective on the first call (every rank runs the tests in one order):
+    skip the test if this MPI cannot create an ``MPI.Win.Create`` window on
+    ``comm``'s world at all. Open MPI 4.1 with ``btl=tcp,self`` (the transport
+    between nodes) fails every creation with MPI_ERR_WIN, on every rank alike;
+    that is this MPI's limit, not ours. The answer is agreed (an allreduce),
+    so every rank skips or none."""
+    why = windows_fail(comm)
+    if why is not None:
+        pytest.skip(f"this MPI cannot create windows here (btl tcp,self?): {why}")
+
+
+def windows_fail(comm: MPI.Intracomm) -> str | None:
+    """Collective on the first call: why ``MPI.Win.Create`` fails on every
+    rank of ``comm``, or None if it works (see :func:`windows_or_skip`)."""
+    if not _WINDOWS:
+        why = None
+        try:
+            MPI.Win.Create(None, 1, MPI.INFO_NULL, comm).Free()
+        except MPI.Exception as exc:
+            why = exc.Get_error_string()
+        failed = comm.allreduce(why is not None, op=MPI.LOR)
+        _WINDOWS.append((why or "failed on another rank") if failed else None)
+    return _WINDOWS[0]

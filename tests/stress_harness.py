@@ -26,7 +26,10 @@ deadlines, communicators freed with destroys pending, diagnostics before a
 strict scope's sync point, and (expected to be refused) two threads
 registering at once on a communicator of size > 1, and (issue 25) a SIGALRM
 handler raising KeyboardInterrupt, SystemExit or RuntimeError every 50-400 us
-during loops of sync points, on one rank or on COMM_SELF. Per seed it reports hangs,
+during loops of sync points, on one rank or on COMM_SELF, and (issue 25,
+defect 4) many registrations of which a few live long, their keys spread
+far wider than the agreement's window, each rank dropping at its own times.
+Per seed it reports hangs,
 double destroys, destroys of live objects, lost destroys and ranks that
 disagree on how a sync point ended (plus duplicate keys and errors a correct
 library would not raise); see :mod:`stress.ledger`. ``--only EPISODE,...``
@@ -346,11 +349,16 @@ def check_seed(
     hang_timeout: float = 15.0,
     only: tuple[str, ...] = (),
     kinds: tuple[str, ...] = ALL_KINDS,
+    notes: dict[str, Any] | None = None,
+    big: bool = True,
 ) -> tuple[list[Defect], list[str], Outcome | None]:
     """Collective over ``world``: one seed's graph round and fault episodes.
 
     Returns every rank's defects (the same list on every rank, gathered over
     ``ck`` against a deadline), the episodes run, and this rank's graph outcome.
+    ``notes``, if given, gets what this rank's episodes recorded about the
+    paths they exercised (``Ledger.notes``). ``big``: whether an episode may
+    run at the scale of a report (tens of seconds; see ``stress.episodes.Ctx``).
     A hang ends the job (watchdog or checkpoint deadline), never waits.
     """
     rank = world.Get_rank()
@@ -368,10 +376,12 @@ def check_seed(
             dog.arm(seed, phase, max(seconds, dog.seconds))
 
         try:
-            episodes = run_faults(world, seed, ledger, hang_timeout, arm, only)
+            episodes = run_faults(world, seed, ledger, hang_timeout, arm, only, big)
         except CheckpointTimeout as exc:
             die(f"rank {rank} seed {seed}: {exc}", seed, defects + ledger.defects)
         defects += ledger.defects
+        if notes is not None:
+            notes.update(ledger.notes)
     dog.arm(seed, "report", 2 * hang_timeout + 30)
     try:
         everyone = exchange(ck, defects, 2 * hang_timeout + 15, f"seed {seed} report")
@@ -397,6 +407,11 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated episodes (default: random)")
     parser.add_argument("--no-graph", action="store_true", help="fault episodes only")
     parser.add_argument("--no-faults", action="store_true", help="the graph round only")
+    parser.add_argument(
+        "--no-big",
+        action="store_true",
+        help="no episode at the scale of a report (the sparse episode's ~700k keys), as make test",
+    )
     parser.add_argument("--report", default="", help="rank 0 appends one JSON line per seed")
     args = parser.parse_args()
     only = tuple(x for x in args.only.split(",") if x)
@@ -414,8 +429,11 @@ def main() -> int:
     counts = dict.fromkeys(CLASSES, 0)
     t0 = time.perf_counter()
     bad = 0
+    # The sparse episode's agreement paths: seeds on which each certainly ran.
+    paths: dict[str, int] = {}
     for seed in range(args.first, args.first + args.seeds):
         ts = time.perf_counter()
+        notes: dict[str, Any] = {}
         found, episodes, res = check_seed(
             world,
             ck,
@@ -427,7 +445,11 @@ def main() -> int:
             faults=not (args.naive or args.no_faults),
             hang_timeout=args.hang_timeout,
             only=only,
+            notes=notes,
+            big=not args.no_big,
         )
+        for path in notes.get("sparse", ()):
+            paths[path] = paths.get(path, 0) + 1
         if res is not None:
             totals.objects += res.objects
             totals.destroys += res.destroys
@@ -445,6 +467,7 @@ def main() -> int:
                         "seed": seed,
                         "episodes": episodes,
                         "counts": per,
+                        "notes": notes,
                         "seconds": round(time.perf_counter() - ts, 3),
                         "lines": [d.line(seed) for d in found],
                     }
@@ -465,6 +488,8 @@ def main() -> int:
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
+        shown = ", ".join(f"{p} {n}" for p, n in sorted(paths.items())) or "none"
+        print(f"  sparse episode, seeds on which each path certainly ran: {shown}", flush=True)
     ck.Free()
     return 1 if bad else 0
 

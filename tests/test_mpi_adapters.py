@@ -19,7 +19,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import mpi as cmpi
 
-from _util import GcDisabled, same_on_all
+from _util import GcDisabled, same_on_all, windows_or_skip
 
 
 class Owner:
@@ -105,6 +105,7 @@ class TestFilesWorld(FileTests):
 
 @pytest.mark.mpi(min_size=2)
 def test_windows_in_cycles_freed_once_in_one_order(comm: MPI.Intracomm) -> None:
+    windows_or_skip(comm)
     rank = comm.Get_rank()
     rng = random.Random(rank)
     old = gc.get_threshold()
@@ -135,6 +136,7 @@ def test_windows_in_cycles_freed_once_in_one_order(comm: MPI.Intracomm) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_window_free_is_null_first_and_idempotent(comm: MPI.Intracomm) -> None:
+    windows_or_skip(comm)
     win = MPI.Win.Create(None, 1, MPI.INFO_NULL, comm)
     alias = MPI.Win(win)  # a second Python object for the same handle
     cmpi.free_win(win)
@@ -171,6 +173,7 @@ def test_several_handles_released_last_first(comm: MPI.Intracomm) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_window_of_another_group_refused(comm: MPI.Intracomm) -> None:
+    windows_or_skip(comm)
     inside = comm.Get_rank() < 2
     sub = comm.Split(0 if inside else MPI.UNDEFINED)
     if inside:
@@ -184,6 +187,7 @@ def test_window_of_another_group_refused(comm: MPI.Intracomm) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_windows_on_a_managed_split(comm: MPI.Intracomm) -> None:
+    windows_or_skip(comm)
     # Ranks 0 and 1 form the sub-communicator; the others get COMM_NULL and
     # skip it at the parent's sync points.
     sub = cmpi.split(comm, 0 if comm.Get_rank() < 2 else MPI.UNDEFINED)

@@ -10,6 +10,8 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 
+from _util import windows_or_skip
+
 
 class WinHolder:
     """Holds an MPI window in a self-cycle, as a library's cache would."""
@@ -29,6 +31,7 @@ def free_win(win: MPI.Win, freed: list[int], i: int) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_windows_in_cycles_with_per_rank_gc_timing(comm: MPI.Intracomm) -> None:
+    windows_or_skip(comm)
     rank = comm.Get_rank()
     rng = random.Random(1000 + rank)
     old = gc.get_threshold()

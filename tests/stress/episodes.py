@@ -31,14 +31,18 @@ What a correct library must do here (issue 11):
 Episodes: threads (defects 1, 11), interrupt (3), meddle (8), late (4),
 freed (2), strict (9), args (10, 12), racing (the erroneous case of 1),
 storm (issue 25: signal handlers raising anywhere in sync points, drains and
-destroys; every rank runs every sync point and nothing is lost).
+destroys; every rank runs every sync point and nothing is lost), sparse
+(issue 25, defect 4: long-lived keys spread far wider than the agreement's
+window, so that its fallback intersection runs).
 ``run_faults`` draws which of them a seed runs.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import gc
+import hashlib
 import random
 import signal
 import sys
@@ -94,6 +98,7 @@ class Ctx:
         ledger: Ledger,
         hang_timeout: float,
         arm: Callable[[str, float], None],
+        big: bool = True,
     ) -> None:
         self.world = world
         self.rank = world.Get_rank()
@@ -107,6 +112,9 @@ class Ctx:
         self.shared = random.Random(seed)
         self.mine = random.Random(seed * 7919 + self.rank + 1)
         self.ck = world.Dup()  # the harness's own traffic, never the library's
+        # Whether episodes may run at the scale of a report (the sparse
+        # episode's ~700k registrations, tens of seconds): off in make test.
+        self.big = big
 
     def checkpoint(self, what: str, value: Any) -> list[Any]:
         self.arm(f"{self.ledger.episode}: checkpoint {what}", self.ck_timeout + 10)
@@ -124,16 +132,21 @@ def judge(
     expect: Callable[[int, list[Any]], set[str]] | None = None,
     extra: Any = None,
     same_logs: bool = True,
+    digest: bool = False,
 ) -> list[Any]:
     """Compare one sync point's outcome across ranks (a checkpoint); rank 0 records.
 
     ``expect(rank, gathered)`` gives the outcome kinds acceptable on ``rank``
     (default: only "ok"). The destroy logs and in-destroy events of ``label``
     must be equal on every rank (unless ``same_logs`` is False: the program
-    itself was erroneous). Returns what every rank sent.
+    itself was erroneous). ``digest``: the logs travel as their length and a
+    hash (for the sparse episode's hundreds of thousands of destroys). Returns
+    what every rank sent.
     """
     L = ctx.ledger
-    mine = (res, list(L.log.get(label, ())), list(L.events.get(label, ())), extra)
+    log = L.log.get(label, [])
+    sent: Any = _digest(log) if digest else list(log)
+    mine = (res, sent, list(L.events.get(label, ())), extra)
     got = ctx.checkpoint(what, mine)
     if ctx.rank != 0:
         return got
@@ -156,11 +169,15 @@ def judge(
     if len(oks) > 1:
         L.defect("disagree", f"{what}: ranks report different destroy counts {sorted(oks)}")
     if same_logs and any(g[1] != got[0][1] for g in got):
-        lens = [len(g[1]) for g in got]
+        lens = [g[1][0] if digest else len(g[1]) for g in got]
         L.defect("disagree", f"{what}: destroy logs of {label} differ (lengths {lens})")
     if any(g[2] != got[0][2] for g in got):
         L.defect("disagree", f"{what}: actions inside destroys differ: {[g[2][-3:] for g in got]}")
     return got
+
+
+def _digest(log: list[int]) -> tuple[int, str]:
+    return len(log), hashlib.blake2b(array.array("q", log).tobytes(), digest_size=16).hexdigest()
 
 
 def _only_ok(rank: int, got: list[Any]) -> set[str]:
@@ -985,6 +1002,156 @@ def storm(ctx: Ctx) -> None:
     comm.Free()
 
 
+# -- sparse long-lived keys: the window and the fallback intersection (issue 25) --
+
+
+def _paths(keys: list[int], nk: list[int], i: int) -> set[str]:
+    """Which agreement path certainly agreed on some of ``keys``, destroyed at
+    this episode's sync point ``i`` (``nk[j]``: ``Manager.next_key`` at sync
+    point ``j``), from public state and the window docs/design.rst describes
+    (the keys registered since the third sync point back, and room for at
+    least 256 new ones): a key registered before the fifth sync point back is
+    outside any such window, so only the fallback intersection can have
+    agreed on it; one registered since the third back and fewer than 256 past
+    the last one is inside every such window. The margins make the record
+    hold whatever the window's exact bounds, at the cost of not classifying
+    the keys in between."""
+    out = set()
+    if i >= 5 and any(k < nk[i - 5] for k in keys):
+        out.add("fallback")
+    if i >= 3 and any(nk[i - 3] <= k < nk[i - 1] + 256 for k in keys):
+        out.add("window")
+    return out
+
+
+def sparse(ctx: Ctx) -> None:
+    """Many registrations with seeded random lifetimes (defect 4 of issue 25):
+    a small fraction, the same objects on every rank, live for many steps, so
+    that their keys stay spread over a range much wider than the agreement's
+    window while the rest die within a step or two; each rank drops in its
+    own order and at its own times (its own lifetimes, and at one step its
+    own share of the long-lived ones at once), so the ranks' queues differ at
+    every sync point. The sizes vary with the seed (tens to thousands a step,
+    bursts, 1 in 6 to 1 in 250 kept long), so that both the window and the
+    fallback intersection (its bitmap and its broadcast form) run; on some
+    seeds, unless ``ctx.big`` is off, the scale of the issue's report: ~700k
+    registrations, 1 in 70 kept, each rank dropping its own 90% of those at
+    once after 4 quiet steps (9k keys pending outside the window per rank,
+    spread over 700k keys: the fallback's messages exceed 64 KiB, where Open
+    MPI 4.1's libnbc takes its ring algorithm). On a duplicate of the
+    world, or on some seeds of COMM_SELF (each rank alone: every dead
+    object's destroy runs at the next sync point). Checked: every sync point
+    ends alike on every rank, with the same destroys in the same order;
+    nothing destroyed live or twice; nothing lost. Which paths certainly ran
+    goes to the ledger's notes (the harness's ``--report``)."""
+    L = ctx.ledger
+    L.episode = "sparse"
+    label = "sparse"
+    sh = ctx.shared
+    on_self = ctx.size == 1 or sh.random() < 0.25
+    steps = sh.randrange(10, 21)
+    # The huge class on ~1 in 14 (~40 s on 4 ranks of 2 cores, most of it registering).
+    size = sh.choice(("small", "mid", "large", "larger") * 3 + ("mid", "huge"))
+    if size == "huge" and (on_self or not ctx.big):
+        size = "large"  # the fallback at that scale needs several ranks
+    base, keep = {
+        "small": (40, 1 / 6),
+        "mid": (150, 1 / 25),
+        "large": (600, 1 / 60),
+        "larger": (1500, 1 / 250),
+        "huge": (700_000 // (steps - 4), 1 / 70),
+    }[size]
+    huge = size == "huge"
+    # Each rank drops its own share of the long-lived objects left at this step.
+    purge = steps - 1 if huge else sh.randrange(steps // 2, steps)
+    ctx.arm("sparse", ctx.ck_timeout * (12 if huge else 4))
+    comm = MPI.COMM_SELF.Dup() if on_self else ctx.world.Dup()
+    mgr = cgc.manager(comm)
+    rng = ctx.mine
+    share = 0.9 if huge else rng.uniform(0.5, 0.95)
+    holders = Holders()
+    dies: dict[int, list[int]] = {}  # step -> indices into holders this rank drops then
+    longs: list[int] = []  # the long-lived ones, indices into holders
+    key_of: dict[int, int] = {}  # token -> key
+    nk: list[int] = []  # Manager.next_key at each sync point of the episode
+    paths: set[str] = set()
+    errors: list[str] = []
+    what = f"sparse ({base}/step, keep 1/{round(1 / keep)}, {steps} steps)"
+    for step in range(steps):
+        if huge:
+            # The last 4 steps register a few only: the agreement's window
+            # then starts past every long-lived key, and all of them go
+            # through the fallback at the purge.
+            n = base if step < steps - 4 else 10
+        else:
+            n = base * (6 if sh.random() < 0.15 else 1) + sh.randrange(base)
+        for _ in range(n):
+            obj, reg = L.make(comm, label)
+            key_of[obj.token] = reg.key
+            # Long-lived on every rank alike (shared), but each rank its own
+            # lifetime: the long-lived keys die at different steps per rank.
+            if sh.random() < keep:
+                longs.append(len(holders))
+                life = steps + 4 if huge else rng.randrange(5, steps + 4)
+            else:
+                life = rng.choice((0, 0, 0, 1, 2))
+            dies.setdefault(step + life, []).append(len(holders))
+            holders.append(obj)
+        del obj, reg
+        doomed = dies.pop(step, [])
+        if step == purge:
+            doomed += [j for j in longs if holders[j] is not None and rng.random() < share]
+        rng.shuffle(doomed)
+        for j in doomed:
+            holders[j] = None
+        if not huge and sh.random() < 0.2:
+            continue  # no sync point this step: more dies before the next
+        before = len(L.log.get(label, ()))
+        nk.append(mgr.next_key)
+        res = sync(comm, ctx.hang_timeout, sh.choice((None, None, 0)))
+        done = L.log.get(label, [])[before:]
+        if on_self:
+            # Alone, a sync point destroys every object dead before it.
+            if res.kind != "ok":
+                errors.append(f"sync {step}: {res.kind}: {res.text[:300]}")
+                break
+            lost = L.lost_tokens(label)
+            if lost:
+                L.report_lost(lost, f" at the sync point of step {step}")
+                break
+            continue
+        got = judge(ctx, f"{what}: sync {step}", res, label, digest=True)
+        if any(g[0].kind != "ok" for g in got):
+            # Reported already; what is left is not comparable, and is
+            # detached so that the exit does not warn about it.
+            L.exempt.update(L.tokens(label))
+            holders.clear()
+            for reg in cgc.pending(comm):
+                reg.detach()
+            comm.Free()
+            raise EpisodeAbandoned
+        paths |= _paths([key_of[t] for t in done], nk, len(nk) - 1)
+    holders.clear()
+    dies.clear()
+    if on_self:
+        got = ctx.checkpoint("sparse on COMM_SELF", errors[:1])
+        if ctx.rank == 0:
+            for q, errs in enumerate(got):
+                if errs:
+                    L.defect("error", f"{what} on COMM_SELF, rank {q}: {errs[0]}")
+        if not errors:
+            res = sync(comm, ctx.hang_timeout)
+            if res.kind != "ok":
+                L.defect("error", f"{what}: the final sync: {res.kind}: {res.text[:300]}")
+            L.check_lost(label)
+        L.notes["sparse"] = ["self"]
+    else:
+        if final_collects(ctx, comm, label, "sparse"):
+            check_lost_everywhere(ctx, label)
+        L.notes["sparse"] = sorted(paths) + (["huge"] if huge else [])
+    comm.Free()
+
+
 EPISODES: dict[str, Callable[[Ctx], None]] = {
     "threads": threads,
     "interrupt": interrupt,
@@ -995,6 +1162,7 @@ EPISODES: dict[str, Callable[[Ctx], None]] = {
     "strict": strict,
     "args": bad_args,
     "storm": storm,
+    "sparse": sparse,
 }
 # How often each episode runs (per seed, decided by the shared RNG).
 WEIGHTS = {
@@ -1007,6 +1175,7 @@ WEIGHTS = {
     "strict": 0.3,
     "args": 0.15,
     "storm": 0.3,
+    "sparse": 0.3,
 }
 
 
@@ -1017,9 +1186,11 @@ def run_faults(
     hang_timeout: float,
     arm: Callable[[str, float], None],
     only: tuple[str, ...] = (),
+    big: bool = True,
 ) -> list[str]:
-    """Collective over ``world``: the fault episodes of one seed; returns their names."""
-    ctx = Ctx(world, seed, ledger, hang_timeout, arm)
+    """Collective over ``world``: the fault episodes of one seed; returns their names.
+    ``big``: see :class:`Ctx`."""
+    ctx = Ctx(world, seed, ledger, hang_timeout, arm, big)
     pick = random.Random(seed ^ 0x5EED)
     draws = {name: pick.random() for name in EPISODES}
     chosen = [n for n in EPISODES if (n in only if only else draws[n] < WEIGHTS[n])]

@@ -117,6 +117,9 @@ class Ledger:
         self.events: dict[str, list[tuple[Any, ...]]] = {}
         # token -> what its destroy does after being counted (raise, meddle).
         self.actions: dict[int, Callable[[], None]] = {}
+        # Per episode: what it exercised, to report beside the defects (the
+        # agreement paths of the sparse episode), never a defect itself.
+        self.notes: dict[str, Any] = {}
 
     # -- recording -------------------------------------------------------------
 
