@@ -1,5 +1,6 @@
-"""The agreement: its message, its deadlines, participants' fingerprint, the
-fallback intersection (issue 25, defects 4, 5, 6 and "Scale").
+"""The agreement: the key window and its fallback, its message, the persistent and the
+Iallreduce paths, old keys pending on some ranks, the fallback intersection (issue 25,
+defect 4 and "Scale").
 
 The same file runs serially and on 4 ranks; the message-size test starts its
 own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
@@ -7,15 +8,10 @@ own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
 
 from __future__ import annotations
 
-import inspect
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,140 +20,12 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _agree, _manager
+from collective_gc import _agree
 
-from _util import GcDisabled
+from _util import GcDisabled, Tiny, everyone
 from conftest import mpiexec_cmd, mpiexec_env
 
 JOBS = Path(__file__).parent / "jobs"
-
-
-def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
-    """Every rank's ``value`` (over the test's own communicator, not the manager's)."""
-    return comm.allgather(value) if comm.Get_size() > 1 else [value]
-
-
-class Obj:
-    pass
-
-
-def noop() -> None:
-    pass
-
-
-# -- clocks (defect 5) ---------------------------------------------------------------
-
-
-def test_no_decision_reads_the_wall_clock() -> None:
-    """Deadlines are this rank's own ``time.monotonic()``; nothing of the
-    agreement or of a sync point reads ``time.time()``, which differs between
-    nodes."""
-    for module in (_agree, _manager):
-        assert "time.time(" not in inspect.getsource(module), module.__name__
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_rank_whose_clock_is_ahead_times_nothing_out(
-    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 25, defect 5: with rank 0's wall clock 3 s ahead of the others'
-    (as on a node whose NTP is off) and ``timeout=2``, the first sync point
-    raised CollectiveTimeoutError on rank 0 ("completed only after the
-    deadline of another rank") though nobody waited more than milliseconds."""
-    if comm.Get_rank() == 0:
-        real = time.time
-        monkeypatch.setattr(time, "time", lambda: real() + 3.0)
-    keep = []
-    for step in range(5):
-        objs = [Obj() for _ in range(50)]
-        for o in objs:
-            cgc.register(o, noop, comm=comm)
-        keep.append(objs.pop())
-        del objs, o
-        stats = cgc.collect(comm, generation=None, timeout=2)
-        assert stats.destroyed == 49, (step, stats)
-    assert cgc.manager(comm).broken is None
-    keep.clear()
-    assert cgc.collect(comm, generation=None, timeout=2).destroyed == 5
-
-
-@pytest.mark.mpi(min_size=3)
-def test_a_rank_that_gives_up_wakes_the_ranks_waiting_without_a_deadline(
-    comm: MPI.Intracomm,
-) -> None:
-    """Rank 0 gives up on a sync point (``timeout=0.5``) for which rank 1 is 3 s
-    late; ranks 2.. wait there without a deadline. They must hear of it at
-    once (CollectiveTimeoutError naming rank 0 and the sync point), not wait
-    for rank 1; rank 1, arriving after rank 0 gave up, raises too."""
-    rank = comm.Get_rank()
-    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
-    if rank == 1:
-        time.sleep(3.0)
-    t0 = time.monotonic()
-    outcome = "OK"
-    message = ""
-    try:
-        cgc.collect(comm, generation=None, timeout=0.5 if rank == 0 else None)
-    except cgc.CollectiveTimeoutError as exc:
-        outcome, message = "TIMEOUT", str(exc)
-    elapsed = time.monotonic() - t0
-    states = everyone(comm, (outcome, elapsed, message, cgc.manager(comm).broken is not None))
-    assert [s[0] for s in states] == ["TIMEOUT"] * len(states), states
-    assert all(s[3] for s in states), "a manager stayed usable after a timeout"
-    assert states[0][1] < 2.0, states[0]
-    for r, (_, took, text, _) in enumerate(states):
-        if r >= 2:
-            assert took < 2.0, f"rank {r} waited {took:.1f} s for the late rank"
-        if r >= 1:
-            assert re.search(r"rank 0 gave up .*sync point 1\b", text), (r, text)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_rank_that_leaves_by_an_exception_wakes_the_others(comm: MPI.Intracomm) -> None:
-    """Rank 1 leaves a sync point's wait by a second Ctrl-C (the first is held
-    until the region's end, the second runs at once) while the others are
-    still on their way. They must hear of it at once, naming rank 1, instead
-    of waiting for it at their next collective (before: for ever, or until
-    their own timeout, 20 s here)."""
-    rank = comm.Get_rank()
-    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
-    comm.Barrier()
-    outcome, message, took = "OK", "", 0.0
-    if rank == 1:
-        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.6)]
-        for t in timers:
-            t.start()
-        try:
-            cgc.collect(comm, generation=None, timeout=30)
-        except KeyboardInterrupt:
-            outcome = "INTERRUPTED"
-        finally:
-            for t in timers:
-                t.join()
-    else:
-        time.sleep(1.5)
-        t0 = time.monotonic()
-        try:
-            for _ in range(2):  # this one may complete: rank 1 had sent its part
-                cgc.collect(comm, generation=None, timeout=20)
-        except cgc.CollectiveTimeoutError as exc:
-            outcome, message = "TIMEOUT", str(exc)
-        took = time.monotonic() - t0
-    states = everyone(comm, (outcome, took, message, cgc.manager(comm).broken is not None))
-    assert states[1][0] == "INTERRUPTED" and states[1][3], states[1]
-    for r, (got, took, text, broken) in enumerate(states):
-        if r != 1:
-            assert got == "TIMEOUT" and broken, (r, got, text)
-            assert took < 5.0, f"rank {r} waited {took:.1f} s for the rank that left"
-            assert re.search(
-                r"rank 1 left the collectives by an exception at sync point 1\b", text
-            ), (
-                r,
-                text,
-            )
-
-
-# -- the message: independent of the number of ranks (Scale) -----------------------------
 
 
 def test_the_message_layout_is_independent_of_the_number_of_ranks() -> None:
@@ -192,63 +60,6 @@ def test_the_empty_sync_points_message_is_the_same_at_2_4_and_16_ranks() -> None
     assert seen[2] == seen[4] == seen[16], seen
     empty = seen[2][0]
     assert empty == _agree.message_words(_agree.Window.MIN), seen
-
-
-# -- participants' fingerprint (defect 6) ---------------------------------------------
-
-
-class _Named(cgc.Participant):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def identity(self) -> str:
-        return self.name
-
-
-def _crc16(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0xFFFF  # the fingerprint of issue 25
-
-
-def _crc16_twin(name: str) -> str:
-    """Another identity whose 16-bit CRC is ``name``'s (found by brute force)."""
-    want = _crc16(name)
-    i = 0
-    while True:
-        other = f"{name}-twin-{i}"
-        if _crc16(other) == want:
-            return other
-        i += 1
-
-
-@pytest.mark.mpi(min_size=2)
-def test_participants_whose_16_bit_crcs_collide_are_a_mismatch_on_every_rank(
-    comm: MPI.Intracomm,
-) -> None:
-    """Issue 25, defect 6: odd ranks' participant has another identity than
-    even ranks', with the same 16-bit CRC: the sync point passed, and a
-    participant's collective would then pair with another rank's next one."""
-    first = "tests.Named/solver"
-    twin = _crc16_twin(first)
-    assert twin != first and _crc16(twin) == _crc16(first)
-    name = first if comm.Get_rank() % 2 == 0 else twin
-    mgr = cgc.manager(comm)
-    outcome = "OK"
-    try:
-        mgr.sync(participants=[_Named(name)], deadline=time.monotonic() + 30)
-    except cgc.CollectiveMismatchError as exc:
-        outcome = "MISMATCH" if "different participants" in str(exc) else str(exc)
-    states = everyone(comm, outcome)
-    assert states == ["MISMATCH"] * len(states), states
-
-
-def test_the_participants_fingerprint_has_64_bits() -> None:
-    values = {_agree.fingerprint(f"p{i}") for i in range(20_000)}
-    assert len(values) == 20_000
-    assert any(v >= 1 << 48 or v < 0 for v in values)  # all 64 bits are used
-    assert all(-(1 << 63) <= v < 1 << 63 for v in values)  # one int64 word
-
-
-# -- the fallback intersection (defect 4) ---------------------------------------------
 
 
 def _own_subset(rank: int, keys: np.ndarray[Any, Any], keep: float) -> np.ndarray[Any, Any]:
@@ -295,10 +106,6 @@ def test_the_fallback_intersection_is_exact(
     assert everyone(comm, got.tolist()) == [got.tolist()] * size
 
 
-class _Tiny:
-    __slots__ = ("__weakref__",)
-
-
 _COUNT = [0]
 
 
@@ -316,7 +123,7 @@ def test_sparse_long_lived_keys_dropped_on_different_ranks(comm: MPI.Intracomm) 
     count = _COUNT
     mgr = cgc.manager(comm)
     with GcDisabled():
-        objs = [_Tiny() for _ in range(600_000)]
+        objs = [Tiny() for _ in range(600_000)]
         regs = [mgr.register(o, _count, (), {}, None) for o in objs]
         kept = {r.key: o for r, o in zip(regs[::60], objs[::60])}
         del regs, objs

@@ -1,4 +1,6 @@
-"""Asynchronous exceptions (signal handlers that raise) during sync points.
+"""Asynchronous exceptions (signal handlers that raise) during sync points and every other
+collective region: the agreement's wait, destroys, finishes, strict mode's report, ``view``,
+the first registration, ``close``, exit.
 
 Issue 25: an interrupt storm (a ``signal.setitimer`` handler raising every
 50-400 us) during loops of sync points. Whatever lands where, nothing queued
@@ -7,13 +9,19 @@ sync point through the same collectives (the exception is raised afterwards on
 its own rank). See ``collective_gc/_interrupts.py``.
 
 Verdicts that could differ between ranks are gathered before they are
-asserted, so that a failing test aborts the job instead of hanging it.
+asserted, and every collective that may fail has a deadline of a few seconds,
+so that a failing test aborts the job instead of hanging it. The exit tests
+start their own 4-rank jobs (marker ``launcher``).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,9 +32,52 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _interrupts
 
-from _util import Obj
+from _util import WORLD, GcDisabled, Obj, everyone
 
-WORLD = MPI.COMM_WORLD
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_leaves_by_an_exception_wakes_the_others(comm: MPI.Intracomm) -> None:
+    """Rank 1 leaves a sync point's wait by a second Ctrl-C (the first is held
+    until the region's end, the second runs at once) while the others are
+    still on their way. They must hear of it at once, naming rank 1, instead
+    of waiting for it at their next collective (before: for ever, or until
+    their own timeout, 20 s here)."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    comm.Barrier()
+    outcome, message, took = "OK", "", 0.0
+    if rank == 1:
+        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.6)]
+        for t in timers:
+            t.start()
+        try:
+            cgc.collect(comm, generation=None, timeout=30)
+        except KeyboardInterrupt:
+            outcome = "INTERRUPTED"
+        finally:
+            for t in timers:
+                t.join()
+    else:
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):  # this one may complete: rank 1 had sent its part
+                cgc.collect(comm, generation=None, timeout=20)
+        except cgc.CollectiveTimeoutError as exc:
+            outcome, message = "TIMEOUT", str(exc)
+        took = time.monotonic() - t0
+    states = everyone(comm, (outcome, took, message, cgc.manager(comm).broken is not None))
+    assert states[1][0] == "INTERRUPTED" and states[1][3], states[1]
+    for r, (got, took, text, broken) in enumerate(states):
+        if r != 1:
+            assert got == "TIMEOUT" and broken, (r, got, text)
+            assert took < 5.0, f"rank {r} waited {took:.1f} s for the rank that left"
+            assert re.search(
+                r"rank 1 left the collectives by an exception at sync point 1\b", text
+            ), (
+                r,
+                text,
+            )
 
 
 class Storm:
@@ -233,3 +284,27 @@ def test_handlers_are_wrapped_and_keep_working_and_a_second_ctrl_c_is_at_once() 
         assert _interrupts.deferred() == 0
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_in_a_destroy_lets_the_others_run(sync_passes: str) -> None:
+    # Serial: an interrupt on one rank of a parallel job ends the job anyway.
+    comm = MPI.COMM_SELF.Dup()
+    log: list[str] = []
+
+    def destroy(tag: str) -> None:
+        log.append(tag)
+        if tag == "b":
+            raise KeyboardInterrupt
+
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(3)]
+            regs = [cgc.register(o, destroy, t, comm=comm) for o, t in zip(objs, "abc")]
+            del objs
+            with pytest.raises(KeyboardInterrupt):
+                cgc.collect(comm, generation=None)
+        assert log == ["c", "b", "a"]  # every agreed destroy ran, newest first
+        assert all(r.state == "destroyed" for r in regs)
+        assert cgc.collect(comm).destroyed == 0 and log == ["c", "b", "a"]
+    finally:
+        comm.Free()

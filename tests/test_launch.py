@@ -1,4 +1,5 @@
-"""Whole 4-rank jobs started with mpiexec: behaviour at exit.
+"""Whole 4-rank jobs started with mpiexec: behaviour at exit, deadlines that bound every
+wait, the exit agreements, calls after MPI_Finalize.
 
 These start their own ``mpiexec``, so they run from the serial session only.
 """
@@ -16,6 +17,8 @@ import pytest
 from conftest import mpiexec_cmd, mpiexec_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
 pytestmark = pytest.mark.launcher
 
 
@@ -55,8 +58,6 @@ def test_rank_dying_at_exit_does_not_hang_the_others() -> None:
     assert "ExitLeakWarning" in proc.stderr or "CollectiveTimeoutError" in proc.stderr, proc.stderr
     assert elapsed < 60, elapsed
 
-
-# -- the launcher itself, on whichever MPI this stack has -----------------------
 
 _BARRIERS = """
 from mpi4py import MPI

@@ -1,0 +1,120 @@
+"""Mismatches: ranks that registered, scoped or voted differently are told so on every rank,
+at the sync point that sees it.
+
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import zlib
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc._comms import derived
+
+from _util import Obj, everyone
+
+
+class _Named(cgc.Participant):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def identity(self) -> str:
+        return self.name
+
+
+def _crc16(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0xFFFF  # the fingerprint of issue 25
+
+
+def _crc16_twin(name: str) -> str:
+    """Another identity whose 16-bit CRC is ``name``'s (found by brute force)."""
+    want = _crc16(name)
+    i = 0
+    while True:
+        other = f"{name}-twin-{i}"
+        if _crc16(other) == want:
+            return other
+        i += 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_participants_whose_16_bit_crcs_collide_are_a_mismatch_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 25, defect 6: odd ranks' participant has another identity than
+    even ranks', with the same 16-bit CRC: the sync point passed, and a
+    participant's collective would then pair with another rank's next one."""
+    first = "tests.Named/solver"
+    twin = _crc16_twin(first)
+    assert twin != first and _crc16(twin) == _crc16(first)
+    name = first if comm.Get_rank() % 2 == 0 else twin
+    mgr = cgc.manager(comm)
+    outcome = "OK"
+    try:
+        mgr.sync(participants=[_Named(name)], deadline=time.monotonic() + 30)
+    except cgc.CollectiveMismatchError as exc:
+        outcome = "MISMATCH" if "different participants" in str(exc) else str(exc)
+    states = everyone(comm, outcome)
+    assert states == ["MISMATCH"] * len(states), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatch_detected_on_every_rank(comm: MPI.Intracomm) -> None:
+    if comm.Get_rank() == 0:
+        cgc.register(Obj(), print, comm=comm).detach()  # one extra registration
+    with pytest.raises(cgc.CollectiveMismatchError, match="registration counts range from 0 to 1"):
+        cgc.collect(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("earlier", [False, True])
+def test_registration_on_one_rank_of_a_dup_is_a_mismatch_at_once(
+    comm: MPI.Intracomm, earlier: bool
+) -> None:
+    """Issue 25, defect 7: inside a scope on the parent with timeout=5, one
+    rank registers on a ``cgc.dup`` child what the others do not. The
+    parent's sync point used to visit the child on that rank only, which then
+    waited in the child's agreement until the deadline (for ever without
+    one). Now every rank raises CollectiveMismatchError at once, naming the
+    child and what each rank registered. ``earlier``: the child had already
+    been used (and emptied) by every rank, so its private duplicate exists."""
+    rank = comm.Get_rank()
+    sub = cgc.dup(comm)
+    if earlier:
+        o = Obj()
+        cgc.register(o, lambda: None, comm=sub, name="shared")
+        del o
+        cgc.collect(comm, generation=None, timeout=30)
+    keep = []
+    t0 = time.monotonic()
+    with pytest.raises(cgc.CollectiveMismatchError) as info:
+        with cgc.collective_scope(comm, timeout=5) as scope:
+            if rank == 0:
+                o = Obj()
+                cgc.register(o, lambda: None, comm=sub, name="only-on-rank-0")
+                keep.append(o)
+            scope.sync()
+    took = time.monotonic() - t0
+    text = str(info.value)
+    assert "dup #0" in text, text  # the child communicator is named
+    assert "only-on-rank-0" in text and "rank 1" in text, text  # and what each rank has
+    assert took < 4, f"raised after {took:.1f} s, not at once"
+    # Only the child is unusable now: the parent's sync points go on, and
+    # free the child once dropped; what is left on it is leaked, and named.
+    child = cgc.manager(sub)
+    assert child.broken is not None and cgc.manager(comm).broken is None
+    keep.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cgc.ExitLeakWarning)
+        child.close()
+    del sub, child
+    cgc.collect(comm, generation=None, timeout=30)
+    assert derived(comm) == []
