@@ -1,18 +1,10 @@
-"""Registration in one C call (``_speedups.add_plain``) against Registry.add.
+"""Registration: keys, the C constructor and its one-call path against Registry.add, names,
+objects that cannot be weakly referenced, registrations from several threads.
 
-The C path takes no lock: it reads the next key only after the allocations
-that may start the collector, and leaves the registry to Registry.add while
-another registration is half-way through it. The hostile cases: a
-registration held half-way on another thread (inside a collection its own
-allocation started) must not be overtaken, on one rank or on four; a
-finalizer that registers from inside the collection the C path's allocation
-started; everything the C path must leave to the Python path (another weak
-reference, an argument that refers to the object, an object that cannot be
-weakly referenced); and the switch that turns the C paths off.
-
-Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD; the
-ones that need other ranks are marked ``mpi``. Verdicts that could differ
-between ranks are gathered and asserted on every rank alike.
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
 """
 
 from __future__ import annotations
@@ -30,25 +22,15 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _registration, _registry
 
-from _util import Obj
-
-WORLD = MPI.COMM_WORLD
+from _util import WORLD, Obj, everyone, noop
 
 needs_c = pytest.mark.skipif(
     _registration.SPEEDUPS is None, reason="the optional C extension is not built"
 )
 
 
-def noop(*args: Any, **kwargs: Any) -> None:
-    pass
-
-
 def closure_over(x: object) -> Any:
     return lambda: x
-
-
-def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
-    return comm.allgather(value) if comm.Get_size() > 1 else [value]
 
 
 def live_keys(comm: MPI.Comm) -> list[int]:
@@ -113,6 +95,7 @@ def holdup() -> Iterator[Holdup]:
 
 @needs_c
 def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Intracomm) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     mgr = cgc.manager(comm)
     first = cgc.register(Obj(), noop, comm=comm)  # makes the private duplicate on size > 1
     objs = [Obj() for _ in range(5)]
@@ -131,7 +114,10 @@ def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Int
 
 
 def test_what_the_c_path_leaves_to_registry_add(comm: MPI.Intracomm) -> None:
-    """The same refusals and the same registrations whichever path is taken."""
+    """The same refusals and the same registrations whichever path is taken.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     o = Obj()
     # Another weak reference to the object: Registry.add registers it.
@@ -162,6 +148,7 @@ def test_what_the_c_path_leaves_to_registry_add(comm: MPI.Intracomm) -> None:
 
 
 def test_the_python_switch_turns_the_c_path_off(comm: MPI.Intracomm) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     saved = _registration.speedups()
     _registration.use_speedups("python")
     try:
@@ -179,7 +166,10 @@ def test_a_registration_half_way_on_another_thread_is_not_overtaken(holdup: Hold
     """Any thread may register on COMM_SELF: a C-path registration that starts
     while another thread is inside Registry.add (held in a collection its
     allocation started, before it stored the next key) must wait for it, not
-    take the same key."""
+    take the same key.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     comm = MPI.COMM_SELF.Dup()
     try:
         mgr = cgc.manager(comm)
@@ -224,7 +214,10 @@ def test_a_c_path_registration_during_a_held_one_is_refused_on_a_parallel_comm(
     comm: MPI.Intracomm, holdup: Holdup
 ) -> None:
     """On a communicator of size > 1 a second registering thread is refused:
-    the C path must not slip past a registration held half-way through."""
+    the C path must not slip past a registration held half-way through.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
     cgc.collect(comm, generation=None, timeout=30)  # from now on any one thread may register
@@ -280,7 +273,10 @@ KEEP: list[Obj] = []
 
 def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
     """The C path's allocation may start the collector, whose finalizers may
-    register on the same communicator on this very thread: every key once."""
+    register on the same communicator on this very thread: every key once.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     comm = MPI.COMM_SELF.Dup()
     saved = gc.get_threshold()
     try:
@@ -314,12 +310,10 @@ def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
         comm.Free()
 
 
-# -- the agreement's window in C against numpy ----------------------------------------
-
-
 @needs_c
 @pytest.mark.parametrize("seed", range(6))
 def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     import array
 
     import numpy as np
@@ -353,7 +347,10 @@ def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
 @needs_c
 def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
     """On a communicator of size 1 the drained keys are the agreed ones: any
-    order but newest first would show in the destroys."""
+    order but newest first would show in the destroys.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     import random
 
     comm = MPI.COMM_SELF.Dup()
@@ -381,7 +378,10 @@ def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept()
     """A sync point that destroys the last registrations may give the
     registry's memory back; a registration another thread stores just then
     (here: while the sync point's thread stands on the line after its
-    destroys were taken, held by a trace function) must not be wiped."""
+    destroys were taken, held by a trace function) must not be wiped.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     import inspect
 
     from collective_gc import _destroy
@@ -443,7 +443,10 @@ def test_two_threads_registering_plain_destroys_at_once_are_refused(
     plain-function destroys (the C path) at the same time on every rank. Their
     calls never overlap, so nothing was refused, and about 6,000 keys named
     different objects on different ranks. Now the thread that is second to
-    register since the last sync point gets a RegistrationError naming both."""
+    register since the last sync point gets a RegistrationError naming both.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
     cgc.collect(comm, generation=None, timeout=30)
