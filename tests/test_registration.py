@@ -487,3 +487,35 @@ def test_two_threads_registering_plain_destroys_at_once_are_refused(
         reg.detach()
     del keep[:]
     assert mgr.registered == 0
+
+
+def test_both_registration_constructors_make_the_same_registration() -> None:
+    """From the core v2 redesign (issue 14)."""
+    from collective_gc import _registration
+
+    assert _registration.SPEEDUPS is not None  # built here (test_the_c_sync_passes_are_built_here)
+    makers = [_registration.new_registration_py, _registration.SPEEDUPS.new_registration]
+    seen = []
+    for make in makers:
+        inbox: list[object] = []
+        o = Obj()
+        reg = make(_registration.finalizer(), o, None, inbox.append, 7, noop, (1,), None, None)
+        named = make(_registration.finalizer(), o, None, inbox.append, 8, noop, (), "n", None)
+        seen.append(
+            (
+                reg.key,
+                reg.name,
+                reg.typename,
+                reg.origin,
+                reg.cyclic,
+                reg.queued_at,
+                reg.alive,
+                named.name,
+                reg() is o,
+            )
+        )
+        del o
+        assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
+    assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
+    with pytest.raises(TypeError):
+        makers[1](_registration.finalizer(), 3, None, print, 0, noop, (), None, None)
