@@ -9,11 +9,14 @@ own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
 from __future__ import annotations
 
 import gc
+import random
 import re
 import subprocess
 import sys
 import time
 import warnings
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,14 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _agree
 
-from _util import CheckedLog, GcDisabled, Obj, Tiny, everyone, noop
+from _util import (
+    CheckedLog,
+    GcDisabled,
+    Obj,
+    Tiny,
+    everyone,
+    noop,
+)
 from conftest import mpiexec_cmd, mpiexec_env
 
 JOBS = Path(__file__).parent / "jobs"
@@ -309,3 +319,266 @@ class TestSyncPointSelf(SyncPointTests):
 @pytest.mark.mpi
 class TestSyncPointWorld(SyncPointTests):
     COMM = MPI.COMM_WORLD
+
+
+class Token:
+    """What a destroy checks: the object it stands for must be dead by then."""
+
+    __slots__ = ("ref", "key", "__weakref__")
+
+    def __init__(self, obj: object) -> None:
+        self.ref = weakref.ref(obj)
+        self.key = -1
+
+
+@pytest.fixture(params=["persistent", "iallreduce"])
+def agreement_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Agreements made during the test start MPI-4's persistent allreduce
+    (where mpi4py offers it: elsewhere both run the other path) or a new
+    Iallreduce each time."""
+    saved = _agree.PERSISTENT[0]
+    _agree.PERSISTENT[0] = request.param == "persistent"
+    try:
+        yield str(request.param)
+    finally:
+        _agree.PERSISTENT[0] = saved
+
+
+def test_the_persistent_path_is_taken_where_mpi4py_offers_it(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    agreement = _agree.Agreement(comm)
+    try:
+        assert (agreement._persistent is not None) == hasattr(comm, "Allreduce_init")
+    finally:
+        agreement.close()
+
+
+@pytest.mark.parametrize("seed", [11, 23])
+def test_random_drops_destroy_exactly_the_keys_dropped_everywhere(
+    comm: MPI.Intracomm, seed: int, agreement_path: str
+) -> None:
+    """Bursts larger than the window, keys kept for many steps, keys dropped on
+    some ranks only: each sync point must destroy exactly the keys every rank
+    has dropped (no more: a live object; no fewer: a lost destroy), newest
+    first, each once, and only once its object is dead here. The window's
+    shape changes often, so a persistent request is remade often.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    shared = random.Random(seed)  # the same draws on every rank: what is registered
+    mine = random.Random(seed * 1009 + rank)  # this rank's draws: what it drops
+    mgr = cgc.manager(comm)
+    held: dict[int, Obj] = {}
+    dropped: set[int] = set()
+    destroyed: list[int] = []
+    fallbacks = [0]
+    real = _agree.intersect_any
+
+    def counting(*args: Any) -> Any:
+        fallbacks[0] += 1
+        return real(*args)
+
+    def destroy(token: Token) -> None:
+        assert token.ref() is None, f"destroy of key {token.key}, alive on rank {rank}"
+        destroyed.append(token.key)
+
+    _agree.intersect_any = counting  # type: ignore[assignment]
+    try:
+        with GcDisabled():
+            for step in range(36):
+                n = shared.choice([0, 1, 3, 40, 300, 700, 2500])
+                if step in (12, 25):
+                    n = 40_000  # far more than twice any recent interval: outside the window
+                for _ in range(n):
+                    o = Obj()
+                    token = Token(o)
+                    reg = cgc.register(o, destroy, token, comm=comm)
+                    token.key = reg.key
+                    held[reg.key] = o
+                o = None
+                p = mine.choice([0.0, 0.02, 0.3, 0.7, 1.0])
+                if step < 30:
+                    # Some keys are kept for ever (until the end): very old keys.
+                    for k in [k for k in held if k % 17 and mine.random() < p]:
+                        del held[k]
+                        dropped.add(k)
+                else:
+                    for k in list(held):
+                        del held[k]
+                        dropped.add(k)
+                before = len(destroyed)
+                stats = cgc.collect(comm, generation=None, timeout=120)
+                new = destroyed[before:]
+                assert new == sorted(new, reverse=True), "not newest first"
+                common = set.intersection(*(set(d) for d in everyone(comm, sorted(dropped))))
+                assert len(set(destroyed)) == len(destroyed), "a key destroyed twice"
+                assert set(destroyed) == common, (
+                    f"step {step}: destroyed {len(destroyed)}, dropped everywhere {len(common)}; "
+                    f"extra {sorted(set(destroyed) - common)[:10]}, "
+                    f"lost {sorted(common - set(destroyed))[:10]}"
+                )
+                assert stats.destroyed == len(new)
+                assert mgr.broken is None
+    finally:
+        _agree.intersect_any = real  # type: ignore[assignment]
+    held.clear()
+    assert cgc.collect(comm, generation=None, timeout=120).pending == 0
+    assert mgr.registered == 0
+    if comm.Get_size() > 1:
+        assert fallbacks[0] > 0, "the fallback round was never exercised"
+
+
+def _bucket(key: int) -> int:
+    return ((key * _agree._HASH) % 2**64) >> 58  # the filter bit _agree._filter sets
+
+
+@pytest.mark.mpi(min_size=2)
+def test_colliding_filter_bits_destroy_nothing_not_pending_everywhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Two old keys in the same filter bucket, each dropped on different ranks:
+    the filter ANDs to nonzero, the fallback round runs, and must find nothing.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    log: list[int] = []
+
+    def destroy(token: Token) -> None:
+        assert token.ref() is None, f"destroy of key {token.key}, alive on rank {rank}"
+        log.append(token.key)
+
+    with GcDisabled():
+        old = [Obj() for _ in range(200)]
+        regs = []
+        for o in old:
+            t = Token(o)
+            regs.append(cgc.register(o, destroy, t, comm=comm))
+            t.key = regs[-1].key
+        base = regs[0].key
+        # Two keys of the same bucket.
+        by_bucket: dict[int, int] = {}
+        a = b = -1
+        for r in regs:
+            other = by_bucket.setdefault(_bucket(r.key), r.key)
+            if other != r.key:
+                a, b = other, r.key
+                break
+        assert a >= 0
+        # Move the window far beyond the old keys.
+        for _ in range(6):
+            batch = [Obj() for _ in range(1000)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None, timeout=60)
+        assert cgc.manager(comm)._agreement.window.lo > b  # type: ignore[union-attr]
+        calls = [0]
+        real = _agree.intersect_any
+
+        def counting(*args: Any) -> Any:
+            calls[0] += 1
+            return real(*args)
+
+        _agree.intersect_any = counting  # type: ignore[assignment]
+        try:
+            drop = {0: [a], 1: [b]}.get(rank, [a, b])
+            for k in drop:
+                old[k - base] = None  # type: ignore[call-overload]
+            stats = cgc.collect(comm, generation=None, timeout=60)
+            assert stats.destroyed == 0 and log == []
+            assert calls[0] == 1, "the colliding filter bits did not start the fallback"
+            # Now every rank drops both: both go, newest first.
+            old[a - base] = old[b - base] = None  # type: ignore[call-overload]
+            stats = cgc.collect(comm, generation=None, timeout=60)
+        finally:
+            _agree.intersect_any = real  # type: ignore[assignment]
+    assert log == [b, a] and stats.destroyed == 2
+    assert size == len(everyone(comm, log))
+    del old
+    cgc.collect(comm, generation=None, timeout=60)
+
+
+def test_a_burst_beyond_the_window_limit_with_old_keys(comm: MPI.Intracomm) -> None:
+    """More than Window.LIMIT (2**20) keys dropped at once, plus keys older than
+    any window, some dropped on one rank only.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    n = _agree.Window.LIMIT + 5000
+    count = [0]
+
+    def destroy() -> None:
+        count[0] += 1
+
+    with GcDisabled():
+        old = [Tiny() for _ in range(100)]
+        old_regs = [cgc.register(o, destroy, comm=comm) for o in old]
+        cgc.collect(comm, generation=None, timeout=60)
+        objs = [Tiny() for _ in range(n)]
+        mgr = cgc.manager(comm)
+        for o in objs:
+            mgr.register(o, destroy, (), {}, None)
+        o = None
+        # The old keys: even ones dropped everywhere, odd ones on rank 0 only.
+        for i in range(0, 100, 2):
+            old[i] = None  # type: ignore[call-overload]
+        if rank == 0:
+            for i in range(1, 100, 2):
+                old[i] = None  # type: ignore[call-overload]
+        del objs
+        stats = cgc.collect(comm, generation=None, timeout=300)
+    expected = n + (100 if comm.Get_size() == 1 else 50)
+    assert stats.destroyed == expected == count[0]
+    alive_odd = [r.alive for r in old_regs[1::2]]
+    assert alive_odd == [comm.Get_size() > 1] * 50
+    del old
+    assert cgc.collect(comm, generation=None, timeout=60).pending == 0
+    assert mgr.registered == 0
+
+
+def test_explicit_destroys_and_detaches_of_queued_old_keys(comm: MPI.Intracomm) -> None:
+    """Old keys (outside the window) queued on some ranks only, then destroyed
+    explicitly (collectively) or detached everywhere: never destroyed twice,
+    never by a sync point afterwards.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    runs: dict[int, int] = {}
+
+    def destroy(token: Token) -> None:
+        runs[token.key] = runs.get(token.key, 0) + 1
+
+    with GcDisabled():
+        keep = [Obj() for _ in range(40)]
+        regs = []
+        for o in keep:
+            t = Token(o)
+            regs.append(cgc.register(o, destroy, t, comm=comm))
+            t.key = regs[-1].key
+        for _ in range(5):
+            batch = [Obj() for _ in range(600)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None, timeout=60)
+        if rank == 0 and comm.Get_size() > 1:
+            for i in range(0, 40, 2):
+                keep[i] = None  # type: ignore[call-overload]
+        cgc.collect(comm, generation=None, timeout=60)  # queued on rank 0 only
+        for r in regs[0:20:2]:
+            r.destroy()  # collective: every rank
+        for r in regs[20:40:2]:
+            assert r.detach()
+        for i in range(0, 40, 2):
+            keep[i] = None  # type: ignore[call-overload]
+        stats = cgc.collect(comm, generation=None, timeout=60)
+        assert stats.destroyed == 0
+        assert cgc.pending(comm) == []
+        del keep
+        stats = cgc.collect(comm, generation=None, timeout=60)
+    assert stats.destroyed == 20
+    assert runs == {r.key: 1 for r in regs[0:20:2] + regs[1::2]}

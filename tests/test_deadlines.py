@@ -19,7 +19,12 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _agree, _manager
 
-from _util import Obj, everyone, noop
+from _util import (
+    Obj,
+    everyone,
+    noop,
+    outcome_of,
+)
 
 
 def test_no_decision_reads_the_wall_clock() -> None:
@@ -106,3 +111,80 @@ def test_timeout_names_rank_and_sync_point(comm: MPI.Intracomm) -> None:
     # ranks that timed out skip it at exit, so the last rank must too.
     reg.detach()
     cgc.manager(comm).mark_unusable("the end of this test")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_huge_timeout_is_either_refused_up_front_or_works(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    o = Obj()
+    reg = cgc.register(o, noop, comm=comm)
+    del o
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=1e13))
+    seen_all = everyone(comm, (seen, cgc.manager(comm).broken is None))
+    reg.detach()  # nothing left for the exit agreement of a broken manager
+    # Either refused before any collective (ValueError, manager usable) or done.
+    assert all(s == ("ok", True) for s in seen_all) or all(
+        s == ("ValueError", True) for s in seen_all
+    ), seen_all
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_in_the_error_check_raises_timeout_too(comm: MPI.Intracomm) -> None:
+    """Only rank 0 has a deadline; rank 1's destroy is slow, so rank 0 gives up in
+    the second collective (the error check). Ranks without a deadline that
+    complete it afterwards must raise CollectiveTimeoutError too.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+
+    def destroy() -> None:
+        if rank == 1:
+            time.sleep(2.5)
+
+    o = Obj()
+    cgc.register(o, destroy, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    del o
+    t0 = time.monotonic()
+    seen = outcome_of(
+        lambda: cgc.collect(comm, generation=None, timeout=1.0 if rank == 0 else None)
+    )
+    took = time.monotonic() - t0
+    seen_all = everyone(comm, seen)
+    assert seen_all == ["CollectiveTimeoutError"] * comm.Get_size(), seen_all
+    assert took < 10
+    after = everyone(comm, outcome_of(lambda: cgc.collect(comm, timeout=5)))
+    assert after == ["CollectiveGCError"] * comm.Get_size(), after
+
+
+@pytest.mark.mpi(min_size=2)
+def test_deadline_words_mixed_with_and_without_timeouts_in_step(comm: MPI.Intracomm) -> None:
+    """Ranks alternate having a deadline; nobody is late: every sync point works.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    for i in range(20):
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        timeout = 30.0 if (i + rank) % 2 else None
+        assert cgc.collect(comm, generation=None, timeout=timeout).destroyed == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_in_manager_allgather_raises_at_once(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
+    cgc.collect(comm, timeout=30)  # the private duplicate exists everywhere
+    if rank == 1:
+        time.sleep(2.0)
+    t0 = time.monotonic()
+    seen = outcome_of(lambda: mgr.allgather(rank, timeout=0.5 if rank == 0 else 8.0))
+    took = time.monotonic() - t0
+    seen_all = everyone(comm, (seen, took < 4.0 or rank == 0))
+    # As at a sync point: every rank raises CollectiveTimeoutError, and the ones
+    # that complete the abandoned gather learn it at once, not at their own deadline.
+    assert seen_all == [("CollectiveTimeoutError", True)] * comm.Get_size(), seen_all

@@ -32,7 +32,19 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _interrupts
 
-from _util import WORLD, GcDisabled, Obj, everyone
+from _util import (
+    FINISHED,
+    WORLD,
+    Asked,
+    Finisher,
+    GcDisabled,
+    Obj,
+    Recorder,
+    everyone,
+    noop,
+    outcome_of,
+    sync_with,
+)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -308,3 +320,207 @@ def test_keyboard_interrupt_in_a_destroy_lets_the_others_run(sync_passes: str) -
         assert cgc.collect(comm).destroyed == 0 and log == ["c", "b", "a"]
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("timeout", [8.0, None])
+def test_an_interrupt_in_the_agreement_wait_leaves_every_rank_alike(
+    comm: MPI.Intracomm, timeout: float | None
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # ``timeout`` is rank 0's (None: the in-place Wait path, where the signal's
+    # handler runs as soon as Wait returns); the others always have one, or this
+    # test would hang them: with none they wait for ever in the error check.
+    rank = comm.Get_rank()
+    log: list[int] = []
+    o = Obj()
+    reg = cgc.register(o, log.append, 1, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    del o
+    mgr = cgc.manager(comm)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if rank == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=timeout))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.5)  # rank 0 is waiting (or polling) for us meanwhile
+        seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=8.0))
+    state = (seen, mgr.broken, log)
+    states = everyone(comm, state)
+    if mgr.broken is not None and reg.alive:
+        reg.detach()  # nothing left here for the exit agreement
+    # The interrupt is held until the sync point's collectives are done, then
+    # raised on rank 0 only: every rank ran the same destroys (a collective
+    # destroy run on some ranks only hangs them), and the manager is usable
+    # everywhere, so the next sync point is in step.
+    assert [s[0] for s in states] == ["KeyboardInterrupt"] + ["ok"] * (len(states) - 1), states
+    assert all(s[1] is None and s[2] == [1] for s in states), states
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+def _interrupted_then_failed(
+    comm: MPI.Intracomm, sync: Any, late_sync: Any
+) -> tuple[str, str, bool]:
+    """Rank 0 runs ``sync`` and gets a KeyboardInterrupt 0.3 s into its wait;
+    the other ranks arrive 1.5 s later and run ``late_sync``. What each rank
+    raised, what that had as its context, and whether the manager is broken."""
+    rank = comm.Get_rank()
+    o = Obj()
+    reg = cgc.register(o, noop, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    mgr = cgc.manager(comm)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    raised: BaseException | None = None
+    if rank == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            sync()
+        except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+            raised = exc
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.5)  # rank 0 is waiting (or polling) for us meanwhile
+        try:
+            late_sync()
+        except BaseException as exc:  # noqa: BLE001
+            raised = exc
+    if mgr.broken is not None and reg.alive:
+        reg.detach()  # nothing left here for the exit agreement
+    del o
+    context = None if raised is None else raised.__context__
+    return type(raised).__name__, type(context).__name__, mgr.broken is not None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_times_out_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Rank 0's wait holds the interrupt, then its deadline passes: the
+    # interrupt (what the user asked for) is raised, the timeout its context;
+    # the late ranks see the timeout. Every manager is unusable.
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: cgc.collect(comm, generation=None, timeout=0.8),
+            lambda: cgc.collect(comm, generation=None, timeout=8.0),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveTimeoutError", True)] + [
+        ("CollectiveTimeoutError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_mismatch_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Rank 0 is at the exit agreement, the others at a sync point: every rank
+    # raises CollectiveMismatchError, except that rank 0's held interrupt is
+    # raised instead, with the mismatch as its context.
+    mgr = cgc.manager(comm)
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: mgr.sync(at_exit=True, deadline=time.monotonic() + 30),
+            lambda: cgc.collect(comm, generation=None, timeout=30),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveMismatchError", True)] + [
+        ("CollectiveMismatchError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_bad_vote_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Every rank refuses the out-of-range vote and keeps its manager; rank 0
+    # raises its held interrupt instead, with the refusal as its context.
+    mgr = cgc.manager(comm)
+
+    def sync() -> None:
+        mgr.add_participant(Recorder(5, 256))  # on every rank alike, before its sync point
+        cgc.collect(comm, generation=None, timeout=30)
+
+    states = everyone(comm, _interrupted_then_failed(comm, sync, sync))
+    # Its participant votes out of range for good: nothing is left for the
+    # exit agreement, which it would refuse too.
+    for reg in mgr.alive() + mgr.pending():
+        reg.detach()
+    mgr.mark_unusable("the end of this test: a participant votes out of range")
+    assert states == [("KeyboardInterrupt", "CollectiveGCError", False)] + [
+        ("CollectiveGCError", "NoneType", False)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_in_a_finish_is_its_rank_s_and_a_destroy_error_elsewhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
+    o = Obj()
+    cgc.register(o, noop, comm=comm)
+    del o
+    first = Finisher("first", 1, KeyboardInterrupt(), True)
+    second = Finisher("second", -1, None, False)
+    text = ""
+    try:
+        # With a destroy to run, so the error check comes before the finishes.
+        sync_with(mgr, first, second)
+    except BaseException as exc:  # noqa: BLE001 (the interrupt is the point)
+        text = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}"
+    seen = "ok" if mgr.destroyed == 1 else f"destroyed {mgr.destroyed}"
+    verdict = everyone(comm, (seen, text.split(":")[0], list(FINISHED), mgr.broken))
+    # Every participant finished on every rank, the sync point's collectives
+    # were all made, rank 1 got its interrupt back and the others a
+    # DestroyError naming it; the manager stays usable everywhere.
+    assert all(v[0] == "ok" and v[2] == ["first", "second"] and v[3] is None for v in verdict), (
+        verdict
+    )
+    assert [v[1] for v in verdict] == [
+        "KeyboardInterrupt" if r == 1 else "DestroyError" for r in range(len(verdict))
+    ], verdict
+    if rank != 1:
+        assert "the finish of Finisher" in text and "KeyboardInterrupt" in text, text
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_may_raise_raising_keyboardinterrupt_is_its_rank_s_and_a_destroy_error_elsewhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Issue 25: a signal's KeyboardInterrupt can no longer land in may_raise
+    # (the sync point is a protected region, see test_interrupts.py), so one
+    # that may_raise raises is its own code's: a yes and a failure, as from a
+    # finish (it was held and the question asked again).
+    mgr = cgc.manager(comm)
+    asked = Asked(1, KeyboardInterrupt())
+    seen = outcome_of(lambda: sync_with(mgr, asked))
+    verdict = everyone(comm, (seen, asked.asked, list(FINISHED), mgr.broken))
+    assert [v[0] for v in verdict] == [
+        "KeyboardInterrupt" if r == 1 else "DestroyError" for r in range(len(verdict))
+    ], verdict
+    assert all(v[1] == 1 and v[2] == ["asked"] and v[3] is None for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1

@@ -19,7 +19,12 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc._comms import derived
 
-from _util import Obj, everyone
+from _util import (
+    GcDisabled,
+    Obj,
+    everyone,
+    outcome_of,
+)
 
 
 class _Named(cgc.Participant):
@@ -118,3 +123,34 @@ def test_registration_on_one_rank_of_a_dup_is_a_mismatch_at_once(
     del sub, child
     cgc.collect(comm, generation=None, timeout=30)
     assert derived(comm) == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_registration_mismatch_after_the_window_moved_is_seen_by_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Rank 0 registers a burst the others do not, with a window sized by earlier
+    bursts: every rank raises CollectiveMismatchError (the message lengths stay
+    equal), nothing is destroyed, and the manager is unusable everywhere.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    ran: list[int] = []
+    with GcDisabled():
+        for _ in range(4):
+            batch = [Obj() for _ in range(3000)]
+            for o in batch:
+                cgc.register(o, ran.append, 1, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None, timeout=30)
+        ran.clear()
+        extra = [Obj() for _ in range(7000 if rank == 0 else 0)]
+        regs = [cgc.register(o, ran.append, 2, comm=comm) for o in extra]
+        del extra
+        seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+        for r in regs:
+            r.detach()
+    mgr = cgc.manager(comm)
+    verdict = everyone(comm, (seen, ran, mgr.broken is not None))
+    assert verdict == [("CollectiveMismatchError", [], True)] * comm.Get_size(), verdict

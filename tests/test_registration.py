@@ -10,8 +10,10 @@ alike, so that a failing test never leaves some ranks waiting.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
+import tracemalloc
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +24,14 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _registration, _registry
 
-from _util import WORLD, Obj, everyone, noop
+from _util import (
+    WORLD,
+    GcDisabled,
+    Obj,
+    Tiny,
+    everyone,
+    noop,
+)
 
 needs_c = pytest.mark.skipif(
     _registration.SPEEDUPS is None, reason="the optional C extension is not built"
@@ -519,3 +528,158 @@ def test_both_registration_constructors_make_the_same_registration() -> None:
     assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
     with pytest.raises(TypeError):
         makers[1](_registration.finalizer(), 3, None, print, 0, noop, (), None, None)
+
+
+def test_a_registration_refused_inside_a_destroy_keeps_keys_in_step(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    made: list[str] = []
+
+    def destroy(tag: str) -> None:
+        # Refused on every rank: the key counter must not move anywhere.
+        cgc.register(Obj(), noop, comm=comm)
+        made.append(tag)
+
+    mgr = cgc.manager(comm)
+    with GcDisabled():
+        objs = [Obj() for _ in range(500)]
+        for i, o in enumerate(objs):
+            cgc.register(o, destroy if i == 7 else noop, str(i), comm=comm)
+        del objs, o
+        before = mgr.next_key
+        with pytest.raises(cgc.DestroyError, match="from inside a destroy") as info:
+            cgc.collect(comm, generation=None, timeout=60)
+        assert {r for r, *_ in info.value.failures} == set(range(comm.Get_size()))
+        assert mgr.next_key == before and made == []
+        assert everyone(comm, (mgr.next_key, mgr.sync_count)) == [(before, 1)] * comm.Get_size()
+        # The window moved alike on every rank: the next sync points agree.
+        for _ in range(3):
+            batch = [Obj() for _ in range(700)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            assert cgc.collect(comm, generation=None, timeout=60).destroyed == 700
+    assert mgr.broken is None, rank
+
+
+class _Slotted(Obj):
+    __slots__ = ("extra",)
+
+
+class _NoWeak:
+    __slots__ = ("a",)
+
+
+class _NoWeakSub(_NoWeak):
+    __slots__ = ("b",)
+
+
+class _WeakSlots:
+    __slots__ = ("a", "__weakref__")
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_objects_that_cannot_be_weakly_referenced_take_no_key(kind: str) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    comm = MPI.COMM_SELF.Dup()
+    _registration.use_speedups(kind)
+    try:
+        mgr = cgc.manager(comm)
+        for bad in (3, (1, 2), [1], _NoWeak(), _NoWeakSub(), "s"):
+            with pytest.raises(cgc.RegistrationError, match="weakly referenced"):
+                cgc.register(bad, noop, comm=comm)
+        assert mgr.next_key == 0 and mgr.created == 0 and mgr.registered == 0
+        ok = _WeakSlots()
+        reg = cgc.register(ok, noop, comm=comm)
+        sub = _Slotted()
+        reg2 = cgc.register(sub, noop, comm=comm)
+        assert (reg.key, reg.typename, reg2.key, reg2.typename) == (0, "_WeakSlots", 1, "_Slotted")
+        del ok, sub
+        assert cgc.collect(comm, generation=None).destroyed == 2
+    finally:
+        _registration.use_speedups("c")
+        cgc.manager(comm).close()
+        comm.Free()
+
+
+def test_the_c_constructor_keeps_no_reference_it_does_not_own() -> None:
+    """Refcounts of everything new_registration stores go back to where they were.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    assert _registration.SPEEDUPS is not None
+    comm = MPI.COMM_SELF.Dup()
+    try:
+
+        class Named:  # a heap type: PyType_GetName gives a new reference to its name
+            pass
+
+        def destroy(*args: Any) -> None:
+            pass
+
+        args = (object(), object())
+        name = "".join(["a", "name", str(os.getpid())])  # not interned
+        counts = lambda: (  # noqa: E731
+            sys.getrefcount(destroy),
+            sys.getrefcount(args),
+            sys.getrefcount(name),
+            sys.getrefcount(Named.__name__),
+            sys.getrefcount(Named),
+        )
+        cgc.collect(comm, generation=None)
+        before = counts()
+        for _ in range(3):
+            objs = [Named() for _ in range(1000)]
+            regs = [cgc.register(o, destroy, *args, comm=comm, name=name) for o in objs]
+            regs += [cgc.register(Obj(), destroy, *args, comm=comm) for _ in range(10)]
+            del objs
+            assert cgc.collect(comm, generation=None).destroyed == 1010
+            del regs
+        gc.collect()
+        assert counts() == before
+    finally:
+        cgc.manager(comm).close()
+        comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_a_million_registrations_do_not_grow_memory(kind: str) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    comm = MPI.COMM_SELF.Dup()
+    _registration.use_speedups(kind)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    try:
+        mgr = cgc.manager(comm)
+        chunk = 100_000
+
+        def rounds(n: int) -> None:
+            for _ in range(n):
+                for _ in range(chunk):
+                    o = Tiny()
+                    mgr.register(o, noop, (), {}, None)
+                o = None
+                assert cgc.collect(comm, generation=None).destroyed == chunk
+
+        with GcDisabled():
+            rounds(2)  # warm up: the dicts and arrays at their working size
+            r0 = rss()
+            rounds(5)
+            rgrown = rss() - r0
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            rounds(3)
+            grown = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+        assert mgr.created == 10 * chunk and mgr.registered == 0
+        assert grown < 2_000_000, grown
+        assert rgrown < 32_000_000, rgrown
+    finally:
+        _registration.use_speedups("c")
+        cgc.manager(comm).close()
+        comm.Free()
