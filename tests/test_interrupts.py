@@ -16,33 +16,41 @@ start their own 4-rank jobs (marker ``launcher``).
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import re
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _interrupts
+from collective_gc import _interrupts, _scope
 
 from _util import (
     FINISHED,
+    JOB_HEAD,
+    TIMEOUT,
     WORLD,
     Asked,
     Finisher,
     GcDisabled,
     Obj,
     Recorder,
+    attempt,
     everyone,
+    job_report,
     noop,
     outcome_of,
+    run_job,
     sync_with,
 )
 
@@ -524,3 +532,285 @@ def test_a_may_raise_raising_keyboardinterrupt_is_its_rank_s_and_a_destroy_error
     ], verdict
     assert all(v[1] == 1 and v[2] == ["asked"] and v[3] is None for v in verdict), verdict
     assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+LATE = 1.0  # how late rank 1 arrives
+
+
+ALARM = 0.3  # how far into its wait rank 0 is interrupted
+
+
+def interrupted_on_rank_0(
+    comm: MPI.Intracomm, fn: Callable[[], Any], *, late: bool = True
+) -> tuple[str, Any, list[str]]:
+    """Every rank runs ``fn``, rank 1 ``LATE`` seconds after the others if
+    ``late``; rank 0 gets a KeyboardInterrupt (SIGALRM) ``ALARM`` seconds into
+    its call. What ``fn`` raised or returned (see :func:`attempt`), and on
+    rank 0 the functions the interrupt landed in (``fn``'s calls, innermost
+    first)."""
+    rank = comm.Get_rank()
+    if rank == 1 and late:
+        time.sleep(LATE)
+    if rank != 0:
+        return (*attempt(fn), [])
+    where: list[str] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        while frame is not None and frame.f_code is not attempt.__code__:  # inside fn
+            where.append(frame.f_code.co_name)
+            frame = frame.f_back
+        raise KeyboardInterrupt("SIGALRM")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, ALARM)
+    try:
+        return (*attempt(fn), where)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def barrier(comm: MPI.Intracomm) -> None:
+    """A barrier on the test's communicator that gives up after ``TIMEOUT``."""
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + TIMEOUT
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a rank did not reach the test's barrier")
+        time.sleep(1e-3)
+
+
+def collect_ok(comm: MPI.Intracomm) -> tuple[str, Any]:
+    """A sync point with a deadline: ("ok", destroyed) or what it raised."""
+    seen, stats = attempt(lambda: cgc.collect(comm, generation=None, timeout=TIMEOUT))
+    return seen, None if stats is None else stats.destroyed
+
+
+def _strict_sync(comm: MPI.Intracomm, late: bool) -> tuple[str, str, list[str]]:
+    """In a strict scope, a managed object dies in a cycle on every rank; then
+    a sync point, rank 0 interrupted in it. What that sync point raised, what
+    the scope's exit sync point raised, and where rank 0 was interrupted."""
+    seen: list[tuple[str, Any, list[str]]] = []
+
+    def body() -> None:
+        with cgc.collective_scope(
+            comm, strict=True, gc="off", exit_collect=None, timeout=TIMEOUT
+        ) as scope:
+            o = Obj()
+            o.peer = o
+            cgc.register(o, noop, comm=comm, name="cyclic")
+            del o
+            gc.collect()
+            barrier(comm)  # every rank has its cyclic death queued
+            seen.append(interrupted_on_rank_0(comm, scope.sync, late=late))
+
+    left = attempt(body)[0]
+    (sync, _, where), *_ = seen or [("not reached", None, [])]
+    return sync, left, where
+
+
+def _assert_strict_outcome(comm: MPI.Intracomm, late: bool, inside: str, outside: str) -> None:
+    """Run :func:`_strict_sync`; rank 0 raises its interrupt, every other rank
+    the report, every manager stays usable; rank 0 was interrupted in
+    ``inside``, not in ``outside``."""
+    sync, left, where = _strict_sync(comm, late=late)
+    broken = cgc.manager(comm).broken
+    after = collect_ok(comm)
+    states = everyone(comm, (sync, left, broken, after))
+    wheres = everyone(comm, where)
+    assert inside in wheres[0] and outside not in wheres[0], (wheres[0], states)
+    assert states == [("KeyboardInterrupt", "ok", None, ("ok", 0))] + [
+        ("CyclicFinalizationError", "ok", None, ("ok", 0))
+    ] * (comm.Get_size() - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_strict_sync_interrupted_while_waiting_still_reports_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h13)."""
+    # h13: rank 0's interrupt is held through the sync point's agreement, which
+    # then sees the cyclic death: rank 0 must still take part in the strict
+    # report's gather (the others wait in it), then raise the interrupt.
+    # Interrupted in the agreement, not in the gather of the report (see below).
+    _assert_strict_outcome(comm, late=True, inside="agree", outside="allgather")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_strict_report_interrupted_while_waiting_holds_the_interrupt(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hostile review of the promise (reproducer h2)."""
+    # h2: the sync point completes at once; rank 1 is slow formatting its rows
+    # of the strict report, and rank 0 is interrupted while it waits for them
+    # in the report's gather (Manager.allgather): held until the gather is
+    # done, then raised on rank 0; the others raise the report.
+    if comm.Get_rank() == 1:
+        real = _scope._origin
+
+        def slow(origin: Any) -> str:
+            time.sleep(LATE)
+            return real(origin)
+
+        monkeypatch.setattr(_scope, "_origin", slow)
+    # Interrupted in the gather of the report, not in the agreement (see above).
+    _assert_strict_outcome(comm, late=False, inside="allgather", outside="agree")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_view_interrupted_while_waiting_holds_the_interrupt(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h11)."""
+    cgc.collect(comm, generation=None, timeout=TIMEOUT)  # the private duplicate exists
+    mgr = cgc.manager(comm)
+    seen, text, where = interrupted_on_rank_0(
+        comm, lambda: cgc.view(comm, file=None, timeout=TIMEOUT)
+    )
+    broken = mgr.broken
+    after = collect_ok(comm)
+    states = everyone(comm, (seen, isinstance(text, str), broken, after))
+    wheres = everyone(comm, where)
+    assert "view" in wheres[0] and "allgather" in wheres[0], (wheres[0], states)
+    # The gather completes on every rank; rank 0 raises its interrupt after it.
+    n = comm.Get_size()
+    assert states == [("KeyboardInterrupt", False, None, ("ok", 0))] + [
+        ("ok", True, None, ("ok", 0))
+    ] * (n - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failure_whose_str_raises_an_interrupt_hangs_no_rank(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h12)."""
+    rank = comm.Get_rank()
+
+    class Weird(RuntimeError):
+        def __str__(self) -> str:
+            raise KeyboardInterrupt("from __str__")
+
+    def destroy() -> None:
+        if rank == 1:
+            raise Weird()
+
+    o = Obj()
+    cgc.register(o, destroy, comm=comm, name="weird")
+    del o
+    seen, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=10))
+    states = everyone(comm, seen)
+    # The error report still reaches every rank: rank 1 raises the interrupt
+    # its str() raised, the others the DestroyError (not a timeout).
+    assert states == ["DestroyError", "KeyboardInterrupt"] + ["DestroyError"] * (
+        comm.Get_size() - 2
+    ), states
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("in_scope", [False, True])
+def test_a_first_registration_interrupted_while_waiting_completes_on_every_rank(
+    comm: MPI.Intracomm, in_scope: bool
+) -> None:
+    """Found by a hostile review of the promise (reproducer h6)."""
+    # The first registration on a fresh communicator makes its private
+    # duplicate, waiting for a late rank 1; rank 0 is interrupted meanwhile:
+    # the duplicate is still made and the object registered on every rank,
+    # rank 0's register then raising the interrupt. Outside a scope the wait
+    # has no deadline (MPI's Wait: the signal's handler runs once it
+    # returns); in a scope with a timeout it polls against the scope's.
+    held = [Obj()]
+    ref = weakref.ref(held[0])
+
+    def first() -> cgc.Registration:
+        return cgc.register(held[0], noop, comm=comm, name="first")
+
+    if in_scope:
+        got: list[tuple[str, Any, list[str]]] = []
+
+        def body() -> None:
+            with cgc.collective_scope(comm, gc="auto", exit_collect=None, timeout=TIMEOUT):
+                got.append(interrupted_on_rank_0(comm, first))
+
+        left = attempt(body)[0]  # and the scope's exit sync point
+        seen, reg, where = got[0] if got else ("not reached", None, [])
+    else:
+        left = "ok"
+        seen, reg, where = interrupted_on_rank_0(comm, first)
+    mgr = cgc.manager(comm)
+    snap = mgr.snapshot()
+    state = (
+        len(cgc.pending(comm)),
+        [(r.key, r.name, r() is held[0]) for r in snap.alive],
+        snap.next_key,
+        snap.broken,
+    )
+    returned = None if reg is None else (type(reg).__name__, reg.key)
+    held.clear()  # dropped on every rank
+    del reg, snap
+    dead = ref() is None
+    after = collect_ok(comm)
+    states = everyone(comm, (seen, left, returned, state, dead, after))
+    wheres = everyone(comm, where)
+    assert "dup" in wheres[0], (wheres[0], states)  # making the private duplicate
+    registered = (0, [(0, "first", True)], 1, None)
+    n = comm.Get_size()
+    assert states == [("KeyboardInterrupt", "ok", None, registered, True, ("ok", 1))] + [
+        ("ok", "ok", ("Registration", 0), registered, True, ("ok", 1))
+    ] * (n - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_interrupted_while_waiting_lets_go_on_every_rank(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h7)."""
+    cgc.collect(comm, generation=None, timeout=TIMEOUT)  # the private duplicate exists
+    mgr = cgc.manager(comm)
+    seen, _, where = interrupted_on_rank_0(comm, lambda: mgr.close(timeout=TIMEOUT))
+    broken = mgr.broken
+    states = everyone(comm, (seen, broken is not None and "closed" in broken, broken))
+    wheres = everyone(comm, where)
+    assert "close" in wheres[0], (wheres[0], states)
+    # close's last sync point completes everywhere, so every manager lets go;
+    # rank 0 raises its interrupt after.
+    assert [s[:2] for s in states] == [("KeyboardInterrupt", True)] + [("ok", True)] * (
+        comm.Get_size() - 1
+    ), states
+
+
+_EXIT_INTERRUPT_JOB = (
+    JOB_HEAD
+    + """
+comm = MPI.COMM_WORLD
+sub = cgc.dup(comm)
+
+
+def on_world():
+    print(f"destroy W ran on rank {rank}", flush=True)
+
+
+def on_sub():
+    if rank == 0:
+        raise KeyboardInterrupt("stop at exit")
+
+
+w = Obj()
+cgc.register(w, on_world, comm=comm, name="W")
+s = Obj()
+cgc.register(s, on_sub, comm=sub, name="S")
+del w, s  # both queued on every rank: agreed at exit, the derived communicator first
+print(f"script end on rank {rank}", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_at_exit_an_interrupt_in_a_derived_destroy_leaves_the_parent_agreed(
+    tmp_path: Path,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h4)."""
+    # h4: rank 0's interrupt in S's destroy (on a cgc.dup communicator) during
+    # the exit agreement is raised only after that agreement's collectives;
+    # the parent's exit agreement still runs on every rank (W is destroyed
+    # everywhere), and no rank waits for the exit timeout.
+    proc, outs, errs, took = run_job(tmp_path, _EXIT_INTERRUPT_JOB, COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    report = job_report(proc, outs, errs)
+    for rank in range(4):
+        assert f"script end on rank {rank}" in outs[rank], report
+        assert f"destroy W ran on rank {rank}" in outs[rank], report
+    assert took < 10.0, f"the job took {took:.1f} s (exit timeout 20 s)\n{report}"
+    assert "KeyboardInterrupt" in errs[0], report

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -18,8 +19,11 @@ from mpi4py import MPI
 import collective_gc as cgc
 
 from _util import (
+    JOB_HEAD,
     Obj,
+    job_report,
     noop,
+    run_job,
 )
 
 
@@ -80,3 +84,47 @@ def test_finalizers_after_close_or_after_the_manager_is_forgotten_do_nothing() -
             mgr.close()
     finally:
         comm.Free()
+
+
+_EXIT_CHAIN_JOB = (
+    JOB_HEAD
+    + """
+comm = MPI.COMM_WORLD
+
+
+def destroy_a(holder):
+    print(f"destroy A ran on rank {rank}", flush=True)
+
+
+def destroy_b():
+    print(f"destroy B ran on rank {rank}", flush=True)
+
+
+b = Obj()
+cgc.register(b, destroy_b, comm=comm, name="B")
+holder = [b]
+del b
+a = Obj()
+cgc.register(a, destroy_a, holder, comm=comm, name="A")  # A's arguments hold B
+del holder, a  # dropped on every rank: A is queued, B dies when A's destroy runs
+print(f"script end on rank {rank}", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_at_exit_a_destroy_that_drops_a_managed_object_has_it_destroyed_too(
+    tmp_path: Path,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h3)."""
+    # h3: at exit there is not just one agreement: what A's destroy drops (B,
+    # alike on every rank) is agreed and destroyed as well, not leaked.
+    proc, outs, errs, _ = run_job(tmp_path, _EXIT_CHAIN_JOB, COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    for rank in range(4):
+        assert f"script end on rank {rank}" in outs[rank], report
+        assert f"destroy A ran on rank {rank}" in outs[rank], report
+        assert f"destroy B ran on rank {rank}" in outs[rank], report
+        assert "leaked at exit" not in errs[rank], report
+    assert "leaked at exit" not in proc.stderr, report

@@ -9,9 +9,11 @@ alike, so that a failing test never leaves some ranks waiting.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 import zlib
+from typing import Any
 
 import pytest
 from mpi4py import MPI
@@ -20,9 +22,12 @@ import collective_gc as cgc
 from collective_gc._comms import derived
 
 from _util import (
+    TIMEOUT,
     GcDisabled,
     Obj,
+    attempt,
     everyone,
+    noop,
     outcome_of,
 )
 
@@ -154,3 +159,48 @@ def test_a_registration_mismatch_after_the_window_moved_is_seen_by_every_rank(
     mgr = cgc.manager(comm)
     verdict = everyone(comm, (seen, ran, mgr.broken is not None))
     assert verdict == [("CollectiveMismatchError", [], True)] * comm.Get_size(), verdict
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("differ", ["gc", "strict"])
+def test_scopes_whose_options_differ_between_ranks_are_a_mismatch_on_every_rank(
+    comm: MPI.Intracomm, differ: str
+) -> None:
+    """Found by a third hostile review of the promise."""
+    # gc="managed" adds a participant that may make one more collective;
+    # strict=True one that gathers the report. Differing between the ranks,
+    # they made collectives on some ranks only (a raw MPI error on one rank,
+    # a hang on the others): now the agreement sees it first.
+    rank = comm.Get_rank()
+    options: dict[str, Any] = (
+        {"gc": "managed" if rank == 0 else "auto"}
+        if differ == "gc"
+        else {"gc": "off", "strict": rank == 0}
+    )
+    o = Obj()
+    o.peer = o  # dies in the cyclic collector: strict mode has something to report
+    cgc.register(o, noop, comm=comm, name="x")
+    del o
+    gc.collect()
+    seen: list[str] = []
+
+    def body() -> None:
+        with cgc.collective_scope(comm, exit_collect=None, timeout=TIMEOUT, **options) as scope:
+            for _ in range(3):
+                try:
+                    scope.sync()
+                    seen.append("ok")
+                except cgc.CollectiveMismatchError as exc:
+                    seen.append("mismatch" if "different participants" in str(exc) else str(exc))
+                    break
+                except BaseException as exc:  # noqa: BLE001 (what it must not be)
+                    seen.append(type(exc).__name__)
+                    break
+
+    # The scope's exit sync point is refused: the manager is unusable.
+    left = attempt(body)[0]
+    broken = cgc.manager(comm).broken is not None
+    states = everyone(comm, (seen, left, broken))
+    assert states == [(["mismatch"], "CollectiveGCError", True)] * comm.Get_size(), states
+    for reg in cgc.manager(comm).alive() + cgc.manager(comm).pending():
+        reg.detach()  # nothing left for the exit agreement of an unusable manager

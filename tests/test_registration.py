@@ -25,6 +25,7 @@ import collective_gc as cgc
 from collective_gc import _registration, _registry
 
 from _util import (
+    TIMEOUT,
     WORLD,
     GcDisabled,
     Obj,
@@ -683,3 +684,49 @@ def test_a_million_registrations_do_not_grow_memory(kind: str) -> None:
         _registration.use_speedups("c")
         cgc.manager(comm).close()
         comm.Free()
+
+
+def _refuses_names_that_are_not_str(comm: MPI.Intracomm) -> None:
+    # Sync points send names to the other ranks in their error reports: a
+    # name that does not pickle (a lambda) hung them. Refused at once, here.
+    mgr = cgc.manager(comm)
+    o = Obj()
+    for name in (lambda: None, 5):
+        try:
+            cgc.register(o, noop, comm=comm, name=name)  # type: ignore[arg-type]
+            raised: tuple[str, ...] = ("nothing",)
+        except BaseException as exc:  # noqa: BLE001 (not kept: its frames hold o)
+            raised = (
+                type(exc).__name__,
+                *(k.__name__ for k in (cgc.RegistrationError, TypeError) if isinstance(exc, k)),
+            )
+        assert raised == ("RegistrationError", "RegistrationError", "TypeError"), (name, raised)
+        assert (mgr.next_key, mgr.registered, mgr.alive()) == (0, 0, []), (name, mgr)
+    # None and a str still work (and the refused object was not kept).
+    reg = cgc.register(o, noop, comm=comm, name=None)
+    p = Obj()
+    named = cgc.register(p, noop, comm=comm, name="p")
+    assert (reg.key, named.key, named.name) == (0, 1, "p")
+    del o, p
+    assert cgc.collect(comm, generation=None, timeout=TIMEOUT).destroyed == 2
+
+
+class TestNameMustBeAStr:
+    """Found by a hostile review of the promise (reproducer h1)."""
+
+    COMM = MPI.COMM_SELF
+
+    def test_a_name_that_is_not_a_str_is_refused_before_anything_is_registered(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        _refuses_names_that_are_not_str(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_name_that_is_not_a_str_is_refused_at_a_first_registration(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h1)."""
+    # On a larger communicator the first registration makes the private
+    # duplicate (a collective): refused before it, alike on every rank.
+    _refuses_names_that_are_not_str(comm)
