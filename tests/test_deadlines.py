@@ -20,6 +20,7 @@ import collective_gc as cgc
 from collective_gc import _agree, _manager
 
 from _util import (
+    CheckedLog,
     Obj,
     everyone,
     noop,
@@ -188,3 +189,20 @@ def test_a_late_rank_in_manager_allgather_raises_at_once(comm: MPI.Intracomm) ->
     # As at a sync point: every rank raises CollectiveTimeoutError, and the ones
     # that complete the abandoned gather learn it at once, not at their own deadline.
     assert seen_all == [("CollectiveTimeoutError", True)] * comm.Get_size(), seen_all
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan")])
+def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout: float) -> None:
+    """Issue 11, defect 12."""
+    with pytest.raises(ValueError, match="timeout"):
+        cgc.collect(comm, timeout=timeout)
+    with pytest.raises(ValueError, match="generation"):
+        cgc.collect(comm, generation=3)
+    with pytest.raises(TypeError, match="timeout"):
+        cgc.collect(comm, timeout="1")  # type: ignore[arg-type]
+    # The manager is untouched and usable on every rank.
+    log = CheckedLog(comm)
+    o = Obj()
+    cgc.register(o, log.destroy, 1, comm=comm)
+    del o
+    assert cgc.collect(comm, timeout=60).destroyed == 1 and log.keys == [1]

@@ -16,11 +16,14 @@ start their own 4-rank jobs (marker ``launcher``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import inspect
 import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -33,7 +36,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _interrupts, _scope
+from collective_gc import _destroy, _interrupts, _scope
 
 from _util import (
     FINISHED,
@@ -41,6 +44,7 @@ from _util import (
     TIMEOUT,
     WORLD,
     Asked,
+    CheckedLog,
     Finisher,
     GcDisabled,
     Obj,
@@ -814,3 +818,144 @@ def test_at_exit_an_interrupt_in_a_derived_destroy_leaves_the_parent_agreed(
         assert f"destroy W ran on rank {rank}" in outs[rank], report
     assert took < 10.0, f"the job took {took:.1f} s (exit timeout 20 s)\n{report}"
     assert "KeyboardInterrupt" in errs[0], report
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_interrupt_in_a_destroy_on_one_rank(
+    comm: MPI.Intracomm, exc_type: type[BaseException]
+) -> None:
+    """Issue 11, defect 3."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    log = CheckedLog(comm)
+
+    def destroy(tag: str) -> None:
+        log.destroy(tag)
+        if tag == "b" and rank == last:
+            raise exc_type
+
+    with GcDisabled():
+        objs = [Obj() for _ in range(3)]
+        regs = [cgc.register(o, destroy, t, comm=comm, name=t) for o, t in zip(objs, "abc")]
+        del objs
+        if rank == last:
+            with pytest.raises(exc_type) as info:
+                cgc.collect(comm, generation=None)
+            notes = "".join(getattr(info.value, "__notes__", []))
+            assert "every agreed destroy ran" in notes, notes
+        else:
+            with pytest.raises(cgc.DestroyError) as err:
+                cgc.collect(comm, generation=None)
+            assert err.value.failures == [(last, regs[1].key, "b", f"{exc_type.__name__}: ")]
+    assert log.keys == ["c", "b", "a"]
+    # The user caught it: the next sync point is in step on every rank.
+    o = Obj()
+    cgc.register(o, log.destroy, "d", comm=comm)
+    del o
+    assert cgc.collect(comm).destroyed == 1
+    assert log.keys == ["c", "b", "a", "d"]
+
+
+@contextlib.contextmanager
+def _interrupted_batches(comm: MPI.Intracomm) -> Iterator[list[str]]:
+    """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched
+    one, so two runs of destroys: k3 k2, then k1 k0) and drop them; yields
+    the destroy log, and frees the communicator and the batch after."""
+    log: list[str] = []
+
+    def batched(tag: str) -> None:
+        log.append(tag)
+
+    def run_batch(argss: list[tuple[Any, ...]]) -> Any:
+        for args in argss:
+            batched(*args)
+        return []
+
+    _destroy.set_batch(batched, run_batch)
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(4)]
+            for i, o in enumerate(objs):
+                cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
+            del objs, o
+            yield log
+    finally:
+        _destroy.set_batch(batched, None)
+        comm.Free()
+
+
+class _Between:
+    """A trace function raising KeyboardInterrupt in _destroy.run where the
+    second run of destroys is about to begin, as a signal landing there would."""
+
+    def __init__(self) -> None:
+        source, first = inspect.getsourcelines(_destroy.run)
+        self.lines = {first + i for i, line in enumerate(source) if "= segments[pos]" in line}
+        assert self.lines
+        self.fired = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not _destroy.run.__code__:
+            return None
+        if (
+            event == "line"
+            and frame.f_lineno in self.lines
+            and frame.f_locals.get("pos") == 1
+            and not self.fired
+        ):
+            self.fired += 1
+            raise KeyboardInterrupt
+        return self
+
+
+def _collect_interrupted(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[str, int]:
+    tracer = _Between()
+    if interrupt_here:
+        sys.settrace(tracer)
+    try:
+        cgc.collect(comm, generation=None, timeout=60)
+        outcome = "ok"
+    except KeyboardInterrupt as exc:
+        held = "held until the sync point's collectives were done" in str(exc.__notes__)
+        outcome = "KeyboardInterrupt, held" if held else "KeyboardInterrupt"
+    finally:
+        sys.settrace(None)
+    return outcome, tracer.fired
+
+
+def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
+    """Issue 11, defect 3."""
+    # An interrupt (a signal) can land between two runs of destroys: the runs
+    # not begun still run (on more than one rank, the others run them all),
+    # and the interrupt is raised once the sync point is done.
+    comm = MPI.COMM_SELF.Dup()
+    with _interrupted_batches(comm) as log:
+        assert _collect_interrupted(comm, True) == ("KeyboardInterrupt, held", 1)
+        assert log == ["k3", "k2", "k1", "k0"]
+        assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
+        assert cgc.manager(comm).broken is None
+        assert cgc.collect(comm, generation=None).destroyed == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interrupt_between_runs_on_one_rank_leaves_every_rank_in_step() -> None:
+    """Issue 11, defect 3."""
+    comm = WORLD.Dup()
+    rank = comm.Get_rank()
+    with _interrupted_batches(comm) as log:
+        outcome = _collect_interrupted(comm, rank == 0)
+        everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
+        want = [
+            (
+                ("KeyboardInterrupt, held", 1) if r == 0 else ("ok", 0),
+                ["k3", "k2", "k1", "k0"],
+                0,
+            )
+            for r in range(comm.Get_size())
+        ]
+        assert everyone == want, everyone
+        # In step: the next sync point agrees and destroys everywhere.
+        o = Obj()
+        cgc.register(o, log.append, "k4", comm=comm)
+        del o
+        assert cgc.collect(comm, generation=None, timeout=60).destroyed == 1
+        assert log[-1] == "k4"

@@ -20,6 +20,8 @@ import collective_gc as cgc
 
 from _util import (
     JOB_HEAD,
+    WORLD,
+    CheckedLog,
     Obj,
     job_report,
     noop,
@@ -128,3 +130,37 @@ def test_at_exit_a_destroy_that_drops_a_managed_object_has_it_destroyed_too(
         assert f"destroy B ran on rank {rank}" in outs[rank], report
         assert "leaked at exit" not in errs[rank], report
     assert "leaked at exit" not in proc.stderr, report
+
+
+def test_manager_of_a_freed_communicator() -> None:
+    """Issue 11, defects 2 and 7."""
+    comm = WORLD.Dup()
+    log = CheckedLog(WORLD)
+    o = Obj()
+    cgc.register(o, log.destroy, "after-free", comm=comm)
+    mgr = cgc.manager(comm)
+    del o
+    comm.Free()
+    assert mgr.comm_freed
+    with pytest.raises(cgc.CollectiveGCError, match="was freed"):
+        mgr.comm  # noqa: B018 (the property is the test)
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        cgc.collect(comm)
+    # Its pending destroy is not lost: the manager still agrees over its own
+    # duplicate (the exit agreement does this for a program that never asks).
+    assert mgr.sync().destroyed == 1
+    assert log.keys == ["after-free"]
+
+
+def test_freed_communicators_do_not_accumulate() -> None:
+    """Issue 11, defects 2 and 7."""
+    before = len(cgc.managers())
+    for _ in range(300):
+        comm = WORLD.Dup()
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        cgc.collect(comm, generation=None)
+        comm.Free()
+    cgc.manager(MPI.COMM_SELF)  # a lookup is a safe point to let go of freed managers
+    assert len(cgc.managers()) <= before + 2, len(cgc.managers())

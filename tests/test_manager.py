@@ -18,7 +18,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _destroy, _registration
 
-from _util import CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
+from _util import WORLD, CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
 
 class ManagerTests:
@@ -386,5 +386,21 @@ def test_destroys_that_raise_are_all_reported(sync_passes: str) -> None:
             (regs[i].key, f"o{i}", f"ValueError: destroy {i} fails") for i in (6, 3, 0)
         ]
         assert all(r.state == "destroyed" for r in regs)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_calls_on_one_rank_make_no_collective() -> None:
+    """Issue 11, defect 10."""
+    comm = WORLD.Dup()
+    try:
+        if comm.Get_rank() == 0:
+            # With a collective hidden inside, any of these would hang here.
+            assert cgc.pending(comm) == []
+            assert cgc.current_scope(comm) is None
+            cgc.collective_scope(comm)  # constructed, not entered
+            assert cgc.pending(comm) == []
+        comm.Barrier()
     finally:
         comm.Free()

@@ -23,6 +23,7 @@ from collective_gc._comms import derived
 
 from _util import (
     TIMEOUT,
+    WORLD,
     GcDisabled,
     Obj,
     attempt,
@@ -204,3 +205,21 @@ def test_scopes_whose_options_differ_between_ranks_are_a_mismatch_on_every_rank(
     assert states == [(["mismatch"], "CollectiveGCError", True)] * comm.Get_size(), states
     for reg in cgc.manager(comm).alive() + cgc.manager(comm).pending():
         reg.detach()  # nothing left for the exit agreement of an unusable manager
+
+
+@pytest.mark.mpi(min_size=3)
+def test_mismatch_in_a_derived_communicator_raises_on_every_rank_of_the_parent() -> None:
+    """Issue 11, defect 3."""
+    parent = WORLD.Dup()
+    rank = parent.Get_rank()
+    child = cgc.split(parent, int(rank >= 2))
+    keep = [Obj()]
+    cgc.register(keep[0], noop, comm=child)
+    if rank == 0:
+        keep.append(Obj())
+        cgc.register(keep[1], noop, comm=child)  # registered on one rank of the child only
+    # Ranks 0 and 1 find their child's keys differ; ranks 2 and 3 are not in
+    # it. Every rank of the parent must raise, none may wait in its header.
+    with pytest.raises(cgc.DestroyError, match="disagree"):
+        cgc.collect(parent, timeout=30)
+    assert cgc.collect(parent, timeout=30).destroyed == 0  # the parent goes on

@@ -232,3 +232,20 @@ def test_two_nested_managed_scopes_on_one_comm(comm: MPI.Intracomm) -> None:
         assert cgc.current_scope(comm) is outer
     assert cgc.current_scope(comm) is None
     assert mgr.broken is None and mgr.participants == before  # the scopes left none
+
+
+def test_misnested_exit_restores_the_collector_and_the_stack() -> None:
+    """Issue 11, defect 11."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        outer = cgc.collective_scope(comm, gc="auto")
+        inner = cgc.collective_scope(comm, gc="managed")
+        outer.__enter__()
+        inner.__enter__()
+        with pytest.raises(cgc.CollectiveGCError, match="innermost first"):
+            outer.__exit__(None, None, None)
+        assert not gc.isenabled()  # inner (managed) is still open
+        inner.__exit__(None, None, None)
+        assert gc.isenabled() and cgc.current_scope() is None
+    finally:
+        comm.Free()
