@@ -206,3 +206,24 @@ def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout
     cgc.register(o, log.destroy, 1, comm=comm)
     del o
     assert cgc.collect(comm, timeout=60).destroyed == 1 and log.keys == [1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    # Rank 0's destroy "hangs" (longer than the timeout); the others must not
+    # wait for it for ever: their sync point raises CollectiveTimeoutError.
+    o = Obj()
+    slow = comm.Get_rank() == 0
+    cgc.register(o, time.sleep, 2.0 if slow else 0.0, comm=comm)
+    del o
+    if slow:
+        try:
+            cgc.collect(comm, timeout=0.5)
+        except cgc.CollectiveTimeoutError:
+            pass  # it may or may not match the others' abandoned requests
+    else:
+        with pytest.raises(cgc.CollectiveTimeoutError, match="error check"):
+            cgc.collect(comm, timeout=0.5)
+    comm.Barrier()
+    cgc.manager(comm).mark_unusable("the end of this test")

@@ -9,6 +9,7 @@ alike, so that a failing test never leaves some ranks waiting.
 
 from __future__ import annotations
 
+import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
@@ -90,3 +91,60 @@ def test_run_each_tries_every_call_in_both_versions() -> None:
         errors = run([f] * 5, [(i,) for i in range(5)])
         assert calls == list(range(5))
         assert [(i, type(e)) for i, e in errors] == [(1, KeyboardInterrupt), (3, ValueError)]
+
+
+def test_destroy_raising_on_every_rank(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    log = CheckedLog(comm)
+
+    def bad(tag: int) -> None:
+        log.destroy(tag)
+        raise ValueError(f"cannot destroy {tag}")
+
+    objs = [Obj() for _ in range(2)]
+    for i, o in enumerate(objs):
+        cgc.register(o, bad, i, comm=comm, name=f"r{i}")
+    del o
+    objs.clear()
+    with pytest.raises(cgc.DestroyError) as info:
+        cgc.collect(comm)
+    assert log.keys == [1, 0]
+    assert len(info.value.failures) == 2 * comm.Get_size()
+    assert {f[0] for f in info.value.failures} == set(range(comm.Get_size()))
+    assert cgc.collect(comm).pending == 0
+
+
+def test_bad_input_loses_nothing(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    log = CheckedLog(comm)
+    queued = Obj()
+    cgc.register(queued, log.destroy, "kept", comm=comm)
+    del queued
+    for bad in (
+        lambda: cgc.register(1.5, print, comm=comm),  # not weakly referenceable
+        lambda: cgc.register(Obj(), "close", comm=comm),  # not callable
+        lambda: cgc.register(Obj(), print, comm="world"),  # not a communicator
+    ):
+        with pytest.raises((cgc.RegistrationError, TypeError)):
+            bad()
+    freed = comm.Dup()
+    freed.Free()
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        cgc.register(Obj(), print, comm=freed)
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        cgc.collect(freed)
+    # Nothing queued was lost, and the refusals consumed no key.
+    assert cgc.manager(comm).next_key == 1
+    assert cgc.collect(comm).destroyed == 1 and log.keys == ["kept"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collect_on_a_communicator_this_rank_is_not_in(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    sub = comm.Split(0 if comm.Get_rank() else MPI.UNDEFINED, 0)
+    if comm.Get_rank() == 0:
+        with pytest.raises(ValueError, match="not in it"):
+            cgc.collect(sub)
+    else:
+        assert cgc.collect(sub).destroyed == 0
+        sub.Free()

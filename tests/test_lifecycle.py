@@ -10,6 +10,12 @@ alike, so that a failing test never leaves some ranks waiting.
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +33,7 @@ from _util import (
     noop,
     run_job,
 )
+from conftest import mpiexec_cmd, mpiexec_env
 
 
 def test_close_after_a_failed_last_sync_point_then_reuse(comm: MPI.Intracomm) -> None:
@@ -164,3 +171,172 @@ def test_freed_communicators_do_not_accumulate() -> None:
         comm.Free()
     cgc.manager(MPI.COMM_SELF)  # a lookup is a safe point to let go of freed managers
     assert len(cgc.managers()) <= before + 2, len(cgc.managers())
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# Forking a process that has threads (MPI's, the reaper) is what this tests;
+# Python 3.12+ warns of it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    log: list[str] = []
+    o = Obj()
+    cgc.register(o, log.append, "parent", comm=comm)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            del o
+            gc.collect()
+            try:
+                cgc.collect(comm, generation=None)
+            except cgc.CollectiveGCError as exc:
+                code = 0 if "forked child" in str(exc) else 2
+            os.write(w, repr(log).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    seen = os.read(r, 100).decode()
+    os.close(r)
+    assert os.WEXITSTATUS(status) == 0 and seen == "[]"
+    del o
+    assert cgc.collect(comm).destroyed == 1 and log == ["parent"]
+
+
+def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*mpiexec_cmd(4, 100), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=mpiexec_env(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.launcher
+def test_uncaught_exception_mid_loop_ends_the_job(tmp_path: Path) -> None:
+    """From the fault tests of the reliability work."""
+    t0 = time.monotonic()
+    proc = _mpiexec(
+        [sys.executable, "-m", "mpi4py", str(SCRIPTS / "uncaught_midloop.py"), str(tmp_path / "m")]
+    )
+    out, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "solver diverged on rank 2" in err
+    assert elapsed < 30, elapsed  # aborted, not hung (and not held up by an exit agreement)
+
+
+@pytest.mark.launcher
+def test_sigterm_to_the_whole_job(tmp_path: Path) -> None:
+    """From the fault tests of the reliability work."""
+    marker = tmp_path / "looping"
+    proc = _mpiexec([sys.executable, "-m", "mpi4py", str(SCRIPTS / "long_loop.py"), str(marker)])
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job never started looping"
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode != 0
+    left = subprocess.run(
+        ["pgrep", "-f", str(SCRIPTS / "long_loop.py")], capture_output=True, text=True
+    )
+    assert left.stdout.strip() == "", "ranks survived SIGTERM"
+
+
+@pytest.mark.launcher
+def test_finalizers_after_mpi_finalize_do_nothing() -> None:
+    """From the fault tests of the reliability work."""
+    proc = _mpiexec([sys.executable, str(SCRIPTS / "after_finalize.py")])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.count("ok") == 4
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.launcher
+def test_shutdown_with_the_reaper_busy() -> None:
+    """From the fault tests of the reliability work."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "busy_reaper.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 12  # bounded: it does not wait for all 40 x 0.3 s
+    assert "reaper is still busy at exit" in proc.stderr
+
+
+# Forking a process that has threads (MPI's, the reaper) is what this tests;
+# Python 3.12+ warns of it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
+    comm: MPI.Intracomm,
+) -> None:
+    """From the fault tests of the reliability work."""
+    # Only the forking thread exists in the child: a lock another thread held
+    # at the fork (the reaper thread claiming a registration, a sync point on
+    # another thread) is never released there. Our fork handler must not
+    # take such a lock, and later calls must not wait on one.
+    from collective_gc import _gcpolicy, _lookup, local
+
+    cgc.collect(comm, generation=None)
+    mgr = cgc.manager(comm)
+    locks = [
+        local._REAPER.ledger.lock,
+        mgr._lock,
+        mgr._registry.lock,
+        _lookup._REGISTRY_LOCK,
+        _gcpolicy.POLICY.lock,
+    ]
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        taken.set()
+        release.wait(60)
+        for lock in reversed(locks):
+            lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    cgc.collect(comm)  # the lookup, the GC policy, the manager
+                except cgc.CollectiveGCError as exc:
+                    code = 0 if "forked child" in str(exc) else 2
+                local.register(Obj(), noop)  # a new reaper, its own lock
+                local.flush(10)
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        holder.join()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on a lock another thread held at the fork")
+    assert os.WEXITSTATUS(status) == 0
