@@ -75,6 +75,12 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def mapped_segments() -> int:
+    """How many of the loader's shared-memory segments this process maps."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:collective_gc" in line for line in f)
+
+
 class GcDisabled:
     """Context manager: automatic cyclic collection off, restored after."""
 
