@@ -1,5 +1,6 @@
-"""The agreement: its message, its deadlines, participants' fingerprint, the
-fallback intersection (issue 25, defects 4, 5, 6 and "Scale").
+"""The agreement: the key window and its fallback, its message, the persistent and the
+Iallreduce paths, old keys pending on some ranks, the fallback intersection (issue 25,
+defect 4 and "Scale").
 
 The same file runs serially and on 4 ranks; the message-size test starts its
 own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
@@ -7,15 +8,15 @@ own jobs of 2, 4 and 16 ranks (marked ``launcher``, from the serial session).
 
 from __future__ import annotations
 
-import inspect
-import os
+import gc
+import random
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-import zlib
+import warnings
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,140 +25,19 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _agree, _manager
+from collective_gc import _agree
 
-from _util import GcDisabled
+from _util import (
+    CheckedLog,
+    GcDisabled,
+    Obj,
+    Tiny,
+    everyone,
+    noop,
+)
 from conftest import mpiexec_cmd, mpiexec_env
 
 JOBS = Path(__file__).parent / "jobs"
-
-
-def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
-    """Every rank's ``value`` (over the test's own communicator, not the manager's)."""
-    return comm.allgather(value) if comm.Get_size() > 1 else [value]
-
-
-class Obj:
-    pass
-
-
-def noop() -> None:
-    pass
-
-
-# -- clocks (defect 5) ---------------------------------------------------------------
-
-
-def test_no_decision_reads_the_wall_clock() -> None:
-    """Deadlines are this rank's own ``time.monotonic()``; nothing of the
-    agreement or of a sync point reads ``time.time()``, which differs between
-    nodes."""
-    for module in (_agree, _manager):
-        assert "time.time(" not in inspect.getsource(module), module.__name__
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_rank_whose_clock_is_ahead_times_nothing_out(
-    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 25, defect 5: with rank 0's wall clock 3 s ahead of the others'
-    (as on a node whose NTP is off) and ``timeout=2``, the first sync point
-    raised CollectiveTimeoutError on rank 0 ("completed only after the
-    deadline of another rank") though nobody waited more than milliseconds."""
-    if comm.Get_rank() == 0:
-        real = time.time
-        monkeypatch.setattr(time, "time", lambda: real() + 3.0)
-    keep = []
-    for step in range(5):
-        objs = [Obj() for _ in range(50)]
-        for o in objs:
-            cgc.register(o, noop, comm=comm)
-        keep.append(objs.pop())
-        del objs, o
-        stats = cgc.collect(comm, generation=None, timeout=2)
-        assert stats.destroyed == 49, (step, stats)
-    assert cgc.manager(comm).broken is None
-    keep.clear()
-    assert cgc.collect(comm, generation=None, timeout=2).destroyed == 5
-
-
-@pytest.mark.mpi(min_size=3)
-def test_a_rank_that_gives_up_wakes_the_ranks_waiting_without_a_deadline(
-    comm: MPI.Intracomm,
-) -> None:
-    """Rank 0 gives up on a sync point (``timeout=0.5``) for which rank 1 is 3 s
-    late; ranks 2.. wait there without a deadline. They must hear of it at
-    once (CollectiveTimeoutError naming rank 0 and the sync point), not wait
-    for rank 1; rank 1, arriving after rank 0 gave up, raises too."""
-    rank = comm.Get_rank()
-    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
-    if rank == 1:
-        time.sleep(3.0)
-    t0 = time.monotonic()
-    outcome = "OK"
-    message = ""
-    try:
-        cgc.collect(comm, generation=None, timeout=0.5 if rank == 0 else None)
-    except cgc.CollectiveTimeoutError as exc:
-        outcome, message = "TIMEOUT", str(exc)
-    elapsed = time.monotonic() - t0
-    states = everyone(comm, (outcome, elapsed, message, cgc.manager(comm).broken is not None))
-    assert [s[0] for s in states] == ["TIMEOUT"] * len(states), states
-    assert all(s[3] for s in states), "a manager stayed usable after a timeout"
-    assert states[0][1] < 2.0, states[0]
-    for r, (_, took, text, _) in enumerate(states):
-        if r >= 2:
-            assert took < 2.0, f"rank {r} waited {took:.1f} s for the late rank"
-        if r >= 1:
-            assert re.search(r"rank 0 gave up .*sync point 1\b", text), (r, text)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_rank_that_leaves_by_an_exception_wakes_the_others(comm: MPI.Intracomm) -> None:
-    """Rank 1 leaves a sync point's wait by a second Ctrl-C (the first is held
-    until the region's end, the second runs at once) while the others are
-    still on their way. They must hear of it at once, naming rank 1, instead
-    of waiting for it at their next collective (before: for ever, or until
-    their own timeout, 20 s here)."""
-    rank = comm.Get_rank()
-    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
-    comm.Barrier()
-    outcome, message, took = "OK", "", 0.0
-    if rank == 1:
-        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.6)]
-        for t in timers:
-            t.start()
-        try:
-            cgc.collect(comm, generation=None, timeout=30)
-        except KeyboardInterrupt:
-            outcome = "INTERRUPTED"
-        finally:
-            for t in timers:
-                t.join()
-    else:
-        time.sleep(1.5)
-        t0 = time.monotonic()
-        try:
-            for _ in range(2):  # this one may complete: rank 1 had sent its part
-                cgc.collect(comm, generation=None, timeout=20)
-        except cgc.CollectiveTimeoutError as exc:
-            outcome, message = "TIMEOUT", str(exc)
-        took = time.monotonic() - t0
-    states = everyone(comm, (outcome, took, message, cgc.manager(comm).broken is not None))
-    assert states[1][0] == "INTERRUPTED" and states[1][3], states[1]
-    for r, (got, took, text, broken) in enumerate(states):
-        if r != 1:
-            assert got == "TIMEOUT" and broken, (r, got, text)
-            assert took < 5.0, f"rank {r} waited {took:.1f} s for the rank that left"
-            assert re.search(
-                r"rank 1 left the collectives by an exception at sync point 1\b", text
-            ), (
-                r,
-                text,
-            )
-
-
-# -- the message: independent of the number of ranks (Scale) -----------------------------
 
 
 def test_the_message_layout_is_independent_of_the_number_of_ranks() -> None:
@@ -192,63 +72,6 @@ def test_the_empty_sync_points_message_is_the_same_at_2_4_and_16_ranks() -> None
     assert seen[2] == seen[4] == seen[16], seen
     empty = seen[2][0]
     assert empty == _agree.message_words(_agree.Window.MIN), seen
-
-
-# -- participants' fingerprint (defect 6) ---------------------------------------------
-
-
-class _Named(cgc.Participant):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def identity(self) -> str:
-        return self.name
-
-
-def _crc16(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0xFFFF  # the fingerprint of issue 25
-
-
-def _crc16_twin(name: str) -> str:
-    """Another identity whose 16-bit CRC is ``name``'s (found by brute force)."""
-    want = _crc16(name)
-    i = 0
-    while True:
-        other = f"{name}-twin-{i}"
-        if _crc16(other) == want:
-            return other
-        i += 1
-
-
-@pytest.mark.mpi(min_size=2)
-def test_participants_whose_16_bit_crcs_collide_are_a_mismatch_on_every_rank(
-    comm: MPI.Intracomm,
-) -> None:
-    """Issue 25, defect 6: odd ranks' participant has another identity than
-    even ranks', with the same 16-bit CRC: the sync point passed, and a
-    participant's collective would then pair with another rank's next one."""
-    first = "tests.Named/solver"
-    twin = _crc16_twin(first)
-    assert twin != first and _crc16(twin) == _crc16(first)
-    name = first if comm.Get_rank() % 2 == 0 else twin
-    mgr = cgc.manager(comm)
-    outcome = "OK"
-    try:
-        mgr.sync(participants=[_Named(name)], deadline=time.monotonic() + 30)
-    except cgc.CollectiveMismatchError as exc:
-        outcome = "MISMATCH" if "different participants" in str(exc) else str(exc)
-    states = everyone(comm, outcome)
-    assert states == ["MISMATCH"] * len(states), states
-
-
-def test_the_participants_fingerprint_has_64_bits() -> None:
-    values = {_agree.fingerprint(f"p{i}") for i in range(20_000)}
-    assert len(values) == 20_000
-    assert any(v >= 1 << 48 or v < 0 for v in values)  # all 64 bits are used
-    assert all(-(1 << 63) <= v < 1 << 63 for v in values)  # one int64 word
-
-
-# -- the fallback intersection (defect 4) ---------------------------------------------
 
 
 def _own_subset(rank: int, keys: np.ndarray[Any, Any], keep: float) -> np.ndarray[Any, Any]:
@@ -295,10 +118,6 @@ def test_the_fallback_intersection_is_exact(
     assert everyone(comm, got.tolist()) == [got.tolist()] * size
 
 
-class _Tiny:
-    __slots__ = ("__weakref__",)
-
-
 _COUNT = [0]
 
 
@@ -316,7 +135,7 @@ def test_sparse_long_lived_keys_dropped_on_different_ranks(comm: MPI.Intracomm) 
     count = _COUNT
     mgr = cgc.manager(comm)
     with GcDisabled():
-        objs = [_Tiny() for _ in range(600_000)]
+        objs = [Tiny() for _ in range(600_000)]
         regs = [mgr.register(o, _count, (), {}, None) for o in objs]
         kept = {r.key: o for r, o in zip(regs[::60], objs[::60])}
         del regs, objs
@@ -338,3 +157,428 @@ def test_sparse_long_lived_keys_dropped_on_different_ranks(comm: MPI.Intracomm) 
         kept.clear()
         cgc.collect(comm, generation=None, timeout=60)
     assert mgr.registered == 0
+
+
+class SyncPointTests:
+    """Sync points on one communicator: the key window and its fallback, participants'
+    votes, snapshot, close, ``collect(obj)``. From the core v2 redesign (issue 14)."""
+
+    COMM: MPI.Intracomm
+
+    # -- the window and its fallback ----------------------------------------
+
+    def test_keys_older_than_the_window_are_still_agreed(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        old = [Obj(i) for i in range(10)]
+        for i, o in enumerate(old):
+            cgc.register(o, log.destroy, ("old", i), comm=comm)
+        # Many sync points with registrations move the window far past keys 0..9.
+        for _ in range(12):
+            batch = [Obj() for _ in range(300)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            assert cgc.collect(comm, generation=None).destroyed == 300
+        del old
+        stats = cgc.collect(comm, generation=None)
+        assert stats.destroyed == 10 and stats.pending == 0
+        assert log.keys == [("old", i) for i in reversed(range(10))]
+
+    def test_a_burst_larger_than_the_window_is_agreed_in_one_sync_point(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        cgc.collect(comm, generation=None)
+        objs = [Obj() for _ in range(5000)]
+        regs = [cgc.register(o, noop, comm=comm) for o in objs]
+        del objs
+        assert cgc.collect(comm, generation=None).destroyed == 5000
+        assert not any(r.alive for r in regs)
+
+    def test_old_keys_pending_on_some_ranks_only_stay_pending(self, comm: MPI.Intracomm) -> None:
+        rank = comm.Get_rank()
+        keep = [Obj(i) for i in range(20)]
+        regs = [cgc.register(o, noop, comm=comm) for o in keep]
+        for _ in range(10):
+            batch = [Obj() for _ in range(200)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None)
+        # Every rank but the last drops the even ones; the last rank drops them
+        # only after one more sync point: the other ranks hold them pending.
+        last = comm.Get_size() - 1
+        if rank != last or comm.Get_size() == 1:
+            del keep[::2]
+        cgc.collect(comm, generation=None)
+        if comm.Get_size() > 1:
+            assert all(r.alive for r in regs)
+            if rank != last:
+                assert [r.key for r in cgc.pending(comm)] == [r.key for r in regs[::2]]
+            del keep[::2]
+        cgc.collect(comm, generation=None)
+        assert [r.alive for r in regs] == [i % 2 == 1 for i in range(20)]
+        del keep
+        assert cgc.collect(comm, generation=None).destroyed == 10
+
+    # -- participants -----------------------------------------------------------
+
+    def test_a_participant_votes_and_sees_the_or_on_every_rank(self, comm: MPI.Intracomm) -> None:
+        seen: list[int] = []
+
+        class Max(cgc.Participant):
+            field = 3
+
+            def vote(self, mgr: cgc.Manager) -> int:
+                # a thermometer code of (rank % 4): the OR is the code of the max
+                return (1 << (mgr.rank % 4)) - 1
+
+            def finish(self, mgr: cgc.Manager, flags: int) -> None:
+                seen.append(self.votes(flags))
+
+        mgr = cgc.manager(comm)
+        mgr.add_participant(Max())
+        cgc.collect(comm, generation=None)
+        top = (1 << min(comm.Get_size() - 1, 3)) - 1
+        assert seen == [top]
+        assert all(v == seen for v in comm.allgather(seen))
+
+    def test_two_participants_in_one_field_are_refused(self, comm: MPI.Intracomm) -> None:
+        class P(cgc.Participant):
+            field = 4
+
+        mgr = cgc.manager(comm)
+        mgr.add_participant(P())
+        with pytest.raises(cgc.CollectiveGCError, match="field 4"):
+            mgr.add_participant(P())
+
+    # -- snapshot and close ------------------------------------------------------
+
+    def test_snapshot_changes_nothing(self, comm: MPI.Intracomm) -> None:
+        with cgc.collective_scope(comm, strict=True, gc="off", exit_collect=None) as scope:
+            a, b = Obj(), Obj()
+            a.peer, b.peer = b, a
+            reg = cgc.register(a, noop, comm=comm)
+            alive = Obj()
+            cgc.register(alive, noop, comm=comm)
+            del a, b
+            gc.collect()
+            snap = cgc.manager(comm).snapshot()
+            assert snap == cgc.manager(comm).snapshot()
+            assert [r.key for r in snap.cyclic] == [reg.key]
+            assert [r.key for r in snap.pending] == [reg.key]
+            assert reg.key not in [r.key for r in snap.alive]
+            assert snap.broken is None
+            # The snapshot did not drain: strict mode still sees the cyclic death.
+            with pytest.raises(cgc.CyclicFinalizationError):
+                scope.sync()
+
+    def test_close_runs_a_last_sync_point_then_refuses(self, comm: MPI.Intracomm) -> None:
+        log = CheckedLog(comm)
+        dead = Obj()
+        cgc.register(dead, log.destroy, "dead", comm=comm)
+        alive = Obj()
+        reg = cgc.register(alive, log.destroy, "alive", comm=comm)
+        del dead
+        mgr = cgc.manager(comm)
+        with pytest.warns(cgc.ExitLeakWarning, match="1 registration"):
+            mgr.close()
+        assert log.keys == ["dead"]
+        assert reg.state == "detached"
+        assert mgr not in cgc.managers()
+        with pytest.raises(cgc.CollectiveGCError, match="closed"):
+            cgc.register(Obj(), noop, comm=comm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.close()  # a second close does nothing
+
+    # -- collect(obj) ------------------------------------------------------------------
+
+    def test_collect_takes_an_object_with_a_comm(self, comm: MPI.Intracomm) -> None:
+        class Mesh:
+            def __init__(self, comm: MPI.Intracomm) -> None:
+                self.comm = comm
+
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        assert cgc.collect(Mesh(comm), generation=None).destroyed == 1
+
+        class Bad:
+            comm = 3
+
+        with pytest.raises(TypeError, match="not an mpi4py communicator"):
+            cgc.collect(Bad())
+        with pytest.raises(TypeError, match="or an object with a .comm"):
+            cgc.collect(object())
+
+
+class TestSyncPointSelf(SyncPointTests):
+    COMM = MPI.COMM_SELF
+
+
+@pytest.mark.mpi
+class TestSyncPointWorld(SyncPointTests):
+    COMM = MPI.COMM_WORLD
+
+
+class Token:
+    """What a destroy checks: the object it stands for must be dead by then."""
+
+    __slots__ = ("ref", "key", "__weakref__")
+
+    def __init__(self, obj: object) -> None:
+        self.ref = weakref.ref(obj)
+        self.key = -1
+
+
+@pytest.fixture(params=["persistent", "iallreduce"])
+def agreement_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Agreements made during the test start MPI-4's persistent allreduce
+    (where mpi4py offers it: elsewhere both run the other path) or a new
+    Iallreduce each time."""
+    saved = _agree.PERSISTENT[0]
+    _agree.PERSISTENT[0] = request.param == "persistent"
+    try:
+        yield str(request.param)
+    finally:
+        _agree.PERSISTENT[0] = saved
+
+
+def test_the_persistent_path_is_taken_where_mpi4py_offers_it(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    agreement = _agree.Agreement(comm)
+    try:
+        assert (agreement._persistent is not None) == hasattr(comm, "Allreduce_init")
+    finally:
+        agreement.close()
+
+
+@pytest.mark.parametrize("seed", [11, 23])
+def test_random_drops_destroy_exactly_the_keys_dropped_everywhere(
+    comm: MPI.Intracomm, seed: int, agreement_path: str
+) -> None:
+    """Bursts larger than the window, keys kept for many steps, keys dropped on
+    some ranks only: each sync point must destroy exactly the keys every rank
+    has dropped (no more: a live object; no fewer: a lost destroy), newest
+    first, each once, and only once its object is dead here. The window's
+    shape changes often, so a persistent request is remade often.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    shared = random.Random(seed)  # the same draws on every rank: what is registered
+    mine = random.Random(seed * 1009 + rank)  # this rank's draws: what it drops
+    mgr = cgc.manager(comm)
+    held: dict[int, Obj] = {}
+    dropped: set[int] = set()
+    destroyed: list[int] = []
+    fallbacks = [0]
+    real = _agree.intersect_any
+
+    def counting(*args: Any) -> Any:
+        fallbacks[0] += 1
+        return real(*args)
+
+    def destroy(token: Token) -> None:
+        assert token.ref() is None, f"destroy of key {token.key}, alive on rank {rank}"
+        destroyed.append(token.key)
+
+    _agree.intersect_any = counting  # type: ignore[assignment]
+    try:
+        with GcDisabled():
+            for step in range(36):
+                n = shared.choice([0, 1, 3, 40, 300, 700, 2500])
+                if step in (12, 25):
+                    n = 40_000  # far more than twice any recent interval: outside the window
+                for _ in range(n):
+                    o = Obj()
+                    token = Token(o)
+                    reg = cgc.register(o, destroy, token, comm=comm)
+                    token.key = reg.key
+                    held[reg.key] = o
+                o = None
+                p = mine.choice([0.0, 0.02, 0.3, 0.7, 1.0])
+                if step < 30:
+                    # Some keys are kept for ever (until the end): very old keys.
+                    for k in [k for k in held if k % 17 and mine.random() < p]:
+                        del held[k]
+                        dropped.add(k)
+                else:
+                    for k in list(held):
+                        del held[k]
+                        dropped.add(k)
+                before = len(destroyed)
+                stats = cgc.collect(comm, generation=None, timeout=120)
+                new = destroyed[before:]
+                assert new == sorted(new, reverse=True), "not newest first"
+                common = set.intersection(*(set(d) for d in everyone(comm, sorted(dropped))))
+                assert len(set(destroyed)) == len(destroyed), "a key destroyed twice"
+                assert set(destroyed) == common, (
+                    f"step {step}: destroyed {len(destroyed)}, dropped everywhere {len(common)}; "
+                    f"extra {sorted(set(destroyed) - common)[:10]}, "
+                    f"lost {sorted(common - set(destroyed))[:10]}"
+                )
+                assert stats.destroyed == len(new)
+                assert mgr.broken is None
+    finally:
+        _agree.intersect_any = real  # type: ignore[assignment]
+    held.clear()
+    assert cgc.collect(comm, generation=None, timeout=120).pending == 0
+    assert mgr.registered == 0
+    if comm.Get_size() > 1:
+        assert fallbacks[0] > 0, "the fallback round was never exercised"
+
+
+def _bucket(key: int) -> int:
+    return ((key * _agree._HASH) % 2**64) >> 58  # the filter bit _agree._filter sets
+
+
+@pytest.mark.mpi(min_size=2)
+def test_colliding_filter_bits_destroy_nothing_not_pending_everywhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Two old keys in the same filter bucket, each dropped on different ranks:
+    the filter ANDs to nonzero, the fallback round runs, and must find nothing.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    log: list[int] = []
+
+    def destroy(token: Token) -> None:
+        assert token.ref() is None, f"destroy of key {token.key}, alive on rank {rank}"
+        log.append(token.key)
+
+    with GcDisabled():
+        old = [Obj() for _ in range(200)]
+        regs = []
+        for o in old:
+            t = Token(o)
+            regs.append(cgc.register(o, destroy, t, comm=comm))
+            t.key = regs[-1].key
+        base = regs[0].key
+        # Two keys of the same bucket.
+        by_bucket: dict[int, int] = {}
+        a = b = -1
+        for r in regs:
+            other = by_bucket.setdefault(_bucket(r.key), r.key)
+            if other != r.key:
+                a, b = other, r.key
+                break
+        assert a >= 0
+        # Move the window far beyond the old keys.
+        for _ in range(6):
+            batch = [Obj() for _ in range(1000)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None, timeout=60)
+        assert cgc.manager(comm)._agreement.window.lo > b  # type: ignore[union-attr]
+        calls = [0]
+        real = _agree.intersect_any
+
+        def counting(*args: Any) -> Any:
+            calls[0] += 1
+            return real(*args)
+
+        _agree.intersect_any = counting  # type: ignore[assignment]
+        try:
+            drop = {0: [a], 1: [b]}.get(rank, [a, b])
+            for k in drop:
+                old[k - base] = None  # type: ignore[call-overload]
+            stats = cgc.collect(comm, generation=None, timeout=60)
+            assert stats.destroyed == 0 and log == []
+            assert calls[0] == 1, "the colliding filter bits did not start the fallback"
+            # Now every rank drops both: both go, newest first.
+            old[a - base] = old[b - base] = None  # type: ignore[call-overload]
+            stats = cgc.collect(comm, generation=None, timeout=60)
+        finally:
+            _agree.intersect_any = real  # type: ignore[assignment]
+    assert log == [b, a] and stats.destroyed == 2
+    assert size == len(everyone(comm, log))
+    del old
+    cgc.collect(comm, generation=None, timeout=60)
+
+
+def test_a_burst_beyond_the_window_limit_with_old_keys(comm: MPI.Intracomm) -> None:
+    """More than Window.LIMIT (2**20) keys dropped at once, plus keys older than
+    any window, some dropped on one rank only.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    n = _agree.Window.LIMIT + 5000
+    count = [0]
+
+    def destroy() -> None:
+        count[0] += 1
+
+    with GcDisabled():
+        old = [Tiny() for _ in range(100)]
+        old_regs = [cgc.register(o, destroy, comm=comm) for o in old]
+        cgc.collect(comm, generation=None, timeout=60)
+        objs = [Tiny() for _ in range(n)]
+        mgr = cgc.manager(comm)
+        for o in objs:
+            mgr.register(o, destroy, (), {}, None)
+        o = None
+        # The old keys: even ones dropped everywhere, odd ones on rank 0 only.
+        for i in range(0, 100, 2):
+            old[i] = None  # type: ignore[call-overload]
+        if rank == 0:
+            for i in range(1, 100, 2):
+                old[i] = None  # type: ignore[call-overload]
+        del objs
+        stats = cgc.collect(comm, generation=None, timeout=300)
+    expected = n + (100 if comm.Get_size() == 1 else 50)
+    assert stats.destroyed == expected == count[0]
+    alive_odd = [r.alive for r in old_regs[1::2]]
+    assert alive_odd == [comm.Get_size() > 1] * 50
+    del old
+    assert cgc.collect(comm, generation=None, timeout=60).pending == 0
+    assert mgr.registered == 0
+
+
+def test_explicit_destroys_and_detaches_of_queued_old_keys(comm: MPI.Intracomm) -> None:
+    """Old keys (outside the window) queued on some ranks only, then destroyed
+    explicitly (collectively) or detached everywhere: never destroyed twice,
+    never by a sync point afterwards.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    runs: dict[int, int] = {}
+
+    def destroy(token: Token) -> None:
+        runs[token.key] = runs.get(token.key, 0) + 1
+
+    with GcDisabled():
+        keep = [Obj() for _ in range(40)]
+        regs = []
+        for o in keep:
+            t = Token(o)
+            regs.append(cgc.register(o, destroy, t, comm=comm))
+            t.key = regs[-1].key
+        for _ in range(5):
+            batch = [Obj() for _ in range(600)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            cgc.collect(comm, generation=None, timeout=60)
+        if rank == 0 and comm.Get_size() > 1:
+            for i in range(0, 40, 2):
+                keep[i] = None  # type: ignore[call-overload]
+        cgc.collect(comm, generation=None, timeout=60)  # queued on rank 0 only
+        for r in regs[0:20:2]:
+            r.destroy()  # collective: every rank
+        for r in regs[20:40:2]:
+            assert r.detach()
+        for i in range(0, 40, 2):
+            keep[i] = None  # type: ignore[call-overload]
+        stats = cgc.collect(comm, generation=None, timeout=60)
+        assert stats.destroyed == 0
+        assert cgc.pending(comm) == []
+        del keep
+        stats = cgc.collect(comm, generation=None, timeout=60)
+    assert stats.destroyed == 20
+    assert runs == {r.key: 1 for r in regs[0:20:2] + regs[1::2]}

@@ -26,6 +26,8 @@ from collective_gc.data import (
     _leases,
 )
 
+from _util import mapped_segments
+
 pytestmark = pytest.mark.launcher
 
 
@@ -273,11 +275,6 @@ def test_picklability_is_still_checked_at_construction() -> None:
 # -- bounded release of shared memory -------------------------------------------------------
 
 
-def _mapped_segments() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:collective_gc" in line for line in f)
-
-
 class _Blocker:
     """A rank-local registration whose destroy holds the reaper until released."""
 
@@ -285,7 +282,7 @@ class _Blocker:
 def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
     gc.collect()
     assert local.flush(10)
-    base = _mapped_segments()
+    base = mapped_segments()
     gate = threading.Event()
     entered = threading.Event()
 
@@ -306,7 +303,7 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
                 for i, e in enumerate(it):
                     assert e.size == 1 + (i * 7919) % 300_000
                 del e
-            peak = max(peak, _mapped_segments() - base)
+            peak = max(peak, mapped_segments() - base)
         # Dead segments waiting for the reaper never exceed the backlog bound
         # (plus a ring being dropped, at most all the slots one loader had).
         assert peak <= _leases.BACKLOG + 2 * 12, peak
@@ -315,7 +312,7 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
     assert local.flush(10)
     gc.collect()
     assert local.flush(10)
-    assert _mapped_segments() == base
+    assert mapped_segments() == base
 
 
 def test_array_elements_keep_their_shape_dtype_and_order() -> None:

@@ -42,7 +42,7 @@ from collective_gc import local
 from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _leases, _pool, _shm
 
 from _util import GcDisabled as GcOff
-from _util import process_alive
+from _util import mapped_segments, process_alive
 
 # -- helpers ------------------------------------------------------------------------
 
@@ -60,11 +60,6 @@ def _root(a: Any) -> Any:
         a = nxt
 
 
-def _mapped_segments() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:collective_gc" in line for line in f)
-
-
 def _settle() -> None:
     """Let every pending lease and segment release happen."""
     gc.collect()
@@ -76,11 +71,11 @@ def clean() -> Iterator[None]:
     """Each test leaves no lease, no mapping, no descriptor and no worker behind."""
     _settle()
     fds = set(os.listdir("/proc/self/fd"))
-    maps = _mapped_segments()
+    maps = mapped_segments()
     yield
     _settle()
     assert not _leases.LEASES
-    assert _mapped_segments() == maps
+    assert mapped_segments() == maps
     assert set(os.listdir("/proc/self/fd")) <= fds | {"0", "1", "2"}
 
 
@@ -132,18 +127,18 @@ def test_slots_grow_and_are_replaced() -> None:
 def test_kept_elements_stay_valid_and_the_ring_grows() -> None:
     # list() keeps every element alive: the ring must grow instead of deadlocking,
     # and no slot may be reused under a live array.
-    before = _mapped_segments()
+    before = mapped_segments()
     loader = ProcessPrefetch(make, range(50), num_workers=2, buffer_size=2)
     kept = list(loader)
     assert loader.closed
     del loader
     _settle()  # the loader and its workers are gone; the kept arrays still map memory
-    assert _mapped_segments() >= before + 50
+    assert mapped_segments() >= before + 50
     for i, e in enumerate(kept):
         assert e[0] == i and e[-1] == i
     del kept, e
     _settle()
-    assert _mapped_segments() == before
+    assert mapped_segments() == before
 
 
 def test_arrays_are_views_of_shared_memory() -> None:
@@ -309,10 +304,10 @@ def test_no_segment_unmapped_under_a_live_array() -> None:
     _settle()
     for e, i in zip(keep, (0, 7, 14)):
         assert e[0] == i and e[-1] == i  # would segfault if unmapped
-    before = _mapped_segments()
+    before = mapped_segments()
     del keep, e
     _settle()
-    assert _mapped_segments() < before
+    assert mapped_segments() < before
 
 
 def _loop(refs: list[weakref.ref[Any]], fn: Any = make) -> ProcessPrefetch[Any]:

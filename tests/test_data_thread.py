@@ -113,7 +113,9 @@ class _Refused:
     __iter__ = None  # the documented way to say "not iterable"
 
 
-@pytest.mark.parametrize("source", [None, 5, object(), _Refused()], ids=repr)
+@pytest.mark.parametrize(
+    "source", [None, 5, object(), _Refused()], ids=["None", "5", "object", "iter_None"]
+)
 @pytest.mark.parametrize("buffer_size", [0, 2])
 def test_a_source_that_is_not_iterable_is_refused_at_construction(
     source: Any, buffer_size: int

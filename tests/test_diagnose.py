@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 
 import pytest
@@ -9,7 +11,7 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 
-from _util import Obj
+from _util import Obj, noop
 
 
 class KSPWrapper:
@@ -66,3 +68,29 @@ def test_a_view_hook_that_raises_on_one_rank_is_a_row_everywhere(comm: MPI.Intra
         cgc.manager(comm).add_view_hook(broken)
     text = cgc.view(comm, file=None, timeout=30)
     assert "<view hook>" in text and "RuntimeError: this hook broke" in text
+
+
+def test_diagnostics_do_not_silence_strict_mode(comm: MPI.Intracomm) -> None:
+    """Issue 11, defects 8 and 9."""
+    with cgc.collective_scope(comm, strict=True) as scope:
+        o = Obj()
+        o.peer = o
+        cgc.register(o, noop, comm=comm, name="cyclic-one")
+        del o
+        gc.collect()
+        assert [r.name for r in cgc.pending(comm)] == ["cyclic-one"]
+        assert "cyclic-one" in cgc.view(comm, file=None)
+        assert cgc.pending(comm)[0].state == "queued"
+        with pytest.raises(cgc.CyclicFinalizationError, match="cyclic-one"):
+            scope.sync()
+
+
+def test_view_writes_to_the_current_stdout(comm: MPI.Intracomm) -> None:
+    """Issue 11, defect 19."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        text = cgc.view(comm)
+    if comm.Get_rank() == 0:
+        assert buf.getvalue() == text and "queued on a communicator" in text
+    else:
+        assert buf.getvalue() == ""

@@ -1,4 +1,6 @@
-"""Asynchronous exceptions (signal handlers that raise) during sync points.
+"""Asynchronous exceptions (signal handlers that raise) during sync points and every other
+collective region: the agreement's wait, destroys, finishes, strict mode's report, ``view``,
+the first registration, ``close``, exit.
 
 Issue 25: an interrupt storm (a ``signal.setitimer`` handler raising every
 50-400 us) during loops of sync points. Whatever lands where, nothing queued
@@ -7,26 +9,99 @@ sync point through the same collectives (the exception is raised afterwards on
 its own rank). See ``collective_gc/_interrupts.py``.
 
 Verdicts that could differ between ranks are gathered before they are
-asserted, so that a failing test aborts the job instead of hanging it.
+asserted, and every collective that may fail has a deadline of a few seconds,
+so that a failing test aborts the job instead of hanging it. The exit tests
+start their own 4-rank jobs (marker ``launcher``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
+import os
 import random
+import re
 import signal
+import sys
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _interrupts
+from collective_gc import _destroy, _interrupts, _scope
 
-from _util import Obj
+from _util import (
+    FINISHED,
+    JOB_HEAD,
+    TIMEOUT,
+    WORLD,
+    Asked,
+    CheckedLog,
+    Finisher,
+    GcDisabled,
+    Obj,
+    Recorder,
+    attempt,
+    everyone,
+    job_report,
+    noop,
+    outcome_of,
+    run_job,
+    sync_with,
+)
 
-WORLD = MPI.COMM_WORLD
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_leaves_by_an_exception_wakes_the_others(comm: MPI.Intracomm) -> None:
+    """Rank 1 leaves a sync point's wait by a second Ctrl-C (the first is held
+    until the region's end, the second runs at once) while the others are
+    still on their way. They must hear of it at once, naming rank 1, instead
+    of waiting for it at their next collective (before: for ever, or until
+    their own timeout, 20 s here)."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    comm.Barrier()
+    outcome, message, took = "OK", "", 0.0
+    if rank == 1:
+        timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.3, 0.6)]
+        for t in timers:
+            t.start()
+        try:
+            cgc.collect(comm, generation=None, timeout=30)
+        except KeyboardInterrupt:
+            outcome = "INTERRUPTED"
+        finally:
+            for t in timers:
+                t.join()
+    else:
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):  # this one may complete: rank 1 had sent its part
+                cgc.collect(comm, generation=None, timeout=20)
+        except cgc.CollectiveTimeoutError as exc:
+            outcome, message = "TIMEOUT", str(exc)
+        took = time.monotonic() - t0
+    states = everyone(comm, (outcome, took, message, cgc.manager(comm).broken is not None))
+    assert states[1][0] == "INTERRUPTED" and states[1][3], states[1]
+    for r, (got, took, text, broken) in enumerate(states):
+        if r != 1:
+            assert got == "TIMEOUT" and broken, (r, got, text)
+            assert took < 5.0, f"rank {r} waited {took:.1f} s for the rank that left"
+            assert re.search(
+                r"rank 1 left the collectives by an exception at sync point 1\b", text
+            ), (
+                r,
+                text,
+            )
 
 
 class Storm:
@@ -233,3 +308,654 @@ def test_handlers_are_wrapped_and_keep_working_and_a_second_ctrl_c_is_at_once() 
         assert _interrupts.deferred() == 0
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_in_a_destroy_lets_the_others_run(sync_passes: str) -> None:
+    # Serial: an interrupt on one rank of a parallel job ends the job anyway.
+    comm = MPI.COMM_SELF.Dup()
+    log: list[str] = []
+
+    def destroy(tag: str) -> None:
+        log.append(tag)
+        if tag == "b":
+            raise KeyboardInterrupt
+
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(3)]
+            regs = [cgc.register(o, destroy, t, comm=comm) for o, t in zip(objs, "abc")]
+            del objs
+            with pytest.raises(KeyboardInterrupt):
+                cgc.collect(comm, generation=None)
+        assert log == ["c", "b", "a"]  # every agreed destroy ran, newest first
+        assert all(r.state == "destroyed" for r in regs)
+        assert cgc.collect(comm).destroyed == 0 and log == ["c", "b", "a"]
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("timeout", [8.0, None])
+def test_an_interrupt_in_the_agreement_wait_leaves_every_rank_alike(
+    comm: MPI.Intracomm, timeout: float | None
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # ``timeout`` is rank 0's (None: the in-place Wait path, where the signal's
+    # handler runs as soon as Wait returns); the others always have one, or this
+    # test would hang them: with none they wait for ever in the error check.
+    rank = comm.Get_rank()
+    log: list[int] = []
+    o = Obj()
+    reg = cgc.register(o, log.append, 1, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    del o
+    mgr = cgc.manager(comm)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if rank == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=timeout))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.5)  # rank 0 is waiting (or polling) for us meanwhile
+        seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=8.0))
+    state = (seen, mgr.broken, log)
+    states = everyone(comm, state)
+    if mgr.broken is not None and reg.alive:
+        reg.detach()  # nothing left here for the exit agreement
+    # The interrupt is held until the sync point's collectives are done, then
+    # raised on rank 0 only: every rank ran the same destroys (a collective
+    # destroy run on some ranks only hangs them), and the manager is usable
+    # everywhere, so the next sync point is in step.
+    assert [s[0] for s in states] == ["KeyboardInterrupt"] + ["ok"] * (len(states) - 1), states
+    assert all(s[1] is None and s[2] == [1] for s in states), states
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+def _interrupted_then_failed(
+    comm: MPI.Intracomm, sync: Any, late_sync: Any
+) -> tuple[str, str, bool]:
+    """Rank 0 runs ``sync`` and gets a KeyboardInterrupt 0.3 s into its wait;
+    the other ranks arrive 1.5 s later and run ``late_sync``. What each rank
+    raised, what that had as its context, and whether the manager is broken."""
+    rank = comm.Get_rank()
+    o = Obj()
+    reg = cgc.register(o, noop, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    mgr = cgc.manager(comm)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    raised: BaseException | None = None
+    if rank == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            sync()
+        except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+            raised = exc
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.5)  # rank 0 is waiting (or polling) for us meanwhile
+        try:
+            late_sync()
+        except BaseException as exc:  # noqa: BLE001
+            raised = exc
+    if mgr.broken is not None and reg.alive:
+        reg.detach()  # nothing left here for the exit agreement
+    del o
+    context = None if raised is None else raised.__context__
+    return type(raised).__name__, type(context).__name__, mgr.broken is not None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_times_out_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Rank 0's wait holds the interrupt, then its deadline passes: the
+    # interrupt (what the user asked for) is raised, the timeout its context;
+    # the late ranks see the timeout. Every manager is unusable.
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: cgc.collect(comm, generation=None, timeout=0.8),
+            lambda: cgc.collect(comm, generation=None, timeout=8.0),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveTimeoutError", True)] + [
+        ("CollectiveTimeoutError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_mismatch_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Rank 0 is at the exit agreement, the others at a sync point: every rank
+    # raises CollectiveMismatchError, except that rank 0's held interrupt is
+    # raised instead, with the mismatch as its context.
+    mgr = cgc.manager(comm)
+    states = everyone(
+        comm,
+        _interrupted_then_failed(
+            comm,
+            lambda: mgr.sync(at_exit=True, deadline=time.monotonic() + 30),
+            lambda: cgc.collect(comm, generation=None, timeout=30),
+        ),
+    )
+    assert states == [("KeyboardInterrupt", "CollectiveMismatchError", True)] + [
+        ("CollectiveMismatchError", "NoneType", True)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_held_in_a_wait_that_then_finds_a_bad_vote_is_raised_not_lost(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Every rank refuses the out-of-range vote and keeps its manager; rank 0
+    # raises its held interrupt instead, with the refusal as its context.
+    mgr = cgc.manager(comm)
+
+    def sync() -> None:
+        mgr.add_participant(Recorder(5, 256))  # on every rank alike, before its sync point
+        cgc.collect(comm, generation=None, timeout=30)
+
+    states = everyone(comm, _interrupted_then_failed(comm, sync, sync))
+    # Its participant votes out of range for good: nothing is left for the
+    # exit agreement, which it would refuse too.
+    for reg in mgr.alive() + mgr.pending():
+        reg.detach()
+    mgr.mark_unusable("the end of this test: a participant votes out of range")
+    assert states == [("KeyboardInterrupt", "CollectiveGCError", False)] + [
+        ("CollectiveGCError", "NoneType", False)
+    ] * (len(states) - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_in_a_finish_is_its_rank_s_and_a_destroy_error_elsewhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
+    o = Obj()
+    cgc.register(o, noop, comm=comm)
+    del o
+    first = Finisher("first", 1, KeyboardInterrupt(), True)
+    second = Finisher("second", -1, None, False)
+    text = ""
+    try:
+        # With a destroy to run, so the error check comes before the finishes.
+        sync_with(mgr, first, second)
+    except BaseException as exc:  # noqa: BLE001 (the interrupt is the point)
+        text = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}"
+    seen = "ok" if mgr.destroyed == 1 else f"destroyed {mgr.destroyed}"
+    verdict = everyone(comm, (seen, text.split(":")[0], list(FINISHED), mgr.broken))
+    # Every participant finished on every rank, the sync point's collectives
+    # were all made, rank 1 got its interrupt back and the others a
+    # DestroyError naming it; the manager stays usable everywhere.
+    assert all(v[0] == "ok" and v[2] == ["first", "second"] and v[3] is None for v in verdict), (
+        verdict
+    )
+    assert [v[1] for v in verdict] == [
+        "KeyboardInterrupt" if r == 1 else "DestroyError" for r in range(len(verdict))
+    ], verdict
+    if rank != 1:
+        assert "the finish of Finisher" in text and "KeyboardInterrupt" in text, text
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_may_raise_raising_keyboardinterrupt_is_its_rank_s_and_a_destroy_error_elsewhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # Issue 25: a signal's KeyboardInterrupt can no longer land in may_raise
+    # (the sync point is a protected region, see test_interrupts.py), so one
+    # that may_raise raises is its own code's: a yes and a failure, as from a
+    # finish (it was held and the question asked again).
+    mgr = cgc.manager(comm)
+    asked = Asked(1, KeyboardInterrupt())
+    seen = outcome_of(lambda: sync_with(mgr, asked))
+    verdict = everyone(comm, (seen, asked.asked, list(FINISHED), mgr.broken))
+    assert [v[0] for v in verdict] == [
+        "KeyboardInterrupt" if r == 1 else "DestroyError" for r in range(len(verdict))
+    ], verdict
+    assert all(v[1] == 1 and v[2] == ["asked"] and v[3] is None for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).sync == mgr.sync_count - 1
+
+
+LATE = 1.0  # how late rank 1 arrives
+
+
+ALARM = 0.3  # how far into its wait rank 0 is interrupted
+
+
+def interrupted_on_rank_0(
+    comm: MPI.Intracomm, fn: Callable[[], Any], *, late: bool = True
+) -> tuple[str, Any, list[str]]:
+    """Every rank runs ``fn``, rank 1 ``LATE`` seconds after the others if
+    ``late``; rank 0 gets a KeyboardInterrupt (SIGALRM) ``ALARM`` seconds into
+    its call. What ``fn`` raised or returned (see :func:`attempt`), and on
+    rank 0 the functions the interrupt landed in (``fn``'s calls, innermost
+    first)."""
+    rank = comm.Get_rank()
+    if rank == 1 and late:
+        time.sleep(LATE)
+    if rank != 0:
+        return (*attempt(fn), [])
+    where: list[str] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        while frame is not None and frame.f_code is not attempt.__code__:  # inside fn
+            where.append(frame.f_code.co_name)
+            frame = frame.f_back
+        raise KeyboardInterrupt("SIGALRM")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, ALARM)
+    try:
+        return (*attempt(fn), where)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def barrier(comm: MPI.Intracomm) -> None:
+    """A barrier on the test's communicator that gives up after ``TIMEOUT``."""
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + TIMEOUT
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a rank did not reach the test's barrier")
+        time.sleep(1e-3)
+
+
+def collect_ok(comm: MPI.Intracomm) -> tuple[str, Any]:
+    """A sync point with a deadline: ("ok", destroyed) or what it raised."""
+    seen, stats = attempt(lambda: cgc.collect(comm, generation=None, timeout=TIMEOUT))
+    return seen, None if stats is None else stats.destroyed
+
+
+def _strict_sync(comm: MPI.Intracomm, late: bool) -> tuple[str, str, list[str]]:
+    """In a strict scope, a managed object dies in a cycle on every rank; then
+    a sync point, rank 0 interrupted in it. What that sync point raised, what
+    the scope's exit sync point raised, and where rank 0 was interrupted."""
+    seen: list[tuple[str, Any, list[str]]] = []
+
+    def body() -> None:
+        with cgc.collective_scope(
+            comm, strict=True, gc="off", exit_collect=None, timeout=TIMEOUT
+        ) as scope:
+            o = Obj()
+            o.peer = o
+            cgc.register(o, noop, comm=comm, name="cyclic")
+            del o
+            gc.collect()
+            barrier(comm)  # every rank has its cyclic death queued
+            seen.append(interrupted_on_rank_0(comm, scope.sync, late=late))
+
+    left = attempt(body)[0]
+    (sync, _, where), *_ = seen or [("not reached", None, [])]
+    return sync, left, where
+
+
+def _assert_strict_outcome(comm: MPI.Intracomm, late: bool, inside: str, outside: str) -> None:
+    """Run :func:`_strict_sync`; rank 0 raises its interrupt, every other rank
+    the report, every manager stays usable; rank 0 was interrupted in
+    ``inside``, not in ``outside``."""
+    sync, left, where = _strict_sync(comm, late=late)
+    broken = cgc.manager(comm).broken
+    after = collect_ok(comm)
+    states = everyone(comm, (sync, left, broken, after))
+    wheres = everyone(comm, where)
+    assert inside in wheres[0] and outside not in wheres[0], (wheres[0], states)
+    assert states == [("KeyboardInterrupt", "ok", None, ("ok", 0))] + [
+        ("CyclicFinalizationError", "ok", None, ("ok", 0))
+    ] * (comm.Get_size() - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_strict_sync_interrupted_while_waiting_still_reports_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h13)."""
+    # h13: rank 0's interrupt is held through the sync point's agreement, which
+    # then sees the cyclic death: rank 0 must still take part in the strict
+    # report's gather (the others wait in it), then raise the interrupt.
+    # Interrupted in the agreement, not in the gather of the report (see below).
+    _assert_strict_outcome(comm, late=True, inside="agree", outside="allgather")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_strict_report_interrupted_while_waiting_holds_the_interrupt(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a hostile review of the promise (reproducer h2)."""
+    # h2: the sync point completes at once; rank 1 is slow formatting its rows
+    # of the strict report, and rank 0 is interrupted while it waits for them
+    # in the report's gather (Manager.allgather): held until the gather is
+    # done, then raised on rank 0; the others raise the report.
+    if comm.Get_rank() == 1:
+        real = _scope._origin
+
+        def slow(origin: Any) -> str:
+            time.sleep(LATE)
+            return real(origin)
+
+        monkeypatch.setattr(_scope, "_origin", slow)
+    # Interrupted in the gather of the report, not in the agreement (see above).
+    _assert_strict_outcome(comm, late=False, inside="allgather", outside="agree")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_view_interrupted_while_waiting_holds_the_interrupt(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h11)."""
+    cgc.collect(comm, generation=None, timeout=TIMEOUT)  # the private duplicate exists
+    mgr = cgc.manager(comm)
+    seen, text, where = interrupted_on_rank_0(
+        comm, lambda: cgc.view(comm, file=None, timeout=TIMEOUT)
+    )
+    broken = mgr.broken
+    after = collect_ok(comm)
+    states = everyone(comm, (seen, isinstance(text, str), broken, after))
+    wheres = everyone(comm, where)
+    assert "view" in wheres[0] and "allgather" in wheres[0], (wheres[0], states)
+    # The gather completes on every rank; rank 0 raises its interrupt after it.
+    n = comm.Get_size()
+    assert states == [("KeyboardInterrupt", False, None, ("ok", 0))] + [
+        ("ok", True, None, ("ok", 0))
+    ] * (n - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failure_whose_str_raises_an_interrupt_hangs_no_rank(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h12)."""
+    rank = comm.Get_rank()
+
+    class Weird(RuntimeError):
+        def __str__(self) -> str:
+            raise KeyboardInterrupt("from __str__")
+
+    def destroy() -> None:
+        if rank == 1:
+            raise Weird()
+
+    o = Obj()
+    cgc.register(o, destroy, comm=comm, name="weird")
+    del o
+    seen, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=10))
+    states = everyone(comm, seen)
+    # The error report still reaches every rank: rank 1 raises the interrupt
+    # its str() raised, the others the DestroyError (not a timeout).
+    assert states == ["DestroyError", "KeyboardInterrupt"] + ["DestroyError"] * (
+        comm.Get_size() - 2
+    ), states
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("in_scope", [False, True])
+def test_a_first_registration_interrupted_while_waiting_completes_on_every_rank(
+    comm: MPI.Intracomm, in_scope: bool
+) -> None:
+    """Found by a hostile review of the promise (reproducer h6)."""
+    # The first registration on a fresh communicator makes its private
+    # duplicate, waiting for a late rank 1; rank 0 is interrupted meanwhile:
+    # the duplicate is still made and the object registered on every rank,
+    # rank 0's register then raising the interrupt. Outside a scope the wait
+    # has no deadline (MPI's Wait: the signal's handler runs once it
+    # returns); in a scope with a timeout it polls against the scope's.
+    held = [Obj()]
+    ref = weakref.ref(held[0])
+
+    def first() -> cgc.Registration:
+        return cgc.register(held[0], noop, comm=comm, name="first")
+
+    if in_scope:
+        got: list[tuple[str, Any, list[str]]] = []
+
+        def body() -> None:
+            with cgc.collective_scope(comm, gc="auto", exit_collect=None, timeout=TIMEOUT):
+                got.append(interrupted_on_rank_0(comm, first))
+
+        left = attempt(body)[0]  # and the scope's exit sync point
+        seen, reg, where = got[0] if got else ("not reached", None, [])
+    else:
+        left = "ok"
+        seen, reg, where = interrupted_on_rank_0(comm, first)
+    mgr = cgc.manager(comm)
+    snap = mgr.snapshot()
+    state = (
+        len(cgc.pending(comm)),
+        [(r.key, r.name, r() is held[0]) for r in snap.alive],
+        snap.next_key,
+        snap.broken,
+    )
+    returned = None if reg is None else (type(reg).__name__, reg.key)
+    held.clear()  # dropped on every rank
+    del reg, snap
+    dead = ref() is None
+    after = collect_ok(comm)
+    states = everyone(comm, (seen, left, returned, state, dead, after))
+    wheres = everyone(comm, where)
+    assert "dup" in wheres[0], (wheres[0], states)  # making the private duplicate
+    registered = (0, [(0, "first", True)], 1, None)
+    n = comm.Get_size()
+    assert states == [("KeyboardInterrupt", "ok", None, registered, True, ("ok", 1))] + [
+        ("ok", "ok", ("Registration", 0), registered, True, ("ok", 1))
+    ] * (n - 1), states
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_interrupted_while_waiting_lets_go_on_every_rank(comm: MPI.Intracomm) -> None:
+    """Found by a hostile review of the promise (reproducer h7)."""
+    cgc.collect(comm, generation=None, timeout=TIMEOUT)  # the private duplicate exists
+    mgr = cgc.manager(comm)
+    seen, _, where = interrupted_on_rank_0(comm, lambda: mgr.close(timeout=TIMEOUT))
+    broken = mgr.broken
+    states = everyone(comm, (seen, broken is not None and "closed" in broken, broken))
+    wheres = everyone(comm, where)
+    assert "close" in wheres[0], (wheres[0], states)
+    # close's last sync point completes everywhere, so every manager lets go;
+    # rank 0 raises its interrupt after.
+    assert [s[:2] for s in states] == [("KeyboardInterrupt", True)] + [("ok", True)] * (
+        comm.Get_size() - 1
+    ), states
+
+
+_EXIT_INTERRUPT_JOB = (
+    JOB_HEAD
+    + """
+comm = MPI.COMM_WORLD
+sub = cgc.dup(comm)
+
+
+def on_world():
+    print(f"destroy W ran on rank {rank}", flush=True)
+
+
+def on_sub():
+    if rank == 0:
+        raise KeyboardInterrupt("stop at exit")
+
+
+w = Obj()
+cgc.register(w, on_world, comm=comm, name="W")
+s = Obj()
+cgc.register(s, on_sub, comm=sub, name="S")
+del w, s  # both queued on every rank: agreed at exit, the derived communicator first
+print(f"script end on rank {rank}", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_at_exit_an_interrupt_in_a_derived_destroy_leaves_the_parent_agreed(
+    tmp_path: Path,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h4)."""
+    # h4: rank 0's interrupt in S's destroy (on a cgc.dup communicator) during
+    # the exit agreement is raised only after that agreement's collectives;
+    # the parent's exit agreement still runs on every rank (W is destroyed
+    # everywhere), and no rank waits for the exit timeout.
+    proc, outs, errs, took = run_job(tmp_path, _EXIT_INTERRUPT_JOB, COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    report = job_report(proc, outs, errs)
+    for rank in range(4):
+        assert f"script end on rank {rank}" in outs[rank], report
+        assert f"destroy W ran on rank {rank}" in outs[rank], report
+    assert took < 10.0, f"the job took {took:.1f} s (exit timeout 20 s)\n{report}"
+    assert "KeyboardInterrupt" in errs[0], report
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_interrupt_in_a_destroy_on_one_rank(
+    comm: MPI.Intracomm, exc_type: type[BaseException]
+) -> None:
+    """Issue 11, defect 3."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    log = CheckedLog(comm)
+
+    def destroy(tag: str) -> None:
+        log.destroy(tag)
+        if tag == "b" and rank == last:
+            raise exc_type
+
+    with GcDisabled():
+        objs = [Obj() for _ in range(3)]
+        regs = [cgc.register(o, destroy, t, comm=comm, name=t) for o, t in zip(objs, "abc")]
+        del objs
+        if rank == last:
+            with pytest.raises(exc_type) as info:
+                cgc.collect(comm, generation=None)
+            notes = "".join(getattr(info.value, "__notes__", []))
+            assert "every agreed destroy ran" in notes, notes
+        else:
+            with pytest.raises(cgc.DestroyError) as err:
+                cgc.collect(comm, generation=None)
+            assert err.value.failures == [(last, regs[1].key, "b", f"{exc_type.__name__}: ")]
+    assert log.keys == ["c", "b", "a"]
+    # The user caught it: the next sync point is in step on every rank.
+    o = Obj()
+    cgc.register(o, log.destroy, "d", comm=comm)
+    del o
+    assert cgc.collect(comm).destroyed == 1
+    assert log.keys == ["c", "b", "a", "d"]
+
+
+@contextlib.contextmanager
+def _interrupted_batches(comm: MPI.Intracomm) -> Iterator[list[str]]:
+    """Register four objects (keys 0, 1: plain destroys; 2, 3: a batched
+    one, so two runs of destroys: k3 k2, then k1 k0) and drop them; yields
+    the destroy log, and frees the communicator and the batch after."""
+    log: list[str] = []
+
+    def batched(tag: str) -> None:
+        log.append(tag)
+
+    def run_batch(argss: list[tuple[Any, ...]]) -> Any:
+        for args in argss:
+            batched(*args)
+        return []
+
+    _destroy.set_batch(batched, run_batch)
+    try:
+        with GcDisabled():
+            objs = [Obj() for _ in range(4)]
+            for i, o in enumerate(objs):
+                cgc.register(o, log.append if i < 2 else batched, f"k{i}", comm=comm)
+            del objs, o
+            yield log
+    finally:
+        _destroy.set_batch(batched, None)
+        comm.Free()
+
+
+class _Between:
+    """A trace function raising KeyboardInterrupt in _destroy.run where the
+    second run of destroys is about to begin, as a signal landing there would."""
+
+    def __init__(self) -> None:
+        source, first = inspect.getsourcelines(_destroy.run)
+        self.lines = {first + i for i, line in enumerate(source) if "= segments[pos]" in line}
+        assert self.lines
+        self.fired = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not _destroy.run.__code__:
+            return None
+        if (
+            event == "line"
+            and frame.f_lineno in self.lines
+            and frame.f_locals.get("pos") == 1
+            and not self.fired
+        ):
+            self.fired += 1
+            raise KeyboardInterrupt
+        return self
+
+
+def _collect_interrupted(comm: MPI.Intracomm, interrupt_here: bool) -> tuple[str, int]:
+    tracer = _Between()
+    if interrupt_here:
+        sys.settrace(tracer)
+    try:
+        cgc.collect(comm, generation=None, timeout=60)
+        outcome = "ok"
+    except KeyboardInterrupt as exc:
+        held = "held until the sync point's collectives were done" in str(exc.__notes__)
+        outcome = "KeyboardInterrupt, held" if held else "KeyboardInterrupt"
+    finally:
+        sys.settrace(None)
+    return outcome, tracer.fired
+
+
+def test_interrupt_between_runs_of_destroys_is_held_and_the_rest_run() -> None:
+    """Issue 11, defect 3."""
+    # An interrupt (a signal) can land between two runs of destroys: the runs
+    # not begun still run (on more than one rank, the others run them all),
+    # and the interrupt is raised once the sync point is done.
+    comm = MPI.COMM_SELF.Dup()
+    with _interrupted_batches(comm) as log:
+        assert _collect_interrupted(comm, True) == ("KeyboardInterrupt, held", 1)
+        assert log == ["k3", "k2", "k1", "k0"]
+        assert cgc.pending(comm) == [] and cgc.manager(comm).registered == 0
+        assert cgc.manager(comm).broken is None
+        assert cgc.collect(comm, generation=None).destroyed == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interrupt_between_runs_on_one_rank_leaves_every_rank_in_step() -> None:
+    """Issue 11, defect 3."""
+    comm = WORLD.Dup()
+    rank = comm.Get_rank()
+    with _interrupted_batches(comm) as log:
+        outcome = _collect_interrupted(comm, rank == 0)
+        everyone = comm.allgather((outcome, log, cgc.manager(comm).registered))
+        want = [
+            (
+                ("KeyboardInterrupt, held", 1) if r == 0 else ("ok", 0),
+                ["k3", "k2", "k1", "k0"],
+                0,
+            )
+            for r in range(comm.Get_size())
+        ]
+        assert everyone == want, everyone
+        # In step: the next sync point agrees and destroys everywhere.
+        o = Obj()
+        cgc.register(o, log.append, "k4", comm=comm)
+        del o
+        assert cgc.collect(comm, generation=None, timeout=60).destroyed == 1
+        assert log[-1] == "k4"

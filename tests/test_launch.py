@@ -1,4 +1,5 @@
-"""Whole 4-rank jobs started with mpiexec: behaviour at exit.
+"""Whole 4-rank jobs started with mpiexec: behaviour at exit, deadlines that bound every
+wait, the exit agreements, calls after MPI_Finalize.
 
 These start their own ``mpiexec``, so they run from the serial session only.
 """
@@ -16,6 +17,8 @@ import pytest
 from conftest import mpiexec_cmd, mpiexec_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
 pytestmark = pytest.mark.launcher
 
 
@@ -55,8 +58,6 @@ def test_rank_dying_at_exit_does_not_hang_the_others() -> None:
     assert "ExitLeakWarning" in proc.stderr or "CollectiveTimeoutError" in proc.stderr, proc.stderr
     assert elapsed < 60, elapsed
 
-
-# -- the launcher itself, on whichever MPI this stack has -----------------------
 
 _BARRIERS = """
 from mpi4py import MPI
@@ -99,3 +100,107 @@ def test_timeout_ends_a_hung_job() -> None:
     )
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 30
+
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def run(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    e = mpiexec_env()
+    e.update(env)
+    return subprocess.run(
+        [*mpiexec_cmd(4, 90), sys.executable, "-m", "mpi4py", str(JOBS / script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=e,
+    )
+
+
+def outcomes(out: str, phase: str) -> dict[int, tuple[str, float]]:
+    # Not line by line: mpiexec may splice two ranks' lines into one.
+    found = re.findall(rf"{phase} (\d) (TIMEOUT|UNUSABLE|OK) (\d+\.\d)", out)
+    return {int(r): (o, float(t)) for r, o, t in found}
+
+
+def test_deadlines_bound_every_wait_and_no_late_rank_reports_ok() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    proc = run("deadlines.py")
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # (a) The first use of a communicator, with rank 3 2.5 s late and a 1 s
+    # timeout: every rank times out, the punctual ones after about 1 s.
+    first = outcomes(out, "first-use")
+    assert {r: o for r, (o, _) in first.items()} == dict.fromkeys(range(4), "TIMEOUT"), out
+    assert all(t < 2.0 for r, (_, t) in first.items() if r != 3), first
+    # (b) The late rank completes the others' abandoned header: it must not
+    # report OK; and afterwards the manager is unusable on every rank.
+    late = outcomes(out, "late-header")
+    assert {r: o for r, (o, _) in late.items()} == dict.fromkeys(range(4), "TIMEOUT"), out
+    after = outcomes(out, "after-late")
+    assert {r: o for r, (o, _) in after.items()} == dict.fromkeys(range(4), "UNUSABLE"), out
+    # (c) A timeout in a derived communicator's sync makes the parent unusable.
+    child = outcomes(out, "child-timeout")
+    assert {r: o for r, (o, _) in child.items()} == dict.fromkeys(range(4), "TIMEOUT"), out
+    parent = outcomes(out, "parent-after")
+    assert {r: o for r, (o, _) in parent.items()} == dict.fromkeys(range(4), "UNUSABLE"), out
+
+
+def test_an_extra_sync_point_never_matches_the_exit_agreement() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    proc = run("extra_sync.py", COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    assert "extra sync point on rank 0: MISMATCH" in out, out + err
+    assert "exit agreement" in out
+    # The other ranks learn it at their exit agreement, each of them.
+    for rank in (1, 2, 3):
+        assert re.search(
+            rf"ExitLeakWarning: collective_gc: at exit: rank {rank}: .*exit agreement", err
+        ), err
+
+
+def test_after_mpi_finalize_calls_raise_and_leaks_are_named() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    proc = run("finalized.py")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        for what in ("collect", "register"):
+            assert f"{what} after finalize on rank {rank}: CollectiveGCError" in out, out + err
+    assert "MPI is finalized" in out
+    # What rank 0 had queued is named at exit; the other ranks had nothing.
+    assert re.search(r"rank 0: leaked at exit \(MPI was finalized.*'res1'", err), err
+    assert not re.search(r"rank [123]: leaked at exit", err), err
+
+
+def test_destroy_pending_on_one_rank_at_exit_is_named() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    proc = run("exit_leak.py")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        assert f"destroyed everywhere on rank {rank}" in out, out
+        assert f"destroyed only-on-rank-0 on rank {rank}" not in out, out
+    assert re.search(r"ExitLeakWarning: .*rank 0: leaked at exit .*'only-on-rank-0'", err), err
+    assert not re.search(r"rank [123]: leaked at exit", err), err
+
+
+def test_exit_agreements_in_the_same_order_whatever_the_lookups() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    proc = run("exit_order.py", COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        assert f"destroyed a on rank {rank}" in out, out + err
+        assert f"destroyed b on rank {rank}" in out, out + err
+    assert "ExitLeakWarning" not in err, err
+
+
+def test_an_abandoned_private_duplicate_does_not_crash_finalize() -> None:
+    """Issue 11: the promise off the happy path, whole jobs."""
+    for _ in range(3):
+        proc = run("abandoned_dup.py")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("gave-up") == 1 and proc.stdout.count("finished") == 4
+        assert "corrupted" not in proc.stderr, proc.stderr

@@ -1108,3 +1108,32 @@ class _Owner:
 
 def _noop_destroy(*args: Any) -> None:
     pass
+
+
+def test_collect_takes_a_petsc_object(petsc: Any) -> None:
+    """From the core v2 redesign (issue 14)."""
+    from _util import Obj, noop
+
+    comm = MPI.COMM_WORLD.Dup()
+    other = MPI.COMM_WORLD.Dup()
+    try:
+        cp.install(other)
+        cp.install(comm)
+        vec = petsc.Vec().createMPI(4, comm=comm)
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        # A PETSc object holds PETSc's inner duplicate of comm: found anyway.
+        assert cgc.collect(vec, generation=None).destroyed == 1
+        vec.destroy()
+        unmanaged = MPI.COMM_WORLD.Dup()
+        stray = petsc.Vec().createMPI(4, comm=unmanaged)
+        with pytest.raises(TypeError, match="cannot tell which communicator"):
+            cgc.collect(stray)
+        stray.destroy()
+        unmanaged.Free()
+    finally:
+        cgc.collect(comm)
+        cgc.collect(other)
+        comm.Free()
+        other.Free()

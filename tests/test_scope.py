@@ -11,7 +11,13 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 
-from _util import CheckedLog, Obj, make_cycle, same_on_all
+from _util import (
+    CheckedLog,
+    Obj,
+    make_cycle,
+    noop,
+    same_on_all,
+)
 
 
 class ScopeTests:
@@ -208,3 +214,38 @@ def test_exit_sync_after_error_on_one_rank_does_not_hang(comm: MPI.Intracomm) ->
         assert gc.isenabled() is not False  # gc state restored
     comm.Barrier()
     cgc.manager(comm).mark_unusable("the end of this test")  # the others skip it at exit too
+
+
+def test_two_nested_managed_scopes_on_one_comm(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    mgr = cgc.manager(comm)
+    o = Obj()
+    cgc.register(o, noop, comm=comm)
+    before = mgr.participants  # the derived-communicator visitor, since its first collective
+    with cgc.collective_scope(comm, gc="managed", timeout=30) as outer:
+        with cgc.collective_scope(comm, gc="managed", strict=True, timeout=30) as inner:
+            junk = [[] for _ in range(5000)]  # the collector's counts ask for a collection
+            del junk, o
+            assert inner.sync().destroyed == 1
+            assert cgc.current_scope(comm) is inner
+        outer.sync()
+        assert cgc.current_scope(comm) is outer
+    assert cgc.current_scope(comm) is None
+    assert mgr.broken is None and mgr.participants == before  # the scopes left none
+
+
+def test_misnested_exit_restores_the_collector_and_the_stack() -> None:
+    """Issue 11, defect 11."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        outer = cgc.collective_scope(comm, gc="auto")
+        inner = cgc.collective_scope(comm, gc="managed")
+        outer.__enter__()
+        inner.__enter__()
+        with pytest.raises(cgc.CollectiveGCError, match="innermost first"):
+            outer.__exit__(None, None, None)
+        assert not gc.isenabled()  # inner (managed) is still open
+        inner.__exit__(None, None, None)
+        assert gc.isenabled() and cgc.current_scope() is None
+    finally:
+        comm.Free()

@@ -1,4 +1,11 @@
-"""Faults: failing destroys, dying ranks, signals, late finalizers, fork, bad input."""
+"""Lifecycle: close, exit, fork and freed communicators; whole jobs (marker ``launcher``) for
+what happens at exit, after MPI_Finalize and on signals.
+
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,98 +24,163 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 
-from _util import CheckedLog, Obj
+from _util import (
+    JOB_HEAD,
+    WORLD,
+    CheckedLog,
+    Obj,
+    job_report,
+    noop,
+    run_job,
+)
 from conftest import mpiexec_cmd, mpiexec_env
 
 
-def noop(*args: object) -> None:
-    pass
+def test_close_after_a_failed_last_sync_point_then_reuse(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    ran: list[str] = []
+
+    def fails(tag: str) -> None:
+        ran.append(tag)
+        raise ValueError(tag)
+
+    mgr = cgc.manager(comm)
+    a, b, c = Obj(), Obj(), Obj()
+    cgc.register(a, fails, "a", comm=comm)
+    rb = cgc.register(b, ran.append, "b", comm=comm)
+    rc = cgc.register(c, ran.append, "c", comm=comm)
+    del a
+    if rank == 0:
+        del b  # queued on rank 0 only
+    with pytest.raises(cgc.DestroyError):
+        mgr.close(timeout=30)
+    assert mgr.broken is None  # the close did not happen: its sync point raised
+    with pytest.warns(cgc.ExitLeakWarning):
+        mgr.close(timeout=30)
+    solo = comm.Get_size() == 1
+    assert ran == (["b", "a"] if solo else ["a"])
+    assert not rb.alive and not rc.alive
+    assert rb.state == ("destroyed" if solo else "detached") and rc.state == "detached"
+    with pytest.raises(cgc.CollectiveGCError, match="closed"):
+        cgc.collect(comm, timeout=30)
+    with pytest.raises(cgc.CollectiveGCError, match="closed"):
+        cgc.register(Obj(), noop, comm=comm)
+    del c
+    if rank != 0:
+        del b
+    gc.collect()
+    assert ran == (["b", "a"] if solo else ["a"])  # detached: b's and c's finalizers did nothing
+    assert mgr.pending() == []
+
+
+def test_finalizers_after_close_or_after_the_manager_is_forgotten_do_nothing() -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        mgr = cgc.manager(comm)
+        ran: list[int] = []
+        objs = [Obj() for _ in range(100)]
+        regs = [cgc.register(o, ran.append, i, comm=comm) for i, o in enumerate(objs)]
+        with pytest.warns(cgc.ExitLeakWarning, match="100 registration"):
+            mgr.close()
+        del objs
+        gc.collect()
+        assert ran == [] and all(r.state == "detached" for r in regs)
+        assert mgr.pending() == [] and mgr.registered == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.close()
+    finally:
+        comm.Free()
+
+
+_EXIT_CHAIN_JOB = (
+    JOB_HEAD
+    + """
+comm = MPI.COMM_WORLD
+
+
+def destroy_a(holder):
+    print(f"destroy A ran on rank {rank}", flush=True)
+
+
+def destroy_b():
+    print(f"destroy B ran on rank {rank}", flush=True)
+
+
+b = Obj()
+cgc.register(b, destroy_b, comm=comm, name="B")
+holder = [b]
+del b
+a = Obj()
+cgc.register(a, destroy_a, holder, comm=comm, name="A")  # A's arguments hold B
+del holder, a  # dropped on every rank: A is queued, B dies when A's destroy runs
+print(f"script end on rank {rank}", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_at_exit_a_destroy_that_drops_a_managed_object_has_it_destroyed_too(
+    tmp_path: Path,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h3)."""
+    # h3: at exit there is not just one agreement: what A's destroy drops (B,
+    # alike on every rank) is agreed and destroyed as well, not leaked.
+    proc, outs, errs, _ = run_job(tmp_path, _EXIT_CHAIN_JOB, COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    for rank in range(4):
+        assert f"script end on rank {rank}" in outs[rank], report
+        assert f"destroy A ran on rank {rank}" in outs[rank], report
+        assert f"destroy B ran on rank {rank}" in outs[rank], report
+        assert "leaked at exit" not in errs[rank], report
+    assert "leaked at exit" not in proc.stderr, report
+
+
+def test_manager_of_a_freed_communicator() -> None:
+    """Issue 11, defects 2 and 7."""
+    comm = WORLD.Dup()
+    log = CheckedLog(WORLD)
+    o = Obj()
+    cgc.register(o, log.destroy, "after-free", comm=comm)
+    mgr = cgc.manager(comm)
+    del o
+    comm.Free()
+    assert mgr.comm_freed
+    with pytest.raises(cgc.CollectiveGCError, match="was freed"):
+        mgr.comm  # noqa: B018 (the property is the test)
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        cgc.collect(comm)
+    # Its pending destroy is not lost: the manager still agrees over its own
+    # duplicate (the exit agreement does this for a program that never asks).
+    assert mgr.sync().destroyed == 1
+    assert log.keys == ["after-free"]
+
+
+def test_freed_communicators_do_not_accumulate() -> None:
+    """Issue 11, defects 2 and 7."""
+    before = len(cgc.managers())
+    for _ in range(300):
+        comm = WORLD.Dup()
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        cgc.collect(comm, generation=None)
+        comm.Free()
+    cgc.manager(MPI.COMM_SELF)  # a lookup is a safe point to let go of freed managers
+    assert len(cgc.managers()) <= before + 2, len(cgc.managers())
 
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-# -- in-process, serial and under mpiexec -n 4 --------------------------------
-
-
-def test_destroy_raising_on_every_rank(comm: MPI.Intracomm) -> None:
-    log = CheckedLog(comm)
-
-    def bad(tag: int) -> None:
-        log.destroy(tag)
-        raise ValueError(f"cannot destroy {tag}")
-
-    objs = [Obj() for _ in range(2)]
-    for i, o in enumerate(objs):
-        cgc.register(o, bad, i, comm=comm, name=f"r{i}")
-    del o
-    objs.clear()
-    with pytest.raises(cgc.DestroyError) as info:
-        cgc.collect(comm)
-    assert log.keys == [1, 0]
-    assert len(info.value.failures) == 2 * comm.Get_size()
-    assert {f[0] for f in info.value.failures} == set(range(comm.Get_size()))
-    assert cgc.collect(comm).pending == 0
-
-
-def test_bad_input_loses_nothing(comm: MPI.Intracomm) -> None:
-    log = CheckedLog(comm)
-    queued = Obj()
-    cgc.register(queued, log.destroy, "kept", comm=comm)
-    del queued
-    for bad in (
-        lambda: cgc.register(1.5, print, comm=comm),  # not weakly referenceable
-        lambda: cgc.register(Obj(), "close", comm=comm),  # not callable
-        lambda: cgc.register(Obj(), print, comm="world"),  # not a communicator
-    ):
-        with pytest.raises((cgc.RegistrationError, TypeError)):
-            bad()
-    freed = comm.Dup()
-    freed.Free()
-    with pytest.raises(ValueError, match="COMM_NULL"):
-        cgc.register(Obj(), print, comm=freed)
-    with pytest.raises(ValueError, match="COMM_NULL"):
-        cgc.collect(freed)
-    # Nothing queued was lost, and the refusals consumed no key.
-    assert cgc.manager(comm).next_key == 1
-    assert cgc.collect(comm).destroyed == 1 and log.keys == ["kept"]
-
-
-@pytest.mark.mpi(min_size=2)
-def test_collect_on_a_communicator_this_rank_is_not_in(comm: MPI.Intracomm) -> None:
-    sub = comm.Split(0 if comm.Get_rank() else MPI.UNDEFINED, 0)
-    if comm.Get_rank() == 0:
-        with pytest.raises(ValueError, match="not in it"):
-            cgc.collect(sub)
-    else:
-        assert cgc.collect(sub).destroyed == 0
-        sub.Free()
-
-
-@pytest.mark.mpi(min_size=2)
-def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
-    # Rank 0's destroy "hangs" (longer than the timeout); the others must not
-    # wait for it for ever: their sync point raises CollectiveTimeoutError.
-    o = Obj()
-    slow = comm.Get_rank() == 0
-    cgc.register(o, time.sleep, 2.0 if slow else 0.0, comm=comm)
-    del o
-    if slow:
-        try:
-            cgc.collect(comm, timeout=0.5)
-        except cgc.CollectiveTimeoutError:
-            pass  # it may or may not match the others' abandoned requests
-    else:
-        with pytest.raises(cgc.CollectiveTimeoutError, match="error check"):
-            cgc.collect(comm, timeout=0.5)
-    comm.Barrier()
-    cgc.manager(comm).mark_unusable("the end of this test")
 
 
 # Forking a process that has threads (MPI's, the reaper) is what this tests;
 # Python 3.12+ warns of it.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
     log: list[str] = []
     o = Obj()
     cgc.register(o, log.append, "parent", comm=comm)
@@ -134,9 +207,6 @@ def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -
     assert cgc.collect(comm).destroyed == 1 and log == ["parent"]
 
 
-# -- whole jobs, from the serial session ---------------------------------------
-
-
 def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*mpiexec_cmd(4, 100), *args],
@@ -150,6 +220,7 @@ def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
 
 @pytest.mark.launcher
 def test_uncaught_exception_mid_loop_ends_the_job(tmp_path: Path) -> None:
+    """From the fault tests of the reliability work."""
     t0 = time.monotonic()
     proc = _mpiexec(
         [sys.executable, "-m", "mpi4py", str(SCRIPTS / "uncaught_midloop.py"), str(tmp_path / "m")]
@@ -163,6 +234,7 @@ def test_uncaught_exception_mid_loop_ends_the_job(tmp_path: Path) -> None:
 
 @pytest.mark.launcher
 def test_sigterm_to_the_whole_job(tmp_path: Path) -> None:
+    """From the fault tests of the reliability work."""
     marker = tmp_path / "looping"
     proc = _mpiexec([sys.executable, "-m", "mpi4py", str(SCRIPTS / "long_loop.py"), str(marker)])
     deadline = time.monotonic() + 60
@@ -183,6 +255,7 @@ def test_sigterm_to_the_whole_job(tmp_path: Path) -> None:
 
 @pytest.mark.launcher
 def test_finalizers_after_mpi_finalize_do_nothing() -> None:
+    """From the fault tests of the reliability work."""
     proc = _mpiexec([sys.executable, str(SCRIPTS / "after_finalize.py")])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -192,6 +265,7 @@ def test_finalizers_after_mpi_finalize_do_nothing() -> None:
 
 @pytest.mark.launcher
 def test_shutdown_with_the_reaper_busy() -> None:
+    """From the fault tests of the reliability work."""
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "busy_reaper.py")],
@@ -210,6 +284,7 @@ def test_shutdown_with_the_reaper_busy() -> None:
 def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
     comm: MPI.Intracomm,
 ) -> None:
+    """From the fault tests of the reliability work."""
     # Only the forking thread exists in the child: a lock another thread held
     # at the fork (the reaper thread claiming a registration, a sync point on
     # another thread) is never released there. Our fork handler must not

@@ -1,25 +1,19 @@
-"""Registration in one C call (``_speedups.add_plain``) against Registry.add.
+"""Registration: keys, the C constructor and its one-call path against Registry.add, names,
+objects that cannot be weakly referenced, registrations from several threads.
 
-The C path takes no lock: it reads the next key only after the allocations
-that may start the collector, and leaves the registry to Registry.add while
-another registration is half-way through it. The hostile cases: a
-registration held half-way on another thread (inside a collection its own
-allocation started) must not be overtaken, on one rank or on four; a
-finalizer that registers from inside the collection the C path's allocation
-started; everything the C path must leave to the Python path (another weak
-reference, an argument that refers to the object, an object that cannot be
-weakly referenced); and the switch that turns the C paths off.
-
-Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD; the
-ones that need other ranks are marked ``mpi``. Verdicts that could differ
-between ranks are gathered and asserted on every rank alike.
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
+import tracemalloc
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,25 +24,23 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _registration, _registry
 
-from _util import Obj
-
-WORLD = MPI.COMM_WORLD
+from _util import (
+    TIMEOUT,
+    WORLD,
+    GcDisabled,
+    Obj,
+    Tiny,
+    everyone,
+    noop,
+)
 
 needs_c = pytest.mark.skipif(
     _registration.SPEEDUPS is None, reason="the optional C extension is not built"
 )
 
 
-def noop(*args: Any, **kwargs: Any) -> None:
-    pass
-
-
 def closure_over(x: object) -> Any:
     return lambda: x
-
-
-def everyone(comm: MPI.Comm, value: Any) -> list[Any]:
-    return comm.allgather(value) if comm.Get_size() > 1 else [value]
 
 
 def live_keys(comm: MPI.Comm) -> list[int]:
@@ -113,6 +105,7 @@ def holdup() -> Iterator[Holdup]:
 
 @needs_c
 def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Intracomm) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     mgr = cgc.manager(comm)
     first = cgc.register(Obj(), noop, comm=comm)  # makes the private duplicate on size > 1
     objs = [Obj() for _ in range(5)]
@@ -131,7 +124,10 @@ def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Int
 
 
 def test_what_the_c_path_leaves_to_registry_add(comm: MPI.Intracomm) -> None:
-    """The same refusals and the same registrations whichever path is taken."""
+    """The same refusals and the same registrations whichever path is taken.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     o = Obj()
     # Another weak reference to the object: Registry.add registers it.
@@ -162,6 +158,7 @@ def test_what_the_c_path_leaves_to_registry_add(comm: MPI.Intracomm) -> None:
 
 
 def test_the_python_switch_turns_the_c_path_off(comm: MPI.Intracomm) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     saved = _registration.speedups()
     _registration.use_speedups("python")
     try:
@@ -179,7 +176,10 @@ def test_a_registration_half_way_on_another_thread_is_not_overtaken(holdup: Hold
     """Any thread may register on COMM_SELF: a C-path registration that starts
     while another thread is inside Registry.add (held in a collection its
     allocation started, before it stored the next key) must wait for it, not
-    take the same key."""
+    take the same key.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     comm = MPI.COMM_SELF.Dup()
     try:
         mgr = cgc.manager(comm)
@@ -224,7 +224,10 @@ def test_a_c_path_registration_during_a_held_one_is_refused_on_a_parallel_comm(
     comm: MPI.Intracomm, holdup: Holdup
 ) -> None:
     """On a communicator of size > 1 a second registering thread is refused:
-    the C path must not slip past a registration held half-way through."""
+    the C path must not slip past a registration held half-way through.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
     cgc.collect(comm, generation=None, timeout=30)  # from now on any one thread may register
@@ -280,7 +283,10 @@ KEEP: list[Obj] = []
 
 def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
     """The C path's allocation may start the collector, whose finalizers may
-    register on the same communicator on this very thread: every key once."""
+    register on the same communicator on this very thread: every key once.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     comm = MPI.COMM_SELF.Dup()
     saved = gc.get_threshold()
     try:
@@ -314,12 +320,10 @@ def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
         comm.Free()
 
 
-# -- the agreement's window in C against numpy ----------------------------------------
-
-
 @needs_c
 @pytest.mark.parametrize("seed", range(6))
 def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
+    """From the registration in one C call (``_speedups.add_plain``)."""
     import array
 
     import numpy as np
@@ -353,7 +357,10 @@ def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
 @needs_c
 def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
     """On a communicator of size 1 the drained keys are the agreed ones: any
-    order but newest first would show in the destroys."""
+    order but newest first would show in the destroys.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     import random
 
     comm = MPI.COMM_SELF.Dup()
@@ -381,7 +388,10 @@ def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept()
     """A sync point that destroys the last registrations may give the
     registry's memory back; a registration another thread stores just then
     (here: while the sync point's thread stands on the line after its
-    destroys were taken, held by a trace function) must not be wiped."""
+    destroys were taken, held by a trace function) must not be wiped.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     import inspect
 
     from collective_gc import _destroy
@@ -443,7 +453,10 @@ def test_two_threads_registering_plain_destroys_at_once_are_refused(
     plain-function destroys (the C path) at the same time on every rank. Their
     calls never overlap, so nothing was refused, and about 6,000 keys named
     different objects on different ranks. Now the thread that is second to
-    register since the last sync point gets a RegistrationError naming both."""
+    register since the last sync point gets a RegistrationError naming both.
+
+    From the registration in one C call (``_speedups.add_plain``).
+    """
     mgr = cgc.manager(comm)
     cgc.register(Obj(), noop, comm=comm)  # the private duplicate exists
     cgc.collect(comm, generation=None, timeout=30)
@@ -484,3 +497,236 @@ def test_two_threads_registering_plain_destroys_at_once_are_refused(
         reg.detach()
     del keep[:]
     assert mgr.registered == 0
+
+
+def test_both_registration_constructors_make_the_same_registration() -> None:
+    """From the core v2 redesign (issue 14)."""
+    from collective_gc import _registration
+
+    assert _registration.SPEEDUPS is not None  # built here (test_the_c_sync_passes_are_built_here)
+    makers = [_registration.new_registration_py, _registration.SPEEDUPS.new_registration]
+    seen = []
+    for make in makers:
+        inbox: list[object] = []
+        o = Obj()
+        reg = make(_registration.finalizer(), o, None, inbox.append, 7, noop, (1,), None, None)
+        named = make(_registration.finalizer(), o, None, inbox.append, 8, noop, (), "n", None)
+        seen.append(
+            (
+                reg.key,
+                reg.name,
+                reg.typename,
+                reg.origin,
+                reg.cyclic,
+                reg.queued_at,
+                reg.alive,
+                named.name,
+                reg() is o,
+            )
+        )
+        del o
+        assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
+    assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
+    with pytest.raises(TypeError):
+        makers[1](_registration.finalizer(), 3, None, print, 0, noop, (), None, None)
+
+
+def test_a_registration_refused_inside_a_destroy_keeps_keys_in_step(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    made: list[str] = []
+
+    def destroy(tag: str) -> None:
+        # Refused on every rank: the key counter must not move anywhere.
+        cgc.register(Obj(), noop, comm=comm)
+        made.append(tag)
+
+    mgr = cgc.manager(comm)
+    with GcDisabled():
+        objs = [Obj() for _ in range(500)]
+        for i, o in enumerate(objs):
+            cgc.register(o, destroy if i == 7 else noop, str(i), comm=comm)
+        del objs, o
+        before = mgr.next_key
+        with pytest.raises(cgc.DestroyError, match="from inside a destroy") as info:
+            cgc.collect(comm, generation=None, timeout=60)
+        assert {r for r, *_ in info.value.failures} == set(range(comm.Get_size()))
+        assert mgr.next_key == before and made == []
+        assert everyone(comm, (mgr.next_key, mgr.sync_count)) == [(before, 1)] * comm.Get_size()
+        # The window moved alike on every rank: the next sync points agree.
+        for _ in range(3):
+            batch = [Obj() for _ in range(700)]
+            for o in batch:
+                cgc.register(o, noop, comm=comm)
+            del batch, o
+            assert cgc.collect(comm, generation=None, timeout=60).destroyed == 700
+    assert mgr.broken is None, rank
+
+
+class _Slotted(Obj):
+    __slots__ = ("extra",)
+
+
+class _NoWeak:
+    __slots__ = ("a",)
+
+
+class _NoWeakSub(_NoWeak):
+    __slots__ = ("b",)
+
+
+class _WeakSlots:
+    __slots__ = ("a", "__weakref__")
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_objects_that_cannot_be_weakly_referenced_take_no_key(kind: str) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    comm = MPI.COMM_SELF.Dup()
+    _registration.use_speedups(kind)
+    try:
+        mgr = cgc.manager(comm)
+        for bad in (3, (1, 2), [1], _NoWeak(), _NoWeakSub(), "s"):
+            with pytest.raises(cgc.RegistrationError, match="weakly referenced"):
+                cgc.register(bad, noop, comm=comm)
+        assert mgr.next_key == 0 and mgr.created == 0 and mgr.registered == 0
+        ok = _WeakSlots()
+        reg = cgc.register(ok, noop, comm=comm)
+        sub = _Slotted()
+        reg2 = cgc.register(sub, noop, comm=comm)
+        assert (reg.key, reg.typename, reg2.key, reg2.typename) == (0, "_WeakSlots", 1, "_Slotted")
+        del ok, sub
+        assert cgc.collect(comm, generation=None).destroyed == 2
+    finally:
+        _registration.use_speedups("c")
+        cgc.manager(comm).close()
+        comm.Free()
+
+
+def test_the_c_constructor_keeps_no_reference_it_does_not_own() -> None:
+    """Refcounts of everything new_registration stores go back to where they were.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    assert _registration.SPEEDUPS is not None
+    comm = MPI.COMM_SELF.Dup()
+    try:
+
+        class Named:  # a heap type: PyType_GetName gives a new reference to its name
+            pass
+
+        def destroy(*args: Any) -> None:
+            pass
+
+        args = (object(), object())
+        name = "".join(["a", "name", str(os.getpid())])  # not interned
+        counts = lambda: (  # noqa: E731
+            sys.getrefcount(destroy),
+            sys.getrefcount(args),
+            sys.getrefcount(name),
+            sys.getrefcount(Named.__name__),
+            sys.getrefcount(Named),
+        )
+        cgc.collect(comm, generation=None)
+        before = counts()
+        for _ in range(3):
+            objs = [Named() for _ in range(1000)]
+            regs = [cgc.register(o, destroy, *args, comm=comm, name=name) for o in objs]
+            regs += [cgc.register(Obj(), destroy, *args, comm=comm) for _ in range(10)]
+            del objs
+            assert cgc.collect(comm, generation=None).destroyed == 1010
+            del regs
+        gc.collect()
+        assert counts() == before
+    finally:
+        cgc.manager(comm).close()
+        comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_a_million_registrations_do_not_grow_memory(kind: str) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    comm = MPI.COMM_SELF.Dup()
+    _registration.use_speedups(kind)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    try:
+        mgr = cgc.manager(comm)
+        chunk = 100_000
+
+        def rounds(n: int) -> None:
+            for _ in range(n):
+                for _ in range(chunk):
+                    o = Tiny()
+                    mgr.register(o, noop, (), {}, None)
+                o = None
+                assert cgc.collect(comm, generation=None).destroyed == chunk
+
+        with GcDisabled():
+            rounds(2)  # warm up: the dicts and arrays at their working size
+            r0 = rss()
+            rounds(5)
+            rgrown = rss() - r0
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            rounds(3)
+            grown = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+        assert mgr.created == 10 * chunk and mgr.registered == 0
+        assert grown < 2_000_000, grown
+        assert rgrown < 32_000_000, rgrown
+    finally:
+        _registration.use_speedups("c")
+        cgc.manager(comm).close()
+        comm.Free()
+
+
+def _refuses_names_that_are_not_str(comm: MPI.Intracomm) -> None:
+    # Sync points send names to the other ranks in their error reports: a
+    # name that does not pickle (a lambda) hung them. Refused at once, here.
+    mgr = cgc.manager(comm)
+    o = Obj()
+    for name in (lambda: None, 5):
+        try:
+            cgc.register(o, noop, comm=comm, name=name)  # type: ignore[arg-type]
+            raised: tuple[str, ...] = ("nothing",)
+        except BaseException as exc:  # noqa: BLE001 (not kept: its frames hold o)
+            raised = (
+                type(exc).__name__,
+                *(k.__name__ for k in (cgc.RegistrationError, TypeError) if isinstance(exc, k)),
+            )
+        assert raised == ("RegistrationError", "RegistrationError", "TypeError"), (name, raised)
+        assert (mgr.next_key, mgr.registered, mgr.alive()) == (0, 0, []), (name, mgr)
+    # None and a str still work (and the refused object was not kept).
+    reg = cgc.register(o, noop, comm=comm, name=None)
+    p = Obj()
+    named = cgc.register(p, noop, comm=comm, name="p")
+    assert (reg.key, named.key, named.name) == (0, 1, "p")
+    del o, p
+    assert cgc.collect(comm, generation=None, timeout=TIMEOUT).destroyed == 2
+
+
+class TestNameMustBeAStr:
+    """Found by a hostile review of the promise (reproducer h1)."""
+
+    COMM = MPI.COMM_SELF
+
+    def test_a_name_that_is_not_a_str_is_refused_before_anything_is_registered(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        _refuses_names_that_are_not_str(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_name_that_is_not_a_str_is_refused_at_a_first_registration(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by a hostile review of the promise (reproducer h1)."""
+    # On a larger communicator the first registration makes the private
+    # duplicate (a collective): refused before it, alike on every rank.
+    _refuses_names_that_are_not_str(comm)

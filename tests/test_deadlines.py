@@ -1,0 +1,229 @@
+"""Deadlines: timeouts bound every wait, a late rank is named, clocks are each rank's own
+monotonic clock, bad timeouts are refused before any collective.
+
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc import _agree, _manager
+
+from _util import (
+    CheckedLog,
+    Obj,
+    everyone,
+    noop,
+    outcome_of,
+)
+
+
+def test_no_decision_reads_the_wall_clock() -> None:
+    """Deadlines are this rank's own ``time.monotonic()``; nothing of the
+    agreement or of a sync point reads ``time.time()``, which differs between
+    nodes."""
+    for module in (_agree, _manager):
+        assert "time.time(" not in inspect.getsource(module), module.__name__
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_whose_clock_is_ahead_times_nothing_out(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25, defect 5: with rank 0's wall clock 3 s ahead of the others'
+    (as on a node whose NTP is off) and ``timeout=2``, the first sync point
+    raised CollectiveTimeoutError on rank 0 ("completed only after the
+    deadline of another rank") though nobody waited more than milliseconds."""
+    if comm.Get_rank() == 0:
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3.0)
+    keep = []
+    for step in range(5):
+        objs = [Obj() for _ in range(50)]
+        for o in objs:
+            cgc.register(o, noop, comm=comm)
+        keep.append(objs.pop())
+        del objs, o
+        stats = cgc.collect(comm, generation=None, timeout=2)
+        assert stats.destroyed == 49, (step, stats)
+    assert cgc.manager(comm).broken is None
+    keep.clear()
+    assert cgc.collect(comm, generation=None, timeout=2).destroyed == 5
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_rank_that_gives_up_wakes_the_ranks_waiting_without_a_deadline(
+    comm: MPI.Intracomm,
+) -> None:
+    """Rank 0 gives up on a sync point (``timeout=0.5``) for which rank 1 is 3 s
+    late; ranks 2.. wait there without a deadline. They must hear of it at
+    once (CollectiveTimeoutError naming rank 0 and the sync point), not wait
+    for rank 1; rank 1, arriving after rank 0 gave up, raises too."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    if rank == 1:
+        time.sleep(3.0)
+    t0 = time.monotonic()
+    outcome = "OK"
+    message = ""
+    try:
+        cgc.collect(comm, generation=None, timeout=0.5 if rank == 0 else None)
+    except cgc.CollectiveTimeoutError as exc:
+        outcome, message = "TIMEOUT", str(exc)
+    elapsed = time.monotonic() - t0
+    states = everyone(comm, (outcome, elapsed, message, cgc.manager(comm).broken is not None))
+    assert [s[0] for s in states] == ["TIMEOUT"] * len(states), states
+    assert all(s[3] for s in states), "a manager stayed usable after a timeout"
+    assert states[0][1] < 2.0, states[0]
+    for r, (_, took, text, _) in enumerate(states):
+        if r >= 2:
+            assert took < 2.0, f"rank {r} waited {took:.1f} s for the late rank"
+        if r >= 1:
+            assert re.search(r"rank 0 gave up .*sync point 1\b", text), (r, text)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_names_rank_and_sync_point(comm: MPI.Intracomm) -> None:
+    # Every rank but the last waits for a sync point the last rank never
+    # reaches: they raise CollectiveTimeoutError, and the manager refuses
+    # further use (its abandoned request could match a later collective).
+    last = comm.Get_size() - 1
+    o = Obj()
+    reg = cgc.register(o, print, comm=comm)
+    del o
+    if comm.Get_rank() != last:
+        with pytest.raises(cgc.CollectiveTimeoutError, match=r"rank \d+: sync point 0"):
+            cgc.collect(comm, timeout=0.3)
+        with pytest.raises(cgc.CollectiveGCError, match="unusable"):
+            cgc.collect(comm)
+        assert reg.state == "queued"  # nothing lost
+    comm.Barrier()
+    # Clean up so the exit agreement does not wait for this manager: the
+    # ranks that timed out skip it at exit, so the last rank must too.
+    reg.detach()
+    cgc.manager(comm).mark_unusable("the end of this test")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_huge_timeout_is_either_refused_up_front_or_works(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    o = Obj()
+    reg = cgc.register(o, noop, comm=comm)
+    del o
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=1e13))
+    seen_all = everyone(comm, (seen, cgc.manager(comm).broken is None))
+    reg.detach()  # nothing left for the exit agreement of a broken manager
+    # Either refused before any collective (ValueError, manager usable) or done.
+    assert all(s == ("ok", True) for s in seen_all) or all(
+        s == ("ValueError", True) for s in seen_all
+    ), seen_all
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_in_the_error_check_raises_timeout_too(comm: MPI.Intracomm) -> None:
+    """Only rank 0 has a deadline; rank 1's destroy is slow, so rank 0 gives up in
+    the second collective (the error check). Ranks without a deadline that
+    complete it afterwards must raise CollectiveTimeoutError too.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+
+    def destroy() -> None:
+        if rank == 1:
+            time.sleep(2.5)
+
+    o = Obj()
+    cgc.register(o, destroy, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    del o
+    t0 = time.monotonic()
+    seen = outcome_of(
+        lambda: cgc.collect(comm, generation=None, timeout=1.0 if rank == 0 else None)
+    )
+    took = time.monotonic() - t0
+    seen_all = everyone(comm, seen)
+    assert seen_all == ["CollectiveTimeoutError"] * comm.Get_size(), seen_all
+    assert took < 10
+    after = everyone(comm, outcome_of(lambda: cgc.collect(comm, timeout=5)))
+    assert after == ["CollectiveGCError"] * comm.Get_size(), after
+
+
+@pytest.mark.mpi(min_size=2)
+def test_deadline_words_mixed_with_and_without_timeouts_in_step(comm: MPI.Intracomm) -> None:
+    """Ranks alternate having a deadline; nobody is late: every sync point works.
+
+    Found by the hostile tests of core v2 (issue 14).
+    """
+    rank = comm.Get_rank()
+    for i in range(20):
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+        timeout = 30.0 if (i + rank) % 2 else None
+        assert cgc.collect(comm, generation=None, timeout=timeout).destroyed == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_late_rank_in_manager_allgather_raises_at_once(comm: MPI.Intracomm) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
+    cgc.collect(comm, timeout=30)  # the private duplicate exists everywhere
+    if rank == 1:
+        time.sleep(2.0)
+    t0 = time.monotonic()
+    seen = outcome_of(lambda: mgr.allgather(rank, timeout=0.5 if rank == 0 else 8.0))
+    took = time.monotonic() - t0
+    seen_all = everyone(comm, (seen, took < 4.0 or rank == 0))
+    # As at a sync point: every rank raises CollectiveTimeoutError, and the ones
+    # that complete the abandoned gather learn it at once, not at their own deadline.
+    assert seen_all == [("CollectiveTimeoutError", True)] * comm.Get_size(), seen_all
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan")])
+def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout: float) -> None:
+    """Issue 11, defect 12."""
+    with pytest.raises(ValueError, match="timeout"):
+        cgc.collect(comm, timeout=timeout)
+    with pytest.raises(ValueError, match="generation"):
+        cgc.collect(comm, generation=3)
+    with pytest.raises(TypeError, match="timeout"):
+        cgc.collect(comm, timeout="1")  # type: ignore[arg-type]
+    # The manager is untouched and usable on every rank.
+    log = CheckedLog(comm)
+    o = Obj()
+    cgc.register(o, log.destroy, 1, comm=comm)
+    del o
+    assert cgc.collect(comm, timeout=60).destroyed == 1 and log.keys == [1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
+    """From the fault tests of the reliability work."""
+    # Rank 0's destroy "hangs" (longer than the timeout); the others must not
+    # wait for it for ever: their sync point raises CollectiveTimeoutError.
+    o = Obj()
+    slow = comm.Get_rank() == 0
+    cgc.register(o, time.sleep, 2.0 if slow else 0.0, comm=comm)
+    del o
+    if slow:
+        try:
+            cgc.collect(comm, timeout=0.5)
+        except cgc.CollectiveTimeoutError:
+            pass  # it may or may not match the others' abandoned requests
+    else:
+        with pytest.raises(cgc.CollectiveTimeoutError, match="error check"):
+            cgc.collect(comm, timeout=0.5)
+    comm.Barrier()
+    cgc.manager(comm).mark_unusable("the end of this test")

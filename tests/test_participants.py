@@ -1,0 +1,192 @@
+"""Participants: votes, their field, their fingerprint, ``finish`` and ``may_raise`` seen
+alike on every rank.
+
+Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
+``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
+that could differ between ranks are gathered first and asserted on every rank
+alike, so that a failing test never leaves some ranks waiting.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc import _agree
+
+from _util import (
+    FINISHED,
+    Asked,
+    Finisher,
+    Obj,
+    Recorder,
+    everyone,
+    noop,
+    outcome_of,
+    same_on_all,
+    sync_with,
+)
+
+
+def test_the_participants_fingerprint_has_64_bits() -> None:
+    values = {_agree.fingerprint(f"p{i}") for i in range(20_000)}
+    assert len(values) == 20_000
+    assert any(v >= 1 << 48 or v < 0 for v in values)  # all 64 bits are used
+    assert all(-(1 << 63) <= v < 1 << 63 for v in values)  # one int64 word
+
+
+@pytest.mark.parametrize("vote", [256, -1, 1 << 40])
+def test_a_vote_out_of_range_is_a_clear_error(comm: MPI.Intracomm, vote: int) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    mgr = cgc.manager(comm)
+    p = Recorder(5, vote)
+    mgr.add_participant(p)
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    seen_all = everyone(comm, seen)
+    assert seen_all[0] in ("ValueError", "CollectiveGCError"), (seen_all, p.seen)
+
+
+def test_a_participant_in_the_scope_policy_field_is_refused_or_kept_apart(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    mgr = cgc.manager(comm)
+    p = Recorder(0, 0x80)
+    mgr.add_participant(p)
+    with cgc.collective_scope(comm, gc="managed", exit_collect=None) as scope:
+        try:
+            scope.sync()
+            seen = "ok"
+        except cgc.CollectiveGCError as exc:
+            seen = "refused" if "field" in str(exc) else "other"
+        full = scope.collections
+    # Either the clash is refused, or each participant reads only its own votes
+    # (no collection: nothing was allocated to ask for one).
+    verdict = everyone(comm, (seen, p.seen, full))
+    assert all(v[0] == "refused" for v in verdict) or all(
+        v == ("ok", [0x80, 0x80], 0) for v in verdict
+    ), verdict
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("with_failure", [False, True])
+def test_a_finish_raising_on_one_rank_is_seen_alike(
+    comm: MPI.Intracomm, with_failure: bool
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    rank = comm.Get_rank()
+
+    class Fragile(cgc.Participant):
+        def finish(self, mgr: cgc.Manager, flags: int) -> None:
+            if rank == 0:
+                raise RuntimeError("finish failed on rank 0")
+
+    def fails() -> None:
+        raise ValueError("destroy failed")
+
+    mgr = cgc.manager(comm)
+    o = Obj()
+    cgc.register(o, fails if with_failure else noop, comm=comm)
+    cgc.collect(comm, generation=None, timeout=30)
+    del o
+    mgr.add_participant(Fragile())
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=3))
+    verdict = everyone(comm, (seen, mgr.broken is None))
+    assert all(v == verdict[0] for v in verdict) and verdict[0][0] != "ok", verdict
+
+
+def test_a_finish_raising_on_rank_0_is_a_destroy_error_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # On any size, one rank included: the same report as a destroy's.
+    mgr = cgc.manager(comm)
+    fragile = Finisher("fragile", 0, ValueError("finish failed"), True)
+    after = Finisher("after", -1, None, False)
+    failures: Any = None
+    try:
+        sync_with(mgr, fragile, after)
+    except cgc.DestroyError as exc:
+        failures = exc.failures
+        del exc
+    verdict = everyone(comm, (failures, list(FINISHED), mgr.broken))
+    expected = [(0, -1, "the finish of Finisher", "ValueError: finish failed")]
+    assert all(v == (expected, ["fragile", "after"], None) for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+
+
+def test_a_finish_that_said_it_would_not_raise_raises_on_its_rank_only(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    mgr = cgc.manager(comm)
+    liar = Finisher("liar", 0, ValueError("unexpected"), False)
+    after = Finisher("after", -1, None, False)
+    seen = outcome_of(lambda: sync_with(mgr, liar, after))
+    verdict = everyone(comm, (seen, list(FINISHED), mgr.broken))
+    # No collective was left half-way: the others returned, and every rank is
+    # in step for the next sync point.
+    assert [v[0] for v in verdict] == ["ValueError"] + ["ok"] * (len(verdict) - 1), verdict
+    assert all(v[1] == ["liar", "after"] and v[2] is None for v in verdict), verdict
+    assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_may_raise_that_raises_is_a_yes_and_an_error_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    mgr = cgc.manager(comm)
+    asked = Asked(-1, ValueError("may_raise is broken"))
+    failures: Any = None
+    try:
+        sync_with(mgr, asked)
+    except cgc.DestroyError as exc:
+        failures = [(r, k, n) for r, k, n, _ in exc.failures]
+        del exc
+    verdict = everyone(comm, (failures, list(FINISHED), mgr.broken))
+    expected = [(r, -1, "the may_raise of Asked") for r in range(comm.Get_size())]
+    assert all(v == (expected, ["asked"], None) for v in verdict), verdict
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_quiet_scope_sync_point_makes_no_finish_check(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+    # The scope's own participants (its policy, strict mode's flags, derived
+    # communicators) say may_raise only when they run code that can raise:
+    # a sync point that neither destroys nor collects stays one collective.
+    checks: list[int] = []
+    real = _agree.Agreement.any_flags
+
+    def counted(self: _agree.Agreement, *args: Any, **kwargs: Any) -> int:
+        checks.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_agree.Agreement, "any_flags", counted)
+    cgc.dup(comm).Free()  # a derived communicator: its participant is on the manager
+    with cgc.collective_scope(comm, gc="managed", strict=True, exit_collect=None, timeout=30) as s:
+        s.sync()
+        gc.collect()  # nothing is due to the collector now: no rank votes for a collection
+        before = len(checks)
+        for _ in range(5):
+            s.sync()
+        after = len(checks)
+    assert same_on_all(comm, (before, after))
+    assert after == before, (before, after)
+
+
+def test_a_participant_that_does_not_override_finish_adds_no_collective() -> None:
+    """Found by the hostile tests of core v2 (issue 14)."""
+
+    class Voter(cgc.Participant):
+        field = 3
+
+    assert not Voter().may_raise(0)
+    assert Finisher("x", 0, None, True).may_raise(0)
+    assert cgc.Participant.may_raise(Recorder(0, 0), 0)  # it overrides finish
