@@ -44,7 +44,6 @@ import threading
 import types
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,6 +54,7 @@ from petsc4py import PETSc
 from ._api import add_comm_resolver, register
 from ._comms import adopt, contains, relation
 from ._destroy import set_batch
+from ._diagnose import reference_paths
 from ._errors import ExitLeakWarning, RegistrationError
 from ._lookup import manager, managers
 from ._manager import Manager, Participant
@@ -566,36 +566,16 @@ def _path_to(
 ) -> tuple[str | None, int]:
     """The shortest path of strong references from one of ``roots`` (named) to
     ``owner``, or None; and how many objects were looked at (at most about
-    ``max_objects``). Local. Breadth first."""
-    parent: dict[int, tuple[int, str]] = {}  # object -> (its referrer, the reference)
-    names: dict[int, str] = {}  # how the path names an object it goes through
-    queue: deque[tuple[object, int]] = deque()
+    ``max_objects``). Local. See :func:`collective_gc._diagnose.reference_paths`."""
     for name, root in roots:
         if root is owner:
             return f"{name} -> {type(owner).__name__}", 1
-        parent[id(root)] = (0, "")
-        names[id(root)] = name
-        queue.append((root, 0))
-    while queue and len(parent) < max_objects:
-        cur, depth = queue.popleft()
-        if depth >= 8:
-            continue
-        for label, ref in _edges(cur):
-            rid = id(ref)
-            if rid in parent or _opaque(ref):
-                continue
-            parent[rid] = (id(cur), label)
-            names[rid] = type(ref).__name__
-            if ref is owner:
-                steps = []
-                node = rid
-                while node in parent and parent[node][0]:
-                    up, lab = parent[node]
-                    steps.append(f"{names[up]}{lab}")
-                    node = up
-                return " -> ".join(steps[::-1]) + f" -> {type(owner).__name__}", len(parent)
-            queue.append((ref, depth + 1))
-    return None, len(parent)
+    if _opaque(owner):
+        return None, 0  # never walked to: a class or a module is alive anyway
+    paths, seen = reference_paths(
+        roots, owner, _edges, skip=_opaque, max_depth=8, max_objects=max_objects, limit=1
+    )
+    return (paths[0] if paths else None), seen
 
 
 def _keeper(reg: Registration, owner: object, max_objects: int) -> tuple[str | None, int]:
