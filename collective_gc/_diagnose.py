@@ -4,8 +4,10 @@
 die in the cyclic collector? It walks ``gc.get_referents`` from the object,
 breadth first, and reports each shortest path back to it as attribute paths
 (``Solver.ksp -> KSPWrapper.owner -> Solver``), so the user can see which
-reference to break. ``view`` is the cross-rank table of what is queued, like
-PETSc's ``garbage_view`` but for everything managed.
+reference to break. Its search, ``reference_paths``, is also the PETSc
+adapter's (which owner its own destroy call keeps alive). ``view`` is the
+cross-rank table of what is queued, like PETSc's ``garbage_view`` but for
+everything managed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import collections
 import gc
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 from mpi4py import MPI
@@ -82,6 +84,10 @@ def _label(owner: object, ref: object) -> str:
     return f".<{_name(ref)}>"
 
 
+def _scalar(obj: object) -> bool:
+    return isinstance(obj, (int, float, str, bytes))
+
+
 def find_cycles(
     obj: object, *, max_depth: int = 8, max_objects: int = 100_000, limit: int = 10
 ) -> list[str]:
@@ -95,42 +101,84 @@ def find_cycles(
     into. An empty list means ``obj`` is in no cycle (within ``max_depth``
     references and ``max_objects`` visited objects).
     """
-    start = id(obj)
-    # BFS: parent pointers give the shortest path from obj to every node.
-    parent: dict[int, tuple[int, str]] = {}
-    nodes: dict[int, object] = {start: obj}
-    depth = {start: 0}
-    queue = collections.deque([obj])
-    cycles: list[list[tuple[int, str]]] = []
+    paths, _ = reference_paths(
+        [(_name(obj), obj)],
+        obj,
+        _edges,
+        skip=_scalar,
+        max_depth=max_depth,
+        max_objects=max_objects,
+        limit=limit,
+    )
+    return paths
+
+
+def reference_paths(
+    roots: Iterable[tuple[str, object]],
+    target: object,
+    edges: Callable[[object], Iterable[tuple[str, object]]],
+    *,
+    skip: Callable[[object], bool],
+    max_depth: int,
+    max_objects: int,
+    limit: int,
+) -> tuple[list[str], int]:
+    """The shortest paths of references from ``roots`` to ``target``. Local.
+
+    ``roots`` are ``(name, object)`` pairs: a path starts with its root's
+    name, then names each object it goes through by its type, each followed
+    by the label ``edges`` gave the reference out of it (``edges(obj)``
+    yields ``(label, referent)`` pairs), and ends with the target's type:
+    ``"Solver.ksp -> KSP.<PETSc attributes> -> Solver"``. A target among the
+    roots is walked from like any root, so its paths are its cycles
+    (:func:`find_cycles`); the PETSc adapter walks from a registration's
+    destroy call to its owner. Breadth first, so shortest first: at most
+    ``limit`` paths of at most ``max_depth`` references; a referent that
+    ``skip`` is true of is not walked into, and the walk stops once it has
+    seen ``max_objects`` objects. Also returns how many objects it saw.
+    """
+    if limit < 1:
+        return [], 0
+    # Each object seen, held so that its id cannot be reused by another one
+    # while the walk runs (a container the collector frees meanwhile, say).
+    nodes: dict[int, object] = {}
+    via: dict[int, tuple[int, str]] = {}  # object -> (its referrer, the reference)
+    names: dict[int, str] = {}  # the roots' names
+    depth: dict[int, int] = {}
+    queue: collections.deque[object] = collections.deque()
+    for name, root in roots:
+        rid = id(root)
+        if rid not in nodes:
+            nodes[rid], names[rid], depth[rid] = root, name, 0
+            queue.append(root)
+
+    def path(node: int, label: str) -> str:
+        steps = []
+        while True:
+            steps.append(f"{names[node] if node in names else _name(nodes[node])}{label}")
+            if node not in via:
+                break
+            node, label = via[node]
+        return " -> ".join(steps[::-1]) + f" -> {_name(target)}"
+
+    found: list[str] = []
     while queue and len(nodes) < max_objects:
         cur = queue.popleft()
         d = depth[id(cur)]
-        for label, ref in _edges(cur):
-            rid = id(ref)
-            if rid == start:
-                path = [(id(cur), label)]
-                node = id(cur)
-                while node != start:
-                    node, lab = parent[node]
-                    path.append((node, lab))
-                cycles.append(path[::-1])
+        for label, ref in edges(cur):
+            if ref is target:
+                found.append(path(id(cur), label))
+                if len(found) >= limit:
+                    return found, len(nodes)
                 continue
-            if rid in nodes or d + 1 >= max_depth or isinstance(ref, (int, float, str, bytes)):
+            rid = id(ref)
+            if rid in nodes or d + 1 >= max_depth or skip(ref):
                 continue
             nodes[rid] = ref
-            parent[rid] = (id(cur), label)
+            via[rid] = (id(cur), label)
             depth[rid] = d + 1
             queue.append(ref)
-        if len(cycles) >= limit:
-            break
-    out = []
-    for path in cycles:
-        parts = []
-        for node, label in path:
-            parts.append(f"{_name(nodes[node])}{label}")
-        out.append(" -> ".join(parts) + f" -> {_name(obj)}")
-    del nodes, queue, parent
-    return out
+    return found, len(nodes)
 
 
 def _rows(mgr: Manager) -> list[tuple[int, int, str, str, str]]:

@@ -37,6 +37,19 @@ def test_find_cycles_readable_paths() -> None:
     assert any("Obj.cb" in c for c in cgc.find_cycles(o))
 
 
+def test_find_cycles_returns_at_most_limit_paths() -> None:
+    """Its docstring's promise. Before the search was shared with the PETSc
+    adapter, it stopped only after the object on which it reached
+    ``limit``, so one object with many references back gave them all."""
+    o = Obj()
+    o.back = [o] * 20  # twenty cycles closed by the same list
+    assert len(cgc.find_cycles(o)) == 10
+    assert cgc.find_cycles(o, limit=3) == ["Obj.back -> list[0] -> Obj"] + [
+        f"Obj.back -> list[{i}] -> Obj" for i in (1, 2)
+    ]
+    assert cgc.find_cycles(o, limit=0) == []
+
+
 @pytest.mark.parametrize("comm", [MPI.COMM_SELF, MPI.COMM_WORLD], ids=["self", "world"])
 def test_view_lists_queued_on_every_rank(comm: MPI.Intracomm) -> None:
     c = comm.Dup()

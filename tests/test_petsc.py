@@ -39,6 +39,7 @@ import collective_gc as cgc  # noqa: E402
 from collective_gc import _destroy  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
 from collective_gc._destroy import set_batch  # noqa: E402
+from collective_gc.petsc import _destroyers, _internals  # noqa: E402
 
 from _util import GcDisabled, same_on_all  # noqa: E402
 
@@ -339,13 +340,13 @@ class PetscTests:
         # A PETSc or petsc4py outside the releases whose layouts were read:
         # no ctypes reading, no C destroys; the view has no PETSc rows and
         # sync points clean PETSc's garbage unconditionally.
-        real = cp._PETSC
+        real = _internals.READER
         assert real is not None
-        monkeypatch.setattr(cp, "_PETSC_RELEASE", (3, 99))
-        monkeypatch.setattr(cp, "_PETSC4PY_RELEASE", (3, 99))
-        assert cp._load_internals() is None
-        assert cp._fast_types() == ()
-        monkeypatch.setattr(cp, "_PETSC", None)
+        monkeypatch.setattr(_internals, "PETSC_RELEASE", (3, 99))
+        monkeypatch.setattr(_internals, "PETSC4PY_RELEASE", (3, 99))
+        assert _internals.load() is None
+        assert _destroyers.fast_types() == ()
+        monkeypatch.setattr(_internals, "READER", None)
         cp.install(comm)
         v = PETSc.Vec().createMPI(2, comm=comm)
         w = PETSc.Vec().createSeq(2, comm=PETSc.COMM_SELF)
@@ -827,9 +828,9 @@ def test_the_c_batch_destroy_is_built_here() -> None:
     # Python path does the same), but this machine builds it, and the tests
     # below must exercise it: a missing build fails here rather than going
     # unnoticed.
-    assert cp._BATCH is not None and cp.batch_destroys()
+    assert _destroyers.BATCH is not None and cp.batch_destroys()
     assert _destroy.passes() == "c"
-    assert PETSc.Vec in cp._fast_types() and PETSc.DMDA in cp._fast_types()
+    assert PETSc.Vec in _destroyers.fast_types() and PETSc.DMDA in _destroyers.fast_types()
 
 
 def test_batch_destroys_can_be_switched_off_and_on(comm: MPI.Intracomm) -> None:
@@ -874,8 +875,8 @@ class BatchPath:
 
     def batch(self, argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
         self.chunks.append(len(argss))
-        assert cp._BATCH is not None
-        return cp._BATCH(argss)
+        assert _destroyers.BATCH is not None
+        return _destroyers.BATCH(argss)
 
 
 @pytest.fixture(params=["c", "python", "mixed"])
@@ -884,13 +885,13 @@ def batch_path(request: pytest.FixtureRequest) -> Iterator[BatchPath]:
     then both in Python (the fallbacks without the extension), then the
     bookkeeping in Python and the destroys in C."""
     path = BatchPath(request.param)
-    set_batch(cp._destroy_one, None if path.name == "python" else path.batch)
+    set_batch(_destroyers.destroy_one, None if path.name == "python" else path.batch)
     if path.name != "c":
         _destroy.use_passes("python")
     try:
         yield path
     finally:
-        set_batch(cp._destroy_one, cp._BATCH)
+        set_batch(_destroyers.destroy_one, _destroyers.BATCH)
         _destroy.use_passes("c")
 
 

@@ -1,0 +1,267 @@
+"""The destroys of managed PETSc objects: one at a time from Python, or a run in C.
+
+``destroy_one`` and ``destroy_many`` are the destroy calls of
+``collective_gc.petsc.manage``'s registrations; ``destroy_all`` is the public
+explicit one. A destroy that raised leaves a wreck that is leaked, never
+destroyed again (:func:`_forget`), and is counted in the communicator's
+:class:`CommState` (the cleanup participant's vote says so to every rank).
+``BATCH``, the C loop of collective_gc._speedups given the addresses of
+petsc4py's and PETSc's C functions, destroys a sync point's run of
+single-object registrations at once, with the same outcome.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+from petsc4py import PETSc
+
+from .._destroy import set_batch
+from .._registration import SPEEDUPS
+from . import _internals
+
+
+class CommState:
+    """This rank's record of the PETSc objects managed on one communicator.
+
+    ``failed`` counts this rank's managed PETSc destroys that raised (the
+    wrecks are leaked, see :func:`_forget`).
+    """
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+
+def _capi_address(name: str) -> int:
+    # The address of one of petsc4py's exported C functions (a Cython capsule).
+    capsule = PETSc.__pyx_capi__[name]
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address: int = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+    return address
+
+
+def _capi_handle_slot() -> Callable[[Any], int] | None:
+    # petsc4py's C API gives where a Python object stores its PETSc handle
+    # (PyPetscObject_GetPtr); we use it only to forget a handle whose destroy
+    # failed half-way.
+    try:
+        address = _capi_address("PyPetscObject_GetPtr")
+        fn: Callable[[Any], int] = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(address)
+        return fn
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return None
+
+
+_HANDLE_SLOT = _capi_handle_slot()
+
+
+def _forget(obj: Any) -> None:
+    """After a failed destroy: make sure PETSc never destroys ``obj`` again.
+
+    A destroy that raised may have run half-way, and petsc4py keeps the
+    handle. Another destroy of the wreck can crash (a Mat whose Python context
+    raised in its destroy, when the wreck, which petsc4py had meanwhile handed
+    to PETSc's garbage, was cleaned). So hold
+    one more PETSc reference, which any later destroy or cleanup only drops,
+    and null the Python object's handle: the object is leaked, safely.
+    """
+    try:
+        if not obj.handle:
+            return
+        obj.incRef()
+        if _HANDLE_SLOT is not None:
+            ctypes.c_void_p.from_address(_HANDLE_SLOT(obj)).value = None
+    except Exception:  # best effort; the destroy's own error is what gets reported
+        pass
+
+
+def _original(exc: BaseException) -> BaseException:
+    """The exception to report for a destroy that raised ``exc``.
+
+    When Python code that PETSc called (a Python-type Mat's context, say)
+    raises, petsc4py 3.18 lets that exception through, while later ones raise
+    a ``PETSc.Error`` whose ``__cause__`` it is, and whose text is PETSc's
+    error trace (the same message once per PETSc frame). Report the user's
+    exception in both cases, once, with its own type and message.
+    """
+    cause = exc.__cause__
+    if isinstance(exc, PETSc.Error) and cause is not None and not isinstance(cause, PETSc.Error):
+        return cause
+    return exc
+
+
+def _destroy(obj: Any) -> None:
+    try:
+        obj.destroy()
+    except PETSc.Error as exc:
+        if _original(exc) is exc:
+            raise
+        # Nothing in this frame may hold the cause: its traceback holds the frame.
+        raise _original(exc) from None
+
+
+def destroy_one(obj: Any, state: CommState) -> None:
+    # The managed destroy of a wrapper owning one object (the common case, so
+    # no loop and no varargs).
+    try:
+        _destroy(obj)
+    except BaseException:
+        _forget(obj)
+        state.failed += 1
+        raise
+
+
+def destroy_many(state: CommState, *objs: Any) -> None:
+    # The managed destroy of a wrapper owning several objects.
+    _destroy_each(objs, state)
+
+
+def _destroy_each(objs: tuple[Any, ...], state: CommState | None) -> None:
+    """``obj.destroy()`` for each object, last first, every one tried whatever
+    raises (a KeyboardInterrupt too); then the first exception is raised, an
+    interrupt before any other, the rest as its notes. A failed object is
+    forgotten (see :func:`_forget`) and counted in ``state``."""
+    errors: list[tuple[Any, BaseException]] = []
+    for obj in reversed(objs):
+        try:
+            _destroy(obj)
+        except BaseException as exc:  # every object is still tried; raised after
+            _forget(obj)
+            if state is not None:
+                state.failed += 1
+            errors.append((obj, exc))
+    if not errors:
+        return
+    errors.sort(key=lambda e: isinstance(e[1], Exception))  # stable: interrupts first
+    first = errors[0][1]
+    for note in [f"also raised for a {type(o).__name__}: {e!r}" for o, e in errors[1:]]:
+        first.add_note(note)
+    del errors, obj
+    try:
+        raise first
+    finally:
+        del first  # no frame-traceback cycle keeping the objects alive
+
+
+def fast_types() -> tuple[type, ...]:
+    # petsc4py's own classes whose destroy() is XDestroy(&handle) and nothing
+    # else (read in the sources of each release in _internals.CHECKED), so
+    # PetscObjectDestroy on the handle slot does the same. Exact types only: a
+    # user's subclass may override destroy(), and gets it called. Outside
+    # _internals.CHECKED the C loop calls every object's destroy() method.
+    if not _internals.checked(_internals.PETSC4PY_RELEASE):
+        return ()
+    names = ("Vec", "Mat", "IS", "KSP", "PC", "SNES")
+    out = [getattr(PETSc, n) for n in names if hasattr(PETSc, n)]
+    dm_destroy = PETSc.DM.destroy
+    out += [
+        c
+        for c in vars(PETSc).values()
+        if isinstance(c, type)
+        and issubclass(c, PETSc.DM)
+        and getattr(c, "destroy", None) is dm_destroy
+    ]
+    return tuple(dict.fromkeys(out))
+
+
+def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]] | None:
+    """A batch destroy for :func:`destroy_one` calls, run in C, or None if unavailable.
+
+    It needs our optional C extension, petsc4py's C API and PETSc's
+    PetscObjectDestroy; without any of them sync points call ``destroy()``
+    on each object from Python, with the same outcome.
+    """
+    if SPEEDUPS is None:
+        return None
+    try:
+        lib = ctypes.CDLL(PETSc.__file__)
+        addresses = (
+            _capi_address("PyPetscObject_GetPtr"),
+            ctypes.cast(lib.PetscObjectDestroy, ctypes.c_void_p).value or 0,
+            _capi_address("PyPetscError_Set"),
+        )
+        fast = fast_types()
+    except (OSError, AttributeError, KeyError, ValueError, TypeError):
+        return None
+    if not all(addresses):
+        return None
+    destroy_each = SPEEDUPS.destroy_each
+
+    def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        # argss: [(obj, state), ...], the arguments of destroy_one calls; the
+        # same outcome as making each call, in order. A chunk at a time, each
+        # chunk's calls dropped from the list once done: what only they held
+        # (the Python objects of the destroyed PETSc objects, usually) is
+        # freed while still in cache, not in a second pass over the whole
+        # batch after PETSc's destroys have evicted it.
+        errors: list[tuple[int, BaseException]] = []
+        for start in range(0, len(argss), _CHUNK):
+            part = argss[start : start + _CHUNK]
+            for i, exc in destroy_each(part, 0, fast, *addresses):
+                obj, state = part[i]
+                _forget(obj)
+                state.failed += 1
+                errors.append((start + i, _original(exc)))
+                del obj, state, exc  # this frame outlives the loop in the tracebacks
+            argss[start : start + len(part)] = _NONES[: len(part)]
+            del part
+        try:
+            return errors
+        finally:
+            del errors  # see collective_gc._destroy.Failure
+
+    return destroy_batch
+
+
+_CHUNK = 512
+_NONES: list[Any] = [None] * _CHUNK
+
+
+def destroy_all(*objs: Any) -> None:
+    """Collective: ``obj.destroy()`` for each object, last first.
+
+    Every object is tried even if one raises (a KeyboardInterrupt too); then
+    the first exception is raised, an interrupt before any other, the others
+    as its notes. What is raised is PETSc's own error, or the Python
+    exception that made PETSc fail. An object whose destroy raised is left
+    alone for good (its handle is nulled: destroying a half-destroyed object
+    again can crash). Already destroyed objects (null handle) are skipped by
+    petsc4py itself, so a second call does nothing. Called on every rank of
+    the objects' communicators, as their destroys are.
+    """
+    _destroy_each(objs, None)
+
+
+# Sync points destroy runs of managed single-object wrappers in C (see
+# collective_gc._speedups); explicit destroys still call destroy_one.
+BATCH = _fast_destroyer()
+set_batch(destroy_one, BATCH)
+_batching = BATCH is not None
+
+
+def batch_destroys(enabled: bool | None = None) -> bool:
+    """Whether sync points destroy the objects of single-object wrappers from C,
+    a run of them at a time; ``enabled`` sets it first. Local.
+
+    True by default where the C extension and petsc4py's C API are available
+    (then False cannot be changed to True). False: each object's
+    ``destroy()`` is called from Python, with the same order, errors and
+    outcome (what a user without a C compiler gets). For benchmarks and tests;
+    set it alike on every rank, between sync points.
+    """
+    global _batching
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True, False or None, not {enabled!r}")
+        on = enabled and BATCH is not None
+        set_batch(destroy_one, BATCH if on else None)
+        _batching = on
+    return _batching
