@@ -24,9 +24,10 @@ from ._errors import (
 )
 from ._keep import keep
 from ._lookup import manager, managers
-from ._manager import CollectStats, Manager, Participant, Snapshot
+from ._manager import Manager, Snapshot, State
 from ._registration import Registration
 from ._scope import collective_scope, current_scope, sync_point
+from ._syncpoint import CollectStats, Participant
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "Registration",
     "RegistrationError",
     "Snapshot",
+    "State",
     "collect",
     "collective_scope",
     "current_scope",

@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 from . import _gcpolicy, local
 from ._lookup import lookup, manager
-from ._manager import CollectStats
 from ._registration import Registration
+from ._syncpoint import CollectStats
 
 __all__ = ["register", "collect", "pending", "check_timeout", "add_comm_resolver"]
 

@@ -433,7 +433,7 @@ def _parent_for(mgr: Manager) -> Manager | None:
     if scope is not None:
         candidates.append(scope.manager)
     world = lookup(MPI.COMM_WORLD)
-    if world is not None and (world.created or world.sync_count):
+    if world is not None and (world.next_key or world.sync_count):
         candidates.append(world)
     for parent in candidates:
         if parent is not mgr and parent.broken is None and not parent.comm_freed:

@@ -20,7 +20,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import _gcpolicy, _interrupts, _lookup, _registration, local
+from . import _gcpolicy, _interrupts, _lookup, _manager, _registration, local
 from ._errors import ExitLeakWarning
 
 __all__ = ["exit_timeout"]
@@ -62,11 +62,11 @@ def _at_exit() -> None:
         if MPI.Is_finalized():
             # Finalized by hand: nothing can be agreed any more.
             for mgr in mgrs:
-                mgr.drain_at_exit()
+                _manager.drain_at_exit(mgr)
                 if mgr.pending():
                     warnings.warn(
                         f"collective_gc: rank {mgr.rank}: leaked at exit (MPI was finalized "
-                        f"before them): {mgr.leak_text()}",
+                        f"before them): {_manager.leak_text(mgr)}",
                         ExitLeakWarning,
                         stacklevel=1,
                     )
@@ -81,7 +81,7 @@ def _at_exit() -> None:
         try:
             for mgr in reversed(_lookup.managers()):
                 try:
-                    mgr.exit_agreement(deadline)
+                    _manager.exit_agreement(mgr, deadline)
                 except BaseException as exc:
                     # An interrupt, raised by a destroy on this rank: the other
                     # ranks go on with the other managers' exit agreements, and
@@ -91,7 +91,7 @@ def _at_exit() -> None:
                     else:
                         interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
             for mgr in _lookup.managers():
-                mgr.end_exit()
+                _manager.end_exit(mgr)
             if interrupt is not None:
                 try:
                     raise interrupt

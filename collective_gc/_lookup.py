@@ -16,6 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import _manager
 from ._errors import CollectiveGCError
 from ._manager import Manager
 
@@ -77,7 +78,7 @@ def _first_collective(mgr: Manager) -> None:
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
-    mgr.comm_was_freed()
+    _manager.comm_was_freed(mgr)
     _FREED.append(mgr)
 
 
@@ -189,7 +190,7 @@ def release_freed() -> None:
         return
     keep = []
     for mgr in list(_FREED):
-        if mgr.release():
+        if _manager.release(mgr):
             _forget(mgr)
         elif mgr.registered:
             keep.append(mgr)
@@ -205,7 +206,7 @@ def retire(mgr: Manager, comm: MPI.Intracomm | None) -> bool:
     rank of the communicator at the same point, as a parent's sync point does
     for the communicators it reaches (see collective_gc._comms).
     """
-    if not mgr.release():
+    if not _manager.release(mgr):
         return False
     _forget(mgr)
     if comm is not None and _KEYVAL and not mgr.comm_freed:
@@ -224,4 +225,4 @@ def after_fork() -> None:
     _REGISTRY_LOCK = threading.RLock()
     _LAST[0] = _LAST[1] = None
     for mgr in _MANAGERS:
-        mgr.after_fork()
+        _manager.after_fork(mgr)

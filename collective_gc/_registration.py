@@ -166,6 +166,8 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
             keys of their own.
         name: the name given at registration, or the object's type name.
         origin: where it was registered (with origin tracking on), else None.
+        cyclic: whether the cyclic collector finalized its object.
+        queued_at: the sync point that took its destroy request in, or -1.
     """
 
     __slots__ = (

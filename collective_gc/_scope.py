@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, Union
 from mpi4py import MPI
 
 from . import _gcpolicy, _registration
-from ._agree import FLAG_CYCLIC
+from ._agree import FIELD_GC, FLAG_CYCLIC
 from ._api import check_timeout, collect
 from ._errors import (
     CollectiveGCError,
@@ -30,7 +30,8 @@ from ._errors import (
 )
 from ._exit import exit_timeout
 from ._lookup import lookup, manager
-from ._manager import CollectStats, Manager, Participant, set_timeout_source
+from ._manager import Manager, set_timeout_source
+from ._syncpoint import CollectStats, Participant
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
 
@@ -107,7 +108,7 @@ class _Policy(_Seen):
     oldest any of them wants, at the same point, after the destroys (what that
     collection finds is queued for the next sync point)."""
 
-    field = 0
+    field = FIELD_GC
 
     def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
         super().__init__(gather_cyclic, timeout)

@@ -63,13 +63,13 @@ def _not_in_time() -> str:
 
 def _reduce(comm: MPI.Comm, values: list[int], op: MPI.Op, deadline: Any) -> list[int]:
     """Collective. Non-blocking allreduce of ints against ``deadline`` (an
-    ``_agree.Deadline``, or None): the agreement's own transport (a
+    ``_transport.Deadline``, or None): the agreement's own transport (a
     non-blocking collective never matches a blocking one, so every rank
     issues the same kind; what a late rank may still write into is kept).
     Raises CollectiveTimeoutError."""
-    from . import _agree
+    from . import _transport
 
-    return _agree.allreduce(comm, array.array("q", values), op, deadline, _not_in_time).tolist()
+    return _transport.allreduce(comm, array.array("q", values), op, deadline, _not_in_time).tolist()
 
 
 def _holds(condition: object) -> tuple[bool, str]:
@@ -130,9 +130,9 @@ def parallel_assert(
         if not ok:
             raise AssertionError(_assert_message([(rank, detail)], size))
         return
-    from . import _agree
+    from . import _transport
 
-    deadline = None if timeout is None else _agree.Deadline(time.monotonic() + timeout)
+    deadline = None if timeout is None else _transport.Deadline(time.monotonic() + timeout)
     try:
         agreed = _reduce(c, [int(ok)], MPI.MIN, deadline)
     except CollectiveTimeoutError:
@@ -275,16 +275,16 @@ class _State:
     # the first check (at the same test on every rank), so it never matches a
     # test's own collectives on COMM_WORLD.
     comm: Any = None
-    # The _agree.Watch of comm: a rank that gives up at its deadline tells the
+    # The _transport.Watch of comm: a rank that gives up at its deadline tells the
     # others, so a late rank fails at once instead of carrying on alone.
     notice: Any = None
     broken: str | None = None
 
     def deadline(self, at: float) -> Any:
-        """An ``_agree.Deadline`` at ``at`` for the checks' collectives on ``comm``."""
-        from . import _agree
+        """An ``_transport.Deadline`` at ``at`` for the checks' collectives on ``comm``."""
+        from . import _transport
 
-        dl = _agree.Deadline(at)
+        dl = _transport.Deadline(at)
         dl.watch = self.notice
         return dl
 
@@ -377,17 +377,17 @@ def _checks_comm(state: _State, deadline: float) -> Any:
     serial or when it could not be made."""
     from mpi4py import MPI
 
-    from . import _agree
+    from . import _transport
 
     world = MPI.COMM_WORLD
     if state.comm is None and state.broken is None and world.Get_size() > 1:
         try:
-            comm = _agree.dup(world, _agree.Deadline(deadline), _not_in_time)
+            comm = _transport.dup(world, _transport.Deadline(deadline), _not_in_time)
         except CollectiveTimeoutError:
             state.broken = "making its own communicator timed out"
             return None
         state.comm = comm
-        state.notice = _agree.Watch(comm)
+        state.notice = _transport.Watch(comm)
     return state.comm
 
 
@@ -418,10 +418,12 @@ def _end(watch: _Watch, state: _State, item: pytest.Item) -> None:
         else:
             if agreed[0]:
                 # Something to report somewhere: every rank is here, gather it all.
-                from . import _agree
+                from . import _transport
 
                 try:
-                    everyone = _agree.allgather(comm, mine, state.deadline(deadline), _not_in_time)
+                    everyone = _transport.allgather(
+                        comm, mine, state.deadline(deadline), _not_in_time
+                    )
                 except CollectiveTimeoutError as exc:
                     state.broken = f"gathering its report: {exc}"
     if state.broken is not None:
@@ -476,7 +478,7 @@ def _agree_used(
     (what was registered where) and left alone: syncing it would wait for
     ranks that will never come.
     """
-    from . import _agree
+    from . import _transport
     from ._lookup import managers
 
     used = [m for m in managers() if m.next_key > watch.keys.get(m, 0) and m.broken is None]
@@ -491,7 +493,7 @@ def _agree_used(
             names = sorted({r.name for r in mgr.alive() + mgr.pending() if r.key >= start})
             manifest.append((ident, mgr.next_key - start, names[:3]))
     try:
-        everyone = _agree.allgather(comm, manifest, state.deadline(deadline), _not_in_time)
+        everyone = _transport.allgather(comm, manifest, state.deadline(deadline), _not_in_time)
     except CollectiveTimeoutError as exc:
         state.broken = f"the leak check's agreement: {exc}"
         return [], []

@@ -75,7 +75,7 @@ def main() -> None:
         if step % (steps // 10 or 1) == 0 and rank == 0:
             mgr = cgc.manager(comm)
             print(
-                f"step {step:5d}/{steps}: created {mgr.created}, destroyed {mgr.destroyed}, "
+                f"step {step:5d}/{steps}: created {mgr.next_key}, destroyed {mgr.destroyed}, "
                 f"pending {len(cgc.pending(comm))}",
                 flush=True,
             )
@@ -83,7 +83,7 @@ def main() -> None:
     sync_time += stats.seconds
     cyclic += stats.cyclic
     mgr = cgc.manager(comm)
-    totals = comm.gather((mgr.created, mgr.destroyed, len(cgc.pending(comm)), sync_time, cyclic))
+    totals = comm.gather((mgr.next_key, mgr.destroyed, len(cgc.pending(comm)), sync_time, cyclic))
     if rank == 0:
         assert totals is not None
         print(f"\n{comm.Get_size()} ranks, {steps} steps, {time.perf_counter() - t0:.2f} s")

@@ -296,7 +296,7 @@ def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
     locks = [
         local._REAPER.ledger.lock,
         mgr._lock,
-        mgr._registry.lock,
+        mgr._books.registry.lock,
         _lookup._REGISTRY_LOCK,
         _gcpolicy.POLICY.lock,
     ]

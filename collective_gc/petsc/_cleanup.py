@@ -19,9 +19,11 @@ from collections.abc import Iterator
 from mpi4py import MPI
 from petsc4py import PETSc
 
+from .._agree import FIELD_PETSC
 from .._errors import ExitLeakWarning
 from .._lookup import manager
-from .._manager import Manager, Participant
+from .._manager import Manager
+from .._syncpoint import Participant
 from . import _internals
 from ._destroyers import CommState
 from ._internals import Unreadable
@@ -45,7 +47,7 @@ _SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
 class _Cleanup(Participant):
     """PETSc's own garbage cleanup, at every sync point of one communicator."""
 
-    field = 1
+    field = FIELD_PETSC
 
     def vote(self, mgr: Manager) -> int:
         """This rank's vote: whether it holds garbage (on the communicator, on

@@ -20,7 +20,7 @@ class Obj:
 mgr = cgc.manager(world)
 sent = []
 cgc.collect(world, generation=None)  # empty: the first sync point
-sent.append(mgr._agreement.words)  # type: ignore[union-attr]
+sent.append(mgr.message[0])  # type: ignore[index]
 for n in (0, 10, 0, 300, 0):  # steps that register n objects, all dropped
     objs = [Obj() for _ in range(n)]
     o = None
@@ -28,5 +28,5 @@ for n in (0, 10, 0, 300, 0):  # steps that register n objects, all dropped
         cgc.register(o, lambda: None, comm=world)
     objs = o = None  # type: ignore[assignment]
     cgc.collect(world, generation=None)
-    sent.append(mgr._agreement.words)  # type: ignore[union-attr]
+    sent.append(mgr.message[0])  # type: ignore[index]
 print(f"words {world.Get_size()} {world.Get_rank()} {' '.join(map(str, sent))}", flush=True)
