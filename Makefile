@@ -120,7 +120,9 @@ demo-naive: install
 
 bench: install bench-loader
 	$(MPIRUN) bench/bench_core.py
+	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_core.py
 	$(MPIRUN) bench/bench_petsc.py
+	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_petsc.py
 	$(MPIRUN) bench/bench_petsc.py --python-destroys
 	$(MPIRUN) bench/bench_gcpause.py
 	$(PY) bench/bench_scale.py  # launches its own jobs of 2-16 ranks

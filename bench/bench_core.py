@@ -6,8 +6,13 @@
 3. the floor of the empty sync point: its own allreduce alone, started and
    completed as the sync point does (non-blocking, so that a rank with a
    timeout can give up), with no Python around it; beside the same Allreduce.
+4. the empty sync point beside what a PETSc user calls instead after every
+   solve (Firedrake does): ``PETSc.garbage_cleanup(comm)`` with nothing in
+   the garbage.
 
-Run: mpiexec -n 4 python bench/bench_core.py   (make bench)
+Run: mpiexec -n 4 python bench/bench_core.py   (make bench runs it at 4 ranks
+and at 2, a core each, where a collective is not a wait for a core; the
+2-rank figures go to core_2ranks.json)
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ def sync_costs() -> list[dict[str, object]]:
         f"ratio to Allreduce {r_empty:7.2f} (issue 14 target <= 1.3)",
     )
     rows.append(floor(c, allreduce, k, t_empty))
+    rows.extend(against_garbage_cleanup(c, empty_sync, k))
     holders: list[Res] = []
 
     def fill(n: int) -> None:
@@ -164,7 +170,8 @@ def floor(
     persistent where mpi4py and the MPI offer it (mpi4py 4), else Iallreduce;
     completed with Wait, as a sync point without a timeout does. What the
     sync point costs beyond this is its Python."""
-    buf = array.array("q", bytes(8 * (6 + c.Get_size() + 4)))
+    words = cgc.manager(c).message
+    buf = array.array("q", bytes(8 * (words[0] if words else 12)))
     how = "Iallreduce"
     pers = None
     init = getattr(c, "Allreduce_init", None)
@@ -204,12 +211,42 @@ def floor(
     }
 
 
+def against_garbage_cleanup(
+    c: MPI.Intracomm, empty_sync: Callable[[], None], k: int
+) -> list[dict[str, object]]:
+    """The empty sync point / ``PETSc.garbage_cleanup`` with nothing to clean."""
+    try:
+        from petsc4py import PETSc
+    except ImportError:
+        say(comm, "garbage_cleanup: petsc4py not installed, row skipped")
+        return []
+
+    def cleanup() -> None:
+        for _ in range(k):
+            PETSc.garbage_cleanup(c)
+
+    t_sync, t_gc, ratio = paired(comm, empty_sync, cleanup, REPEATS)
+    say(
+        comm,
+        f"empty sync point {t_sync / k * 1e6:.1f} us, PETSc.garbage_cleanup with nothing "
+        f"to clean {t_gc / k * 1e6:.1f} us: ratio {ratio:.2f}",
+    )
+    return [
+        {
+            "bench": "sync_vs_garbage_cleanup",
+            "sync_us": t_sync / k * 1e6,
+            "garbage_cleanup_us": t_gc / k * 1e6,
+            "ratio": ratio,
+        }
+    ]
+
+
 def main() -> None:
     gc.disable()  # no automatic collection pauses inside the timings
     say(comm, f"bench_core: {comm.Get_size()} ranks, median of {REPEATS}, slowest rank per repeat")
     rows = per_object() + sync_costs()
     if "--no-save" not in sys.argv[1:]:
-        save("core", rows, comm)
+        save("core" if comm.Get_size() != 2 else "core_2ranks", rows, comm)
 
 
 if __name__ == "__main__":

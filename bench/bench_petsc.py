@@ -160,13 +160,14 @@ def main() -> None:
         f"bench_petsc: {world.Get_size()} ranks, PETSc {PETSc.Sys.getVersion()}, "
         f"(b)'s destroys {how}",
     )
-    rows = [run(n) for n in (1000, 10000)]
+    rows = [run(n) for n in (100, 1000, 10000)]
     for row in rows:
         row["destroys"] = how
     for row in rows:
         row["petsc"] = ".".join(map(str, PETSc.Sys.getVersion()))
     if "--no-save" not in sys.argv[1:]:
-        save("petsc" if how == "from C" else "petsc_python_destroys", rows, world)
+        name = "petsc" if how == "from C" else "petsc_python_destroys"
+        save(name if world.Get_size() != 2 else f"{name}_2ranks", rows, world)
 
 
 if __name__ == "__main__":
