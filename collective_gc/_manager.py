@@ -546,10 +546,10 @@ class Manager:
             # collectives are done on this rank (see _interrupts).
             entered = _interrupts.enter()
             try:
-                with SyncPoint(
+                point = SyncPoint(
                     self, books, self._private, Deadline(deadline), participants, at_exit
-                ) as point:
-                    return point.run(collected, t0)
+                )
+                return point.run(collected, t0)
             except CollectiveTimeoutError:
                 # An abandoned collective could match a later one: never again.
                 self._become(State.UNUSABLE, f"sync point {books.seq} timed out on this rank")

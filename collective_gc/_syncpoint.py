@@ -228,10 +228,10 @@ class Books:
 class SyncPoint:
     """One sync point on this rank, run as its steps (see the module docs).
 
-    Use it as a context manager around :meth:`run`: the failures it collects
-    hold tracebacks, whose frames hold this record; its end drops them, so
-    that no reference cycle (with a user's objects in it, perhaps) outlives
-    the sync point and waits for the cyclic collector.
+    The failures it collects hold tracebacks, whose frames hold this record:
+    :meth:`run` drops them as it ends, however it ends, so that no reference
+    cycle (with a user's objects in it, perhaps) outlives the sync point and
+    waits for the cyclic collector.
     """
 
     __slots__ = (
@@ -282,27 +282,23 @@ class SyncPoint:
         # collectives are done.
         self.caught: list[BaseException] = []
 
-    def __enter__(self) -> SyncPoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.failures = []
-        self.caught = []
-
     def run(self, collected: int | None, t0: float) -> CollectStats:
         """The steps, in order. Collective: from the agreement on, whether a
         step runs depends on agreed values only (the keys, the flags, the
         participants), so every rank runs the same steps."""
-        self.prepare()
-        self.agree()
-        if self.keys.size:
-            self.destroy()
-        if self.keys.size or self.flags & FLAG_FAILED:
-            self.check()
-        if self.parts:
-            self.finish()
-        if self.failures or self.caught or self.flags & FLAG_FAILED:
-            self.report()
+        try:
+            self.prepare()
+            self.agree()
+            if self.keys.size:
+                self.destroy()
+            if self.keys.size or self.flags & FLAG_FAILED:
+                self.check()
+            if self.parts:
+                self.finish()
+            if self.failures or self.caught or self.flags & FLAG_FAILED:
+                self.report()
+        finally:
+            self.failures = self.caught = _NONE  # see the class docs
         r = self.books.registry
         return CollectStats(
             self.count,
@@ -546,3 +542,4 @@ class SyncPoint:
 
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _NO_KEYS.flags.writeable = False
+_NONE: list[Any] = []  # what a finished record holds; never appended to
