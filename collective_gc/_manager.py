@@ -67,6 +67,7 @@ class State(enum.Enum):
 # about 100 ns in Python 3.11, a tenth of a registration.
 _OPEN = State.OPEN
 
+
 class Snapshot(NamedTuple):
     """A manager's state on this rank, read without changing anything.
 
