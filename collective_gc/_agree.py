@@ -289,7 +289,7 @@ def _window_keys_c(buf: array.array[int], at: int, nbits: int, lo: int) -> np.nd
     return np.frombuffer(SPEEDUPS.window_keys(buf, at, nbits, lo), np.int64)
 
 
-# The window's packing and reading: in C where the extension is built (a few
+# The window's packing and reading: in C where the extension is loaded (a few
 # numpy calls cost more than the work when numpy is out of cache, as after
 # many destroys), else with numpy.
 _PACK: Callable[..., tuple[int, int, int]] = (
