@@ -20,7 +20,7 @@ MPIEXEC ?= tools/mpirun $(NP) 900
 MPIRUN := $(MPIEXEC) $(PY) -m mpi4py
 PYTEST_FLAGS ?= -q -x --color=no
 
-.PHONY: all install test test-serial test-mpi test-clients bench-dolfinx test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
+.PHONY: all install test test-serial test-mpi test-pure test-clients bench-dolfinx test-plugin-mpipytest test-stacks demo demo-resources demo-naive bench bench-loader stress lint docs clean
 
 all: test
 
@@ -34,13 +34,27 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c 
 
 install: $(VENV)/.installed
 
-test: test-serial test-mpi
+test: test-serial test-mpi test-pure
 
 test-serial: install
 	$(PY) -m pytest $(PYTEST_FLAGS) -m "not mpi" --ignore=tests/clients tests
 
 test-mpi: install
 	$(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" --ignore=tests/clients tests
+
+# The files that go through the C/Python twins once more, in processes that
+# run the Python versions (COLLECTIVE_GC_PURE_PYTHON=1 blocks the extension at
+# import, as CPython's test_heapq runs without _heapq) and agree through a new
+# Iallreduce each time instead of MPI-4's persistent one
+# (COLLECTIVE_GC_PERSISTENT=0): the other legs run the C versions and the
+# persistent path. Tests of the C functions themselves skip here, saying why.
+PURE_TESTS := tests/test_registration.py tests/test_manager.py tests/test_agreement.py \
+    tests/test_destroys.py tests/test_interrupts.py tests/test_error_cycles.py tests/test_petsc.py
+PURE_ENV := COLLECTIVE_GC_PURE_PYTHON=1 COLLECTIVE_GC_PERSISTENT=0
+
+test-pure: install
+	$(PURE_ENV) $(PY) -m pytest $(PYTEST_FLAGS) -m "not mpi" $(PURE_TESTS)
+	$(PURE_ENV) $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" $(PURE_TESTS)
 
 # Real clients (issue 22): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
 # packages), installed only here so that `make test` does not need it; its tests and the example loop

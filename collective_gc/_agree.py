@@ -38,6 +38,7 @@ from __future__ import annotations
 import array
 import functools
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -288,7 +289,7 @@ def _window_keys_c(buf: array.array[int], at: int, nbits: int, lo: int) -> np.nd
     return np.frombuffer(SPEEDUPS.window_keys(buf, at, nbits, lo), np.int64)
 
 
-# The window's packing and reading: in C where the extension is built (a few
+# The window's packing and reading: in C where the extension is loaded (a few
 # numpy calls cost more than the work when numpy is out of cache, as after
 # many destroys), else with numpy.
 _PACK: Callable[..., tuple[int, int, int]] = (
@@ -333,7 +334,7 @@ class Agreement:
         # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
         # its shape lasts: starting it costs less than a new Iallreduce.
         init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
-        self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT[0] else None
+        self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT else None
         self._preq: MPI.Prequest | None = None
 
     @property
@@ -479,9 +480,12 @@ _NO_KEYS.flags.writeable = False  # shared by every agreement that found none
 _NOTHING = Agreed(_NO_KEYS, 0, False, False)  # read only, never changed
 
 
-# Whether agreements use MPI-4's persistent allreduce where mpi4py offers it
-# (tests switch it off to run the other path on the same MPI).
-PERSISTENT = [True]
+# Whether agreements use MPI-4's persistent allreduce where mpi4py offers it:
+# COLLECTIVE_GC_PERSISTENT=0, read once at import, makes a whole process use a
+# new Iallreduce each time instead (make test's second leg runs the agreement
+# tests so, on the same MPI). All ranks must decide alike: they do, as every
+# rank of a job is started with the same environment.
+PERSISTENT = os.environ.get("COLLECTIVE_GC_PERSISTENT", "1") != "0"
 
 
 def intersect_any(

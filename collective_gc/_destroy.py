@@ -23,8 +23,6 @@ from ._registry import Registry
 __all__ = [
     "Failure",
     "set_batch",
-    "use_passes",
-    "passes",
     "run",
     "run_each_py",
     "rows_of",
@@ -84,22 +82,11 @@ def run_each_py(
         del errors  # see Failure
 
 
-_PY = (take_batch_py, run_each_py)
-_C = _PY if SPEEDUPS is None else (SPEEDUPS.take_batch, SPEEDUPS.run_each)
-_PASSES = [_C]
-
-
-def use_passes(kind: str) -> None:
-    """``"c"`` (the default where the extension is built) or ``"python"``: which
-    version of the take and run passes sync points use. For tests and benchmarks."""
-    if kind not in ("c", "python"):
-        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
-    _PASSES[0] = _C if kind == "c" else _PY
-
-
-def passes() -> str:
-    """Which passes sync points use: ``"c"`` or ``"python"``."""
-    return "c" if _PASSES[0] is _C and SPEEDUPS is not None else "python"
+# The take and run passes, bound once from the one decision (_registration's
+# SPEEDUPS): C where the extension is loaded, else their Python twins.
+_take, _run_each = (
+    (take_batch_py, run_each_py) if SPEEDUPS is None else (SPEEDUPS.take_batch, SPEEDUPS.run_each)
+)
 
 
 def run(
@@ -122,7 +109,7 @@ def run(
     sync point's collectives are done; anything else that does is a failure
     of the sync point, reported on every rank like a destroy's.
     """
-    take, run_each = _PASSES[0]
+    take, run_each = _take, _run_each
     batched, runners = _BATCHES
     with registry.lock:
         regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)

@@ -47,13 +47,13 @@ __all__ = [
     "shut_down",
     "set_shut_down",
     "after_fork",
-    "use_speedups",
     "speedups",
     "finalizer",
     "new_registration_py",
     "construct",
     "plain_adder",
     "SPEEDUPS",
+    "PURE_PYTHON",
     "ALIVE",
     "DESTROYED",
     "DETACHED",
@@ -136,22 +136,31 @@ def _py_on_finalize(
     reg._push(reg)
 
 
+# COLLECTIVE_GC_PURE_PYTHON=1 (read once, here) blocks the C extension for the
+# whole process: every module then binds its Python versions at import. It is
+# how the tests run one suite against both (``make test``'s pure-Python leg),
+# as CPython's test_heapq runs against heapq with and without _heapq. There is
+# no switch after import: a registration made with one finalizer and a sync
+# point taking it with the other's assumptions would not be tested anywhere.
+PURE_PYTHON = os.environ.get("COLLECTIVE_GC_PURE_PYTHON", "") not in ("", "0")
+
+
 def _load_speedups() -> types.ModuleType | None:
+    if PURE_PYTHON:
+        return None
     try:
         from . import _speedups
     except ImportError:  # built without a C compiler: the Python versions do it all
         return None
+    # The flags change at run time (the collector's thread, shut down): the
+    # C finalizer reads the same list the Python one does.
     _speedups.set_flags(_FLAGS)
     return _speedups
 
 
-# The optional C extension (imported here once; _manager and petsc use it too), or None.
+# The optional C extension (the one decision, taken here once: every module
+# that has a C twin binds it from this), or None.
 SPEEDUPS = _load_speedups()
-_C_ON_FINALIZE: Callable[[Registration], None] | None = (
-    None if SPEEDUPS is None else SPEEDUPS.on_finalize
-)
-# The callback every new registration gets (tests switch it to compare the two).
-_CALLBACK: list[Callable[[Registration], None]] = [_C_ON_FINALIZE or _py_on_finalize]
 
 
 class Registration(weakref.ref):  # type: ignore[type-arg]
@@ -259,7 +268,9 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
 
 
 if SPEEDUPS is not None:
-    SPEEDUPS.set_registration_type(Registration)  # where its sync-point pass finds the slots
+    # Where the C code finds the slots, by name (an ImportError naming the
+    # slot if this class and the built extension disagree).
+    SPEEDUPS.set_registration_type(Registration)
 
 
 def make_registration(
@@ -277,7 +288,7 @@ def make_registration(
         destroy = functools.partial(destroy, **kwargs)
     origin = _origin() if TRACK_ORIGINS[0] else None
     try:
-        return _NEW[0](_CALLBACK[0], obj, owner, push, key, destroy, args, name, origin)
+        return _NEW(_ON_FINALIZE, obj, owner, push, key, destroy, args, name, origin)
     except TypeError:
         if not isinstance(args, tuple):
             raise
@@ -330,35 +341,32 @@ def new_registration_py(
     return reg
 
 
-# The constructor every registration uses.
-_NEW: list[Callable[..., Registration]] = [
+# The finalizer and the constructor every registration gets, bound once.
+_ON_FINALIZE: Callable[[Registration], None] = (
+    _py_on_finalize if SPEEDUPS is None else SPEEDUPS.on_finalize
+)
+_NEW: Callable[..., Registration] = (
     new_registration_py if SPEEDUPS is None else SPEEDUPS.new_registration
-]
-
-
-def _bind() -> Callable[..., Registration]:
-    return functools.partial(_NEW[0], _CALLBACK[0])
-
+)
 
 # ``construct(obj, owner, push, key, destroy, args, name, origin)``: the
 # constructor with its finalizer bound (one C call where the extension is
-# built); a registry calls it directly when there are no keyword arguments to
+# loaded); a registry calls it directly when there are no keyword arguments to
 # fold in and no origin to record. TypeError if obj cannot be weakly referenced.
-construct: Callable[..., Registration] = _bind()
-
-
-# Whether registries may register in one C call (_speedups.add_plain).
-_FAST_ADD: list[bool] = [SPEEDUPS is not None]
+construct: Callable[..., Registration] = functools.partial(_NEW, _ON_FINALIZE)
 
 
 def plain_adder(registry_type: type) -> Callable[..., Registration | None]:
     """``add(registry, obj, destroy, args, name)``: a registration made and
     stored in one C call in the common case (see ``_speedups.add_plain``), or
     None for the registry's own ``add`` to do it. Without the extension,
-    always None."""
+    always None. An ImportError naming the slot if ``registry_type`` lacks
+    one that the C code stores into."""
     if SPEEDUPS is None:
         return _no_plain_add
-    SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _CALLBACK, _FAST_ADD)
+    # TRACK_ORIGINS is a list because it changes at run time (collective_scope,
+    # the pytest plugin): add_plain reads it per call. The finalizer does not.
+    SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _ON_FINALIZE)
     add: Callable[..., Registration | None] = SPEEDUPS.add_plain
     return add
 
@@ -367,27 +375,16 @@ def _no_plain_add(*args: object) -> None:
     return None
 
 
-def use_speedups(kind: str) -> None:
-    """``"c"`` (the default where the extension is built) or ``"python"``: which
-    finalizer and constructor new registrations get. For tests and benchmarks."""
-    global construct
-    if kind not in ("c", "python"):
-        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
-    c = kind == "c" and SPEEDUPS is not None
-    _CALLBACK[0] = _C_ON_FINALIZE if c and _C_ON_FINALIZE else _py_on_finalize
-    _NEW[0] = SPEEDUPS.new_registration if c and SPEEDUPS else new_registration_py
-    _FAST_ADD[0] = c
-    construct = _bind()
-
-
 def speedups() -> str:
-    """``"c"`` if new registrations get the C finalizer and constructor, else ``"python"``."""
-    return "c" if _CALLBACK[0] is _C_ON_FINALIZE and SPEEDUPS is not None else "python"
+    """``"c"`` if this process loaded the C extension, else ``"python"``
+    (not built, or blocked by ``COLLECTIVE_GC_PURE_PYTHON=1``). A read: the
+    decision is taken once, at import."""
+    return "python" if SPEEDUPS is None else "c"
 
 
 def finalizer() -> Callable[[Registration], None]:
-    """The finalizer new registrations get (for tests that build registrations)."""
-    return _CALLBACK[0]
+    """The finalizer every registration gets (for tests that build registrations)."""
+    return _ON_FINALIZE
 
 
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)

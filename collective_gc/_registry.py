@@ -28,6 +28,7 @@ from ._registration import (
     Owner,
     Registration,
     check_destroy,
+    construct,
     make_registration,
     plain_adder,
 )
@@ -182,9 +183,7 @@ class Registry(Ledger):
             reg = None
             if not kwargs and not _registration.TRACK_ORIGINS[0]:
                 try:  # the common case in one C call
-                    reg = _registration.construct(
-                        obj, self.owner, self.push, key, destroy, args, name, None
-                    )
+                    reg = construct(obj, self.owner, self.push, key, destroy, args, name, None)
                 except TypeError:
                     pass  # make_registration below says why
             if reg is None:

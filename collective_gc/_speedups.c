@@ -294,26 +294,33 @@ on_finalize(PyObject *module, PyObject *reg)
 /* -- take_batch, run_each -------------------------------------------------- */
 
 /* The offset of the writable object slot ``name`` of ``type``'s instances,
- * defined by the type or a base (a Registry's ``live`` is its Ledger's). */
+ * defined by the type or a base (a Registry's ``live`` is its Ledger's).
+ * The C code stores into these slots in place, so a class that lacks one (the
+ * Python file changed, the extension was built from another version) must
+ * not get this far: ImportError, raised while collective_gc imports, naming
+ * the slot and the way out. */
 static Py_ssize_t
 slot_offset(PyTypeObject *type, const char *name)
 {
     PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
     if (descr == NULL) {
-        return -1;
+        PyErr_Clear();
     }
     Py_ssize_t off = -1;
-    if (PyObject_TypeCheck(descr, &PyMemberDescr_Type)
+    if (descr != NULL && PyObject_TypeCheck(descr, &PyMemberDescr_Type)
         && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
         PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
         if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
             off = m->offset;
         }
     }
-    Py_DECREF(descr);
+    Py_XDECREF(descr);
     if (off < 0) {
-        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name,
-                     name);
+        PyErr_Format(PyExc_ImportError,
+                     "collective_gc._speedups does not match the Python code: %s has no "
+                     "writable object slot '%s' (declare it in __slots__, or rebuild the "
+                     "extension from this source; COLLECTIVE_GC_PURE_PYTHON=1 runs without it)",
+                     type->tp_name, name);
     }
     return off;
 }
@@ -485,31 +492,33 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* -- add_plain ------------------------------------------------------------- */
 
-/* collective_gc._registry.Registry's slots, by offset (set_registry_type), and
- * _registration's switches: [track origins], [the finalizer], [fast add on]. */
+/* collective_gc._registry.Registry's slots, by offset (set_registry_type),
+ * the finalizer new registrations get (fixed for the process), and
+ * _registration.TRACK_ORIGINS, a one-item list because it changes at run time
+ * (collective_scope and the pytest plugin turn origin tracking on and off). */
 static PyTypeObject *registry_type = NULL;
 static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = -1,
                   off_rpush = -1, off_thread = -1;
-static PyObject *origins_switch = NULL, *callback_box = NULL, *fast_switch = NULL;
+static PyObject *origins_switch = NULL, *plain_callback = NULL;
 
 PyDoc_STRVAR(set_registry_type_doc,
-"set_registry_type(cls, track_origins, callback, fast) -> None\n\n"
-"Tell add_plain where collective_gc's Registry keeps its slots, and give it\n"
-"the one-item lists that say whether origins are tracked, which finalizer new\n"
-"registrations get, and whether add_plain may act at all.");
+"set_registry_type(cls, track_origins, callback) -> None\n\n"
+"Tell add_plain where collective_gc's Registry keeps its slots (ImportError\n"
+"naming a slot it lacks), give it the one-item list that says whether\n"
+"origins are tracked (read per call) and the finalizer new registrations get.");
 
 static PyObject *
 set_registry_type(PyObject *module, PyObject *args)
 {
-    PyObject *cls, *origins, *callback, *fast;
+    PyObject *cls, *origins, *callback;
     (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!:set_registry_type", &PyType_Type, &cls, &PyList_Type,
-                          &origins, &PyList_Type, &callback, &PyList_Type, &fast)) {
+    if (!PyArg_ParseTuple(args, "O!O!O:set_registry_type", &PyType_Type, &cls, &PyList_Type,
+                          &origins, &callback)) {
         return NULL;
     }
-    if (PyList_GET_SIZE(origins) < 1 || PyList_GET_SIZE(callback) < 1
-        || PyList_GET_SIZE(fast) < 1) {
-        PyErr_SetString(PyExc_TypeError, "set_registry_type: expected one-item lists");
+    if (PyList_GET_SIZE(origins) != 1 || !PyCallable_Check(callback)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_registry_type: expected a one-item list and a callable");
         return NULL;
     }
     Py_ssize_t l = slot_offset((PyTypeObject *)cls, "live");
@@ -532,9 +541,7 @@ set_registry_type(PyObject *module, PyObject *args)
     Py_INCREF(origins);
     Py_XSETREF(origins_switch, origins);
     Py_INCREF(callback);
-    Py_XSETREF(callback_box, callback);
-    Py_INCREF(fast);
-    Py_XSETREF(fast_switch, fast);
+    Py_XSETREF(plain_callback, callback);
     Py_RETURN_NONE;
 }
 
@@ -561,11 +568,8 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *registry = args[0], *obj = args[1], *destroy = args[2], *fargs = args[3];
     PyObject *name = args[4];
     if (registry_type == NULL || reg_type == NULL || Py_TYPE(registry) != registry_type
-        || !PyList_CheckExact(fast_switch) || PyList_GET_SIZE(fast_switch) < 1
-        || PyList_GET_ITEM(fast_switch, 0) != Py_True || !PyList_CheckExact(origins_switch)
-        || PyList_GET_SIZE(origins_switch) < 1
-        || PyList_GET_ITEM(origins_switch, 0) != Py_False || !PyList_CheckExact(callback_box)
-        || PyList_GET_SIZE(callback_box) < 1) {
+        || !PyList_CheckExact(origins_switch) || PyList_GET_SIZE(origins_switch) < 1
+        || PyList_GET_ITEM(origins_switch, 0) != Py_False) {
         Py_RETURN_NONE;
     }
     /* What check_destroy would find nothing to refuse in, decided without
@@ -586,7 +590,7 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_INCREF(owner);
     Py_INCREF(push);
-    PyObject *callback = Py_NewRef(PyList_GET_ITEM(callback_box, 0));
+    PyObject *callback = Py_NewRef(plain_callback);
     /* Allocating it may start the collector, whose finalizers may run Python
      * code and let other threads run: nothing of the registry is read before. */
     PyObject *reg = build_registration(callback, obj, owner, push, Py_None, destroy, fargs, name,

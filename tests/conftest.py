@@ -87,17 +87,36 @@ def petsc() -> Any:
     return import_petsc()
 
 
-@pytest.fixture(params=["c", "python"])
-def sync_passes(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Sync points take their batch and call its destroys in C, then in Python."""
-    from collective_gc import _destroy
+# One C/Python decision per process, as CPython's test_heapq runs one suite
+# against heapq with and without _heapq: `make test` runs the files that go
+# through the C/Python paths once as they are and once more with
+# COLLECTIVE_GC_PURE_PYTHON=1 (the extension blocked). Nothing is switched
+# inside a process.
 
-    saved = _destroy.passes()
-    _destroy.use_passes(request.param)
-    try:
-        yield request.param
-    finally:
-        _destroy.use_passes(saved)
+
+@pytest.fixture
+def speedups_c() -> Any:
+    """``collective_gc._speedups``, for a test that calls the C functions
+    themselves: skipped where COLLECTIVE_GC_PURE_PYTHON=1 blocks them; fails
+    where the extension was not built (this project's machines build it)."""
+    from collective_gc import _registration
+
+    if _registration.PURE_PYTHON:
+        pytest.skip("COLLECTIVE_GC_PURE_PYTHON=1 blocks the C extension in this process")
+    assert _registration.SPEEDUPS is not None, "the C extension was not built"
+    assert _registration.speedups() == "c"
+    return _registration.SPEEDUPS
+
+
+@pytest.fixture
+def pure_python() -> None:
+    """For a test of the Python versions as a whole process runs them: skipped
+    unless COLLECTIVE_GC_PURE_PYTHON=1, and it checks that they really run."""
+    from collective_gc import _registration
+
+    if not _registration.PURE_PYTHON:
+        pytest.skip("runs where COLLECTIVE_GC_PURE_PYTHON=1 (make test's pure-Python leg)")
+    assert _registration.SPEEDUPS is None and _registration.speedups() == "python"
 
 
 @pytest.fixture

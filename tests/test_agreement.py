@@ -16,7 +16,6 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -333,24 +332,20 @@ class Token:
         self.key = -1
 
 
-@pytest.fixture(params=["persistent", "iallreduce"])
-def agreement_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Agreements made during the test start MPI-4's persistent allreduce
-    (where mpi4py offers it: elsewhere both run the other path) or a new
-    Iallreduce each time."""
-    saved = _agree.PERSISTENT[0]
-    _agree.PERSISTENT[0] = request.param == "persistent"
-    try:
-        yield str(request.param)
-    finally:
-        _agree.PERSISTENT[0] = saved
+@pytest.fixture
+def agreement_path() -> str:
+    """Which way this process's agreements go: MPI-4's persistent allreduce
+    (where mpi4py offers it), or a new Iallreduce each time where
+    COLLECTIVE_GC_PERSISTENT=0 (make test's second 4-rank leg)."""
+    return "persistent" if _agree.PERSISTENT else "iallreduce"
 
 
 def test_the_persistent_path_is_taken_where_mpi4py_offers_it(comm: MPI.Intracomm) -> None:
     """Found by the hostile tests of core v2 (issue 14)."""
     agreement = _agree.Agreement(comm)
     try:
-        assert (agreement._persistent is not None) == hasattr(comm, "Allreduce_init")
+        offered = hasattr(comm, "Allreduce_init") and _agree.PERSISTENT
+        assert (agreement._persistent is not None) == offered
     finally:
         agreement.close()
 

@@ -82,9 +82,7 @@ def fail_once(comm: MPI.Intracomm, destroy: Callable[[Resource], None]) -> tuple
 @pytest.mark.parametrize(
     ("destroy", "raised"), [(fail, "DestroyError"), (interrupt, "KeyboardInterrupt")]
 )
-def test_a_failed_destroy_leaves_no_cycle(
-    sync_passes: str, destroy: Callable[[Resource], None], raised: str
-) -> None:
+def test_a_failed_destroy_leaves_no_cycle(destroy: Callable[[Resource], None], raised: str) -> None:
     comm = MPI.COMM_SELF.Dup()
     try:
         verdict = leftovers(comm, lambda: fail_once(comm, destroy))
@@ -183,9 +181,7 @@ def test_a_failed_rank_local_destroy_leaves_no_cycle(capfd: pytest.CaptureFixtur
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_destroy_failed_on_one_rank_leaves_no_cycle_on_any(
-    comm: MPI.Intracomm, sync_passes: str
-) -> None:
+def test_a_destroy_failed_on_one_rank_leaves_no_cycle_on_any(comm: MPI.Intracomm) -> None:
     def on_rank_0(res: Resource) -> None:
         if comm.Get_rank() == 0:
             raise RuntimeError("this destroy fails on rank 0")

@@ -310,7 +310,7 @@ def test_handlers_are_wrapped_and_keep_working_and_a_second_ctrl_c_is_at_once() 
         signal.signal(signal.SIGINT, previous)
 
 
-def test_keyboard_interrupt_in_a_destroy_lets_the_others_run(sync_passes: str) -> None:
+def test_keyboard_interrupt_in_a_destroy_lets_the_others_run() -> None:
     # Serial: an interrupt on one rank of a parallel job ends the job anyway.
     comm = MPI.COMM_SELF.Dup()
     log: list[str] = []

@@ -10,13 +10,13 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _destroy, _registration
+from collective_gc import _registration
 
 from _util import WORLD, CheckedLog, GcDisabled, Obj, make_cycle, same_on_all
 
@@ -298,24 +298,15 @@ def test_bad_communicators() -> None:
         cgc.collect(MPI.COMM_NULL)
 
 
-def test_the_c_finalizer_is_built_here() -> None:
+def test_the_c_finalizer_is_built_here(speedups_c: Any) -> None:
     # Optional for users (the Python one does the same), but this machine
-    # builds it, so the rest of the suite runs with it.
-    assert _registration.speedups() == "c"
+    # builds it, so the rest of the suite runs with it (and once more without
+    # it, in make test's pure-Python leg).
+    assert _registration.finalizer() is speedups_c.on_finalize
 
 
-@pytest.fixture(params=["c", "python"])
-def finalizer(request: pytest.FixtureRequest) -> Iterator[str]:
-    """New registrations get the C finalizer and constructor, then the Python ones."""
-    saved = _registration.speedups()
-    _registration.use_speedups(request.param)
-    try:
-        yield request.param
-    finally:
-        _registration.use_speedups(saved)
-
-
-def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
+def test_finalizers_queue_note_cycles_and_skip_alike() -> None:
+    """With the C finalizer, or the Python one in the pure-Python leg."""
     comm = MPI.COMM_SELF.Dup()
     try:
         log = CheckedLog(comm)
@@ -358,11 +349,11 @@ def test_finalizers_queue_note_cycles_and_skip_alike(finalizer: str) -> None:
         comm.Free()
 
 
-def test_the_c_sync_passes_are_built_here() -> None:
-    assert _destroy.passes() == "c"
+def test_the_c_sync_passes_are_built_here(speedups_c: Any) -> None:
+    assert speedups_c.take_batch is not None and speedups_c.run_each is not None
 
 
-def test_destroys_that_raise_are_all_reported(sync_passes: str) -> None:
+def test_destroys_that_raise_are_all_reported() -> None:
     comm = MPI.COMM_SELF.Dup()
     log: list[int] = []
 
