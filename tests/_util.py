@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,31 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def script_env() -> dict[str, str]:
+    """The environment of a script in a fresh interpreter: no MPI launcher's
+    variables (it would take itself for a rank of this job), this sys.path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def in_thread(call: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
+    """Run ``call`` on a thread; (whether it finished within ``timeout``, what
+    it returned or raised). A loader that hangs fails the test, not the session."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            result.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return (not t.is_alive()), (result[0] if result else None)
 
 
 def mapped_segments() -> int:

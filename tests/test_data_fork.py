@@ -2,20 +2,31 @@
 asynchronous checkpoint writer) while its loader runs. The parent's loader must
 deliver every element whatever the child does with its copy; the copy is inert
 in the child (its ``next()`` raises a clear error); a loader the child makes
-itself works; a child that leaves exits at once.
+itself works; a child that leaves exits at once. And the other way round: a
+worker's ``fn`` that forks. What it forked dies with the worker, with
+``close()`` and with the rank, and a worker that forked and then crashed is
+reported although its child holds the worker's socket open.
 
 Launcher tests (they start worker processes and fork): serial session only.
-Each case runs in a script of its own (``data_scripts/forker.py``), so that the
-fork happens in a plain process, not in pytest's.
+The rank-side cases run in a script of their own (``data_scripts/forker.py``),
+so that the fork happens in a plain process, not in pytest's.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
+from data_scripts.fns import ForkThenCrash
+
+from collective_gc.data import ProcessPrefetch, WorkerError
+
+from _util import in_thread, process_alive, script_env
 
 pytestmark = pytest.mark.launcher
 
@@ -23,13 +34,11 @@ SCRIPTS = os.path.join(os.path.dirname(__file__), "data_scripts")
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return subprocess.run(
         [sys.executable, os.path.join(SCRIPTS, "forker.py"), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=script_env(),
         timeout=timeout,
     )
 
@@ -67,3 +76,105 @@ def test_a_forked_helper_pins_none_of_the_loaders_memory() -> None:
     assert result.returncode == 0 and result.stdout.strip() == "ok", (
         CODES.get(result.returncode, f"exit code {result.returncode}") + "\n" + result.stderr
     )
+
+
+# -- a fn that forks ------------------------------------------------------------------
+
+
+def _kill_listed(path: Any) -> list[int]:
+    pids = [int(p) for p in path.read_text().split()] if path.exists() else []
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def test_worker_that_forked_then_crashed_is_reported(tmp_path: Any) -> None:
+    # The grandchild holds the worker's socket open: EOF never comes. The
+    # parent must see the worker itself die.
+    record = tmp_path / "grandchildren"
+    it = ProcessPrefetch(ForkThenCrash(str(record)), range(6), num_workers=1)
+    try:
+        assert next(it)[0] == 0 and next(it)[0] == 1
+        finished, outcome = in_thread(lambda: next(it), 30)
+        assert finished, "next() waits for ever for a worker that died"
+        assert isinstance(outcome, WorkerError), repr(outcome)
+        assert outcome.exitcode == -signal.SIGKILL
+        # The worker's forked child dies with it.
+        assert not _outlive(record), "fn's child outlived its worker"
+    finally:
+        it.close()
+        _kill_listed(record)
+
+
+def _outlive(record: Any, seconds: float = 10) -> list[int]:
+    """The children listed in ``record`` still alive after up to ``seconds``."""
+    pids = [int(p) for p in record.read_text().split()]
+    deadline = time.monotonic() + seconds
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if process_alive(p)]
+
+
+def test_close_stops_what_fn_forked(tmp_path: Any) -> None:
+    record = tmp_path / "grandchildren"
+    it = ProcessPrefetch(ForkThenCrash(str(record), at=0, crash=False), range(50), num_workers=1)
+    try:
+        assert next(it)[0] == 0
+        it.close()
+        assert not _outlive(record), "fn's child outlived close()"
+    finally:
+        it.close()
+        _kill_listed(record)
+
+
+def _descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.parametrize("mode", ["main-fork", "thread-fork"])
+def test_everything_dies_with_the_rank_whatever_fn_forked(mode: str) -> None:
+    env = script_env()
+    victim = subprocess.Popen(
+        [sys.executable, os.path.join(SCRIPTS, "victim.py"), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    family: set[int] = set()
+    try:
+        line = victim.stdout.readline() if victim.stdout else ""
+        assert line.startswith("ready"), line
+        workers = {int(p) for p in line.split()[1:]}
+        family = _descendants(victim.pid)
+        assert workers < family  # the workers, and what their fn forked
+        victim.kill()
+        victim.wait(10)
+        deadline = time.monotonic() + 10
+        while any(process_alive(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        survivors = [p for p in family if process_alive(p)]
+    finally:
+        victim.kill()
+        victim.wait()
+        for p in family:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not survivors, f"{survivors} outlived the rank"

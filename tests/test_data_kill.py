@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from _util import process_alive
+from _util import process_alive, script_env
 from conftest import mpiexec_cmd, mpiexec_env
 
 pytestmark = pytest.mark.launcher
@@ -37,12 +37,6 @@ def _shm() -> set[str]:
 PYTHON_SHM = ("psm_", "sem.mp-", "wnsm_", "collective_gc")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return env
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("mode", ["main", "busy", "thread"])
 def test_workers_exit_when_the_parent_is_killed(mode: str, sig: int) -> None:
@@ -51,7 +45,7 @@ def test_workers_exit_when_the_parent_is_killed(mode: str, sig: int) -> None:
         [sys.executable, os.path.join(SCRIPTS, "victim.py"), mode],
         stdout=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=script_env(),
     )
     try:
         line = victim.stdout.readline() if victim.stdout else ""

@@ -42,7 +42,9 @@ from collective_gc import local
 from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _leases, _pool, _shm
 
 from _util import GcDisabled as GcOff
-from _util import mapped_segments, process_alive
+from _util import mapped_segments, process_alive, script_env
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "data_scripts")
 
 # -- helpers ------------------------------------------------------------------------
 
@@ -466,3 +468,24 @@ def _not_mpi(names: Any) -> set[str]:
     # has these prefixes (SharedMemory, multiprocessing's semaphores). MPI's
     # segments (the script's singleton, other jobs meanwhile) are not ours.
     return {n for n in names if n.startswith(("psm_", "sem.mp-", "wnsm_", "collective_gc"))}
+
+
+def test_a_start_up_cut_short_by_descriptor_exhaustion_is_silent_and_explained() -> None:
+    """Issue 24, defect 5: a worker spawned by a start-up that then failed
+    (EMFILE on a later worker) printed ``EOFError: Ran out of input`` from
+    its ``pickle.load(boot)`` on the user's stderr when it was stopped."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "exhaust.py")],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and lines[-1] == "ok", result.stdout + result.stderr
+    assert result.stderr == "", "a worker stopped at start-up wrote on stderr"
+    errors = [line for line in lines if line.startswith("error")]
+    # Some start-ups failed after spawning a worker: the case that printed.
+    assert any("failed starting worker 1 of 3" in line for line in errors), lines
+    for line in errors:
+        assert line.startswith("error OSError 24 ") and "RLIMIT_NOFILE" in line, line

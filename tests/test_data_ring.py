@@ -31,16 +31,12 @@ from data_scripts.fns import (
     small,
     tagged,
 )
-from test_data_hostile import (
-    INTERRUPTS,
-    TOTAL,
-    _check_exactly_once,
-    _consume_under_interrupts,
-    _in_thread,
-)
 
 from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _leases, _pool
 from collective_gc.data import _protocol as P
+
+from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
+from _util import in_thread
 
 pytestmark = pytest.mark.launcher
 
@@ -137,10 +133,10 @@ def test_interrupts_inside_next_while_the_ring_is_full(
     try:
         assert next(it)[0] == 0
         time.sleep(0.3)  # every worker runs a window ahead: its ring is full
-        got, interrupts, error = _consume_under_interrupts(it, exc)
+        got, interrupts, error = consume_under_interrupts(it, exc)
         assert interrupts > 0
         got.insert(0, (0, np.float32(0)))
-        _check_exactly_once(got, error)
+        check_exactly_once(got, error)
         if error is not None:  # the only other outcome: the same clear error on every call
             with pytest.raises(LoaderError, match="lost element"):
                 next(it)
@@ -199,7 +195,7 @@ def test_a_socket_message_lost_before_a_ring_post_is_reported_not_awaited(
         else:
             assert select.select([worker.sock], [], [], 20)[0], "element 1 never came"
             assert len(worker.sock.recv(1 << 16)) > 5000  # element 1's message
-        finished, outcome = _in_thread(lambda: next(it), 20)
+        finished, outcome = in_thread(lambda: next(it), 20)
         assert finished, "next() waits for an element that was lost"
         assert isinstance(outcome, LoaderError) and "lost element 1" in str(outcome), outcome
         with pytest.raises(LoaderError, match="lost element 1"):  # and on every later call
