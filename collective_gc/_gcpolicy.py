@@ -31,11 +31,21 @@ If the permanent generation held objects when the policy would first freeze
 (someone called ``gc.freeze()``, a pre-fork server for instance), or more
 than it froze later, the policy leaves it alone: it neither freezes nor
 thaws what is not its own.
+
+CPython 3.12's collector itself moves the immortal objects it meets into the
+permanent generation (3.11 has none there; 3.13 untracks them instead), so on
+3.12 the permanent generation is never empty although nobody froze anything.
+What it held when this module was imported, and what a full collection of
+the policy's adds to it, is counted as the collector's
+(:attr:`GcPolicy.collector_frozen`), not as someone's freeze. A freeze made
+on 3.12 before ``collective_gc`` is imported is therefore not told apart
+from the interpreter's own.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 __all__ = ["GcPolicy", "POLICY", "wanted_generation", "collect"]
@@ -68,6 +78,9 @@ class GcPolicy:
         # froze nothing. Frozen objects freed by refcounting make the
         # count drop, never rise: a rise means someone else froze too.
         self.frozen = 0
+        # How many objects in the permanent generation the collector put
+        # there itself (CPython 3.12's immortal objects; see the module docs).
+        self.collector_frozen = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 0
 
     def enter(self, mode: str) -> None:
         with self.lock:
@@ -121,7 +134,7 @@ class GcPolicy:
             if not self.managed:
                 return False
             count = gc.get_freeze_count()
-            if count > self.frozen:
+            if count > max(self.frozen, self.collector_frozen):
                 return False  # not ours
             if survivors < max(self.freeze_min, count):
                 return False
@@ -185,7 +198,12 @@ def collect(generation: int, *, agreed: bool = False) -> int:
     if generation >= 2:
         if not agreed:
             POLICY.thaw()
+        before = gc.get_freeze_count()
         found = gc.collect(2)
+        # A collection freezes nothing, but on 3.12 it moves immortal objects there.
+        moved = gc.get_freeze_count() - before
+        if moved > POLICY.collector_frozen:
+            POLICY.collector_frozen = moved
         survivors = len(gc.get_objects(2))
         if agreed and POLICY.maybe_freeze(survivors):
             survivors = 0

@@ -38,14 +38,15 @@ def heap(n: int) -> list[list[object]]:
     return cells
 
 
+def thawed() -> bool:
+    """Whether the permanent generation holds nothing but what the collector
+    itself put there (CPython 3.12's immortal objects; none elsewhere)."""
+    return gc.get_freeze_count() <= POLICY.collector_frozen
+
+
 @pytest.fixture
 def policy() -> Iterator[None]:
     """A low freeze threshold; the test fails if it leaves anything frozen."""
-    if gc.get_freeze_count():
-        # CPython 3.12 starts with objects in the permanent generation: the
-        # policy, which leaves a permanent generation it did not fill alone,
-        # never freezes there (test_a_freeze_made_by_the_user_is_left_alone).
-        pytest.skip("objects were frozen before the policy could freeze: it leaves them alone")
     old = POLICY.freeze_min
     POLICY.freeze_min = 1_000
     try:
@@ -53,9 +54,9 @@ def policy() -> Iterator[None]:
     finally:
         POLICY.freeze_min = old
         left = gc.get_freeze_count()
-        if left:
+        if not thawed():
             gc.unfreeze()
-        assert left == 0, "objects left frozen after the scopes closed"
+        assert left <= POLICY.collector_frozen, "objects left frozen after the scopes closed"
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_an_agreed_full_collection_freezes_the_heap_and_the_scope_exit_thaws_it(
         assert not any(o is probe for o in gc.get_objects(2))
         _gcpolicy.collect(2, agreed=True)
         assert not any(o is probe for o in gc.get_objects(2))
-    assert gc.get_freeze_count() == 0
+    assert thawed()
     assert any(o is probe for o in gc.get_objects(2))  # back where a full collection sees it
     assert gc.isenabled()
 
@@ -88,13 +89,13 @@ def test_no_freeze_below_the_threshold_or_outside_a_managed_scope(
     POLICY.freeze_min = 10**9
     with cgc.collective_scope(self_comm):
         _gcpolicy.collect(2, agreed=True)
-        assert gc.get_freeze_count() == 0
+        assert thawed()
     POLICY.freeze_min = 1_000
     _gcpolicy.collect(2, agreed=True)  # no scope open
-    assert gc.get_freeze_count() == 0
+    assert thawed()
     with cgc.collective_scope(self_comm, gc="auto"):
         _gcpolicy.collect(2, agreed=True)
-        assert gc.get_freeze_count() == 0
+        assert thawed()
 
 
 def test_garbage_that_died_after_the_freeze_is_collected_and_destroyed_at_the_scope_exit(
@@ -120,7 +121,7 @@ def test_garbage_that_died_after_the_freeze_is_collected_and_destroyed_at_the_sc
     # The exit collection thawed first, found both, and the exit sync destroyed "after".
     assert dead() is None
     assert log.keys == ["frozen", "after"]
-    assert gc.get_freeze_count() == 0
+    assert thawed()
 
 
 def test_the_collector_is_restored_when_the_body_raises(
@@ -136,7 +137,7 @@ def test_the_collector_is_restored_when_the_body_raises(
                     assert gc.get_freeze_count() >= len(heap_)
                     raise KeyError("body")
             assert gc.isenabled() is was
-            assert gc.get_freeze_count() == 0
+            assert thawed()
         finally:
             gc.enable()
 
@@ -145,7 +146,6 @@ def test_a_freeze_made_by_the_user_is_left_alone(self_comm: MPI.Intracomm) -> No
     old = POLICY.freeze_min
     POLICY.freeze_min = 1_000
     cells = heap(5_000)
-    was = gc.get_freeze_count()  # the interpreter's own, on CPython 3.12
     gc.collect()
     gc.freeze()  # the user's (a pre-fork server's, say)
     theirs = gc.get_freeze_count()
@@ -166,8 +166,7 @@ def test_a_freeze_made_by_the_user_is_left_alone(self_comm: MPI.Intracomm) -> No
         assert len(cells) == len(more)
     finally:
         POLICY.freeze_min = old
-        if not was:
-            gc.unfreeze()
+        gc.unfreeze()  # theirs (on 3.12 the collector's too: the next collection puts those back)
 
 
 def test_scopes_on_two_threads_share_the_frozen_heap_until_the_last_one_closes(
@@ -216,6 +215,6 @@ def test_scopes_on_two_threads_share_the_frozen_heap_until_the_last_one_closes(
     after = seen["after first"]
     assert isinstance(after, int) and after >= len(cells)  # still frozen: a scope is open
     assert seen["enabled after first"] is False
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert thawed() and gc.isenabled()
     for c in comms:
         cgc.collect(c)
