@@ -84,25 +84,35 @@ class Pester:
 
 
 def consume_under_interrupts(
-    it: Iterator[Any], exc: type[BaseException]
-) -> tuple[list[tuple[Any, Any]], int, BaseException | None]:
-    """Iterate ``it`` to the end, resuming after every interrupt.
+    it: Iterator[Any],
+    exc: type[BaseException],
+    *,
+    whole: bool = False,
+    every: tuple[float, float] = (0.00005, 0.0005),
+) -> tuple[list[Any], int, BaseException | None]:
+    """Iterate ``it`` to the end, resuming after every interrupt (one every
+    ``every`` seconds, a random delay in that range).
 
     The loop body only appends (a call whose effect is complete before an
     interrupt can be raised after it), so an element can only go missing
-    inside the loader. Returns (the (key, first value) pairs delivered, the
-    number of interrupts caught, the LoaderError that ended it or None).
+    inside the loader. Returns (what was delivered: the (key, first value)
+    pairs, or the elements themselves if ``whole``; the number of interrupts
+    caught; the LoaderError that ended it or None).
     """
-    got: list[tuple[Any, Any]] = []
+    got: list[Any] = []
     interrupts = 0
     error: BaseException | None = None
     finished = False
-    pester = Pester(exc)
+    pester = Pester(exc, every=every)
     try:
         while not finished:
             try:
-                for e in it:
-                    got.append((e[0], e[1][0]))
+                if whole:
+                    for e in it:
+                        got.append(e)
+                else:
+                    for e in it:
+                        got.append((e[0], e[1][0]))
                 finished = True
             except exc:
                 interrupts += 1

@@ -24,7 +24,7 @@ from data_scripts.fns import slow, small, tagged
 from collective_gc import local
 from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch
 
-from _pester import INTERRUPTS, TOTAL, Pester, check_exactly_once, consume_under_interrupts
+from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
 
 pytestmark = pytest.mark.launcher
@@ -96,24 +96,11 @@ def test_interrupts_while_every_element_is_kept() -> None:
     before = _memfds()
     total = 4000
     it = ProcessPrefetch(tagged, range(total), num_workers=2, buffer_size=8)
-    kept: list[Any] = []
-    interrupts = 0
-    error: BaseException | None = None
-    finished = False
-    pester = Pester(KeyboardInterrupt, every=(0.0002, 0.001))
     try:
-        while not finished:
-            try:
-                for e in it:
-                    kept.append(e)
-                finished = True
-            except KeyboardInterrupt:
-                interrupts += 1
-            except LoaderError as err:
-                error = err
-                finished = True
+        kept, interrupts, error = consume_under_interrupts(
+            it, KeyboardInterrupt, whole=True, every=(0.0002, 0.001)
+        )
     finally:
-        pester.stop()
         it.close()
     keys = [int(e[0]) for e in kept]
     assert interrupts > 100
@@ -121,7 +108,7 @@ def test_interrupts_while_every_element_is_kept() -> None:
     assert all(int(e[-1]) == k for e, k in zip(kept, keys))
     assert error is None, f"{error} after {interrupts} interrupts"
     assert len(kept) == total
-    del kept, e
+    del kept
     gc.collect()
     local.flush()
     assert not (_memfds() - before), "segments left after close() and dropping the elements"
