@@ -66,7 +66,7 @@ def per_object(n: int = 20000) -> list[dict[str, object]]:
         comm,
         f"register+drop+queue: {t_ours / n * 1e6:6.2f} us/object   "
         f"weakref.finalize create+drop: {t_base / n * 1e6:6.2f} us   "
-        f"ratio {ratio:.2f} (issue 14 target <= 1.2)",
+        f"ratio {ratio:.2f}",
     )
     return [
         {
@@ -107,8 +107,7 @@ def sync_costs() -> list[dict[str, object]]:
     say(comm, f"Allreduce(8 int64): {t_ar * 1e6:8.1f} us")
     say(
         comm,
-        f"sync,      0 pending: {t_empty * 1e6:10.1f} us   "
-        f"ratio to Allreduce {r_empty:7.2f} (issue 14 target <= 1.3)",
+        f"sync,      0 pending: {t_empty * 1e6:10.1f} us   ratio to Allreduce {r_empty:7.2f}",
     )
     rows.append(floor(c, allreduce, k, t_empty))
     rows.extend(against_garbage_cleanup(c, empty_sync, k))

@@ -1,4 +1,4 @@
-"""The DOLFINx loop in every mode, one job (issue 22's figures for the note).
+"""The DOLFINx loop in every mode, one job.
 
     tools/mpirun 4 900 .venv/bin/python -m mpi4py bench/bench_dolfinx.py [--steps 200]
 

@@ -282,7 +282,8 @@ NAMES = {
     "torch": "torch 2.13 DataLoader",
     "mp.Queue": "multiprocessing.Queue (pickle)",
 }
-# The targets of issue 13, each against a baseline measured in the same run.
+# The throughput targets (bench/results/REPORT.md has them all), each against a
+# baseline measured in the same run.
 TARGETS = {"grain": 30.0, "torch": 20.0}
 DEATH_TARGET_MS = 5.0
 
