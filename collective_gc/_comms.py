@@ -355,6 +355,17 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
 # -- communicators a library made ------------------------------------------------
 
 
+def _reaches(a: Manager, b: Manager) -> bool:
+    """Whether ``a``'s sync points reach ``b`` (``b`` is ``a``, or a child of it
+    or of one of its children...). Local, no MPI."""
+    up: Manager | None = b
+    while up is not None:
+        if up is a:
+            return True
+        up = _PARENT.get(up)
+    return False
+
+
 def adopt(parent: Manager, child: Manager) -> bool:
     """Let ``parent``'s sync points reach ``child`` (a manager of a
     communicator congruent with, or a subset of, the parent's), as for a
@@ -374,11 +385,8 @@ def adopt(parent: Manager, child: Manager) -> bool:
     kv = _keyval()
     if isinstance(comm.Get_attr(kv), _Derived) or not contains(pcomm, comm):
         return False
-    up: Manager | None = parent
-    while up is not None:
-        if up is child:
-            return False  # the parent is reached from the child: no cycle of visits
-        up = _PARENT.get(up)
+    if _reaches(child, parent):
+        return False  # no cycle of visits
     children = _children(parent)
     label = (
         f"a {relation(comm, pcomm)} communicator of size {child.size} "
@@ -414,6 +422,13 @@ def _reach(parent: Manager) -> None:
     for ref in _UNREACHED:
         child = ref()
         if child is None or child.broken is not None or child.comm_freed:
+            continue
+        if _reaches(child, parent):
+            # Its sync points reach this parent's (two dups of one
+            # communicator, say: the first one's sync point adopted the
+            # other): never this parent's child, so no group comparison at
+            # each of its sync points to find that out again.
+            keep.append(ref)
             continue
         try:
             inside = contains(pcomm, child.comm)
