@@ -37,7 +37,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
 
-from _common import save, say, timed, timed_cpu  # noqa: E402
+from _common import paired, save, say, timed, timed_cpu  # noqa: E402
 
 world = MPI.COMM_WORLD
 REPEATS = 9
@@ -126,6 +126,43 @@ def run(n: int) -> dict[str, Any]:
     return row
 
 
+def empty_vs_garbage_cleanup(k: int = 500) -> dict[str, Any]:
+    """The empty sync point of a communicator PETSc holds objects on, with
+    collective_gc.petsc installed, against ``PETSc.garbage_cleanup`` there
+    with nothing to clean: what Firedrake calls after every solve, on a
+    mesh's communicator. (bench_core's row of the same name cleans a
+    communicator PETSc has no objects on, where each cleanup makes and frees
+    PETSc's inner communicator.) Interleaved, median of per-repeat ratios."""
+    comm = world.Dup()
+    held = PETSc.Vec().createMPI(8, comm=comm)  # PETSc's inner communicator lives
+    cp.install(comm)
+
+    def ours() -> None:
+        for _ in range(k):
+            cgc.collect(comm, generation=None)
+
+    def base() -> None:
+        for _ in range(k):
+            PETSc.garbage_cleanup(comm)
+
+    t_ours, t_base, ratio = paired(world, ours, base, REPEATS)
+    held.destroy()
+    cgc.collect(comm, generation=None)
+    comm.Free()
+    say(
+        world,
+        f"empty sync point with PETSc objects alive {t_ours / k * 1e6:.1f} us, "
+        f"PETSc.garbage_cleanup there with nothing to clean {t_base / k * 1e6:.1f} us: "
+        f"ratio {ratio:.2f}",
+    )
+    return {
+        "bench": "sync_vs_garbage_cleanup_petsc_objects",
+        "sync_us": t_ours / k * 1e6,
+        "garbage_cleanup_us": t_base / k * 1e6,
+        "ratio": ratio,
+    }
+
+
 def breakdown(comm: MPI.Comm, make: Any, box: list[Any]) -> dict[str, float]:
     """Where (b)'s time goes, on rank 0, median of REPEATS, through public calls
     only: the drop (finalizers queue), the sync point that agrees and destroys
@@ -162,6 +199,7 @@ def main() -> None:
     rows = [run(n) for n in (100, 1000, 10000)]
     for row in rows:
         row["destroys"] = how
+    rows.append(empty_vs_garbage_cleanup())
     for row in rows:
         row["petsc"] = ".".join(map(str, PETSc.Sys.getVersion()))
     if "--no-save" not in sys.argv[1:]:
