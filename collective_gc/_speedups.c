@@ -37,6 +37,13 @@
  * that override destroy(), get their own destroy() method called. It needs
  * neither PETSc's nor petsc4py's headers at build time: the three C functions
  * come in as addresses, found at run time by collective_gc.petsc.
+ *
+ * petsc_garbage: what the PETSc participant's vote reads at every sync point
+ * (PETSc's inner communicator of a user's one, and how many entries its
+ * garbage map holds), from C: through ctypes the same reads cost a quarter
+ * of an empty sync point. It mirrors collective_gc.petsc._internals.
+ * Internals.garbage; MPI_Comm_get_attr and PETSc's keyvals come in as
+ * addresses (set_petsc_reader), found at run time by that module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,6 +56,121 @@ typedef void *PetscObject;
 typedef int (*destroy_fn)(PetscObject *);
 typedef PetscObject *(*getptr_fn)(PyObject *);
 typedef int (*seterr_fn)(int);
+
+/* -- petsc_garbage ------------------------------------------------------- */
+
+/* MPI_Comm is a pointer in Open MPI and an int in MPICH: MPI_Comm_get_attr is
+ * called through the type that matches (int_handles). */
+typedef int (*get_attr_ptr_fn)(void *, int, void *, int *);
+typedef int (*get_attr_int_fn)(int, int, void *, int *);
+
+static void *pr_get_attr = NULL; /* NULL until set_petsc_reader */
+static const int *pr_inner_kv, *pr_counter_kv, *pr_garbage_kv;
+static int pr_invalid, pr_int_handles;
+
+/* The khash table behind PETSc's PetscHMapObj, as _internals._KHash reads it. */
+typedef struct {
+    uint32_t n_buckets, size, n_occupied, upper_bound;
+    uint32_t *flags;
+    int64_t *keys;
+    void **vals;
+} khash_obj;
+
+PyDoc_STRVAR(set_petsc_reader_doc,
+"set_petsc_reader(get_attr, inner_kv, counter_kv, garbage_kv, invalid, int_handles)\n\n"
+"The addresses petsc_garbage reads through: MPI_Comm_get_attr, and PETSc's\n"
+"Petsc_InnerComm_keyval, Petsc_Counter_keyval and Petsc_Garbage_HMap_keyval\n"
+"(ints PETSc sets when it first needs them; read at each call). ``invalid``\n"
+"is MPI_KEYVAL_INVALID; ``int_handles`` whether MPI_Comm is an int.");
+
+static PyObject *
+set_petsc_reader(PyObject *module, PyObject *args)
+{
+    unsigned long long get_attr, inner, counter, garbage;
+    int invalid, int_handles;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "KKKKip:set_petsc_reader", &get_attr, &inner, &counter,
+                          &garbage, &invalid, &int_handles)) {
+        return NULL;
+    }
+    if (!get_attr || !inner || !counter || !garbage) {
+        PyErr_SetString(PyExc_ValueError, "set_petsc_reader: a null address");
+        return NULL;
+    }
+    pr_inner_kv = (const int *)(uintptr_t)inner;
+    pr_counter_kv = (const int *)(uintptr_t)counter;
+    pr_garbage_kv = (const int *)(uintptr_t)garbage;
+    pr_invalid = invalid;
+    pr_int_handles = int_handles;
+    pr_get_attr = (void *)(uintptr_t)get_attr;
+    Py_RETURN_NONE;
+}
+
+/* The attribute ``*kvp`` of the communicator ``handle`` into ``*out``: 1 if
+ * it is set, 0 if not (or PETSc has not made that keyval yet). */
+static int
+petsc_attr(long long handle, const int *kvp, uintptr_t *out)
+{
+    int kv = *kvp;
+    if (kv == pr_invalid) {
+        return 0;
+    }
+    void *value = NULL;
+    int flag = 0, err;
+    if (pr_int_handles) {
+        err = ((get_attr_int_fn)pr_get_attr)((int)handle, kv, &value, &flag);
+    }
+    else {
+        err = ((get_attr_ptr_fn)pr_get_attr)((void *)(intptr_t)handle, kv, &value, &flag);
+    }
+    if (err || !flag) {
+        return 0;
+    }
+    *out = (uintptr_t)value;
+    return 1;
+}
+
+PyDoc_STRVAR(petsc_garbage_doc,
+"petsc_garbage(handle) -> int: see collective_gc.petsc._internals.Internals.garbage.");
+
+static PyObject *
+petsc_garbage(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    if (pr_get_attr == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "petsc_garbage: set_petsc_reader was not called");
+        return NULL;
+    }
+    long long handle = PyLong_AsLongLong(arg);
+    if (handle == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    uintptr_t raw = 0;
+    long long inner;
+    if (petsc_attr(handle, pr_inner_kv, &raw)) {
+        /* PETSc keeps an MPI_Comm in a union with a void *: for int handles
+         * the value is in the low 32 bits. */
+        inner = pr_int_handles ? (long long)(int32_t)(uint32_t)raw : (long long)(intptr_t)raw;
+    }
+    else if (petsc_attr(handle, pr_counter_kv, &raw)) {
+        inner = handle; /* the communicator is itself a PETSc inner one */
+    }
+    else {
+        return PyLong_FromLong(-1);
+    }
+    if (!petsc_attr(inner, pr_garbage_kv, &raw) || raw == 0) {
+        return PyLong_FromLong(0);
+    }
+    const khash_obj *kh = (const khash_obj *)raw;
+    uint32_t n = kh->n_buckets;
+    /* As _internals.Internals._table: anything but a whole khash table is
+     * not the table we know, and nothing more of it is read. */
+    if ((n & (n - 1)) || !(kh->size <= kh->n_occupied && kh->n_occupied <= n)
+        || (n && !(kh->flags && kh->keys && kh->vals))) {
+        return PyLong_FromLong(-2);
+    }
+    return PyLong_FromUnsignedLong(kh->size);
+}
 
 /* Take the pending exception as (index, exception) and append it to failures. */
 static int
@@ -1194,6 +1316,8 @@ static PyMethodDef methods[] = {
     {"set_flags", set_flags, METH_O, set_flags_doc},
     {"on_finalize", on_finalize, METH_O, on_finalize_doc},
     {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
+    {"set_petsc_reader", set_petsc_reader, METH_VARARGS, set_petsc_reader_doc},
+    {"petsc_garbage", petsc_garbage, METH_O, petsc_garbage_doc},
     {"keys_of", keys_of, METH_O, keys_of_doc},
     {"pack_window", pack_window, METH_VARARGS, pack_window_doc},
     {"window_keys", window_keys, METH_VARARGS, window_keys_doc},

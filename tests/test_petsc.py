@@ -333,6 +333,43 @@ class PetscTests:
         cgc.collect(comm)
         assert cp.garbage(comm) == []
 
+    def test_the_votes_read_of_petsc_garbage_is_what_the_map_holds(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        """The read every sync point's PETSc vote makes (``READER.garbage``:
+        the C twin where the extension is in use, else ``garbage_py``) gives
+        the number of entries the Python reader lists, -1 where PETSc has no
+        inner communicator, and the same for the inner communicator itself."""
+        from collective_gc import _registration
+
+        reader = _internals.READER
+        assert reader is not None
+        if _registration.SPEEDUPS is not None:
+            assert reader.garbage is _registration.SPEEDUPS.petsc_garbage
+        handle = MPI._handleof(comm)
+
+        def both(h: int) -> int:
+            fast, slow = reader.garbage(h), reader.garbage_py(h)
+            assert fast == slow
+            return fast
+
+        assert reader.inner(comm) is None and both(handle) == -1
+        held = PETSc.Vec().createMPI(2, comm=comm)
+        inner = reader.inner(comm)
+        assert inner is not None
+        assert both(handle) == both(inner) == len(reader.entries(inner)) == 0
+        dropped = [PETSc.Vec().createMPI(2, comm=comm) for _ in range(3)]
+        del dropped
+        delayed = SERIAL_DELAYED or comm.Get_size() > 1
+        assert both(handle) == both(inner) == len(reader.entries(inner)) == (3 if delayed else 0)
+        self_handle = MPI._handleof(MPI.COMM_SELF)
+        self_inner = reader.inner(MPI.COMM_SELF)
+        expected = -1 if self_inner is None else len(reader.entries(self_inner))
+        assert both(self_handle) == expected
+        held.destroy()
+        PETSc.garbage_cleanup(comm)
+        assert both(handle) in (-1, 0)
+
     def test_unknown_release_is_never_read(
         self, comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
     ) -> None:

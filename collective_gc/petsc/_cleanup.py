@@ -63,10 +63,11 @@ class _Cleanup(Participant):
         # every rank alike): its handle is dead.
         if mgr.comm_freed:
             return mine
-        inner = reader.inner(mgr.comm)
-        if inner is None:
+        found = reader.garbage(MPI._handleof(mgr.comm))
+        if found == -1:
             return mine | _LACKS_INNER
-        return mine | _HAS_INNER | (_HAS_GARBAGE if reader.has_garbage(inner) else 0)
+        # Unreadable (-2): say there is garbage (an empty cleanup is harmless).
+        return mine | _HAS_INNER | (_HAS_GARBAGE if found else 0)
 
     def may_raise(self, flags: int) -> bool:
         """Whether a cleanup (its destroys may raise on some ranks only) runs."""
@@ -122,8 +123,7 @@ class _Cleanup(Participant):
             state = STATES.get(mgr)
             if state is not None:
                 state.failed = 0  # one rank: nothing can differ between ranks
-            inner = reader.inner(comm)
-            if inner is not None and reader.has_garbage(inner):
+            if reader.garbage(MPI._handleof(comm)) not in (-1, 0):  # see vote
                 PETSc.garbage_cleanup(comm)
 
 
@@ -133,9 +133,9 @@ def _self_garbage() -> bool:
     if reader is None or not _internals.SERIAL_DELAYED:
         return False  # PETSc destroys serial objects at once: COMM_SELF's map stays empty
     # Look first: an empty cleanup of COMM_SELF is not free (PETSc
-    # duplicates and frees an inner communicator to find nothing).
-    self_inner = reader.inner(MPI.COMM_SELF)
-    return self_inner is not None and reader.has_garbage(self_inner)
+    # duplicates and frees an inner communicator to find nothing). No inner
+    # communicator (-1), or an empty map: none; unreadable (-2): say there is.
+    return reader.garbage(MPI._handleof(MPI.COMM_SELF)) not in (-1, 0)
 
 
 def _refuse(mgr: Manager) -> None:

@@ -11,11 +11,14 @@ callers read nothing (they look it up at each use, so a test may set it).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
+
+from .._registration import SPEEDUPS
 
 # What collective_gc.petsc relies on beyond petsc4py's public API was read in PETSc's
 # and petsc4py's sources of every release from 3.18 to 3.24: the garbage map
@@ -94,6 +97,20 @@ class Internals:
         class_name.restype = ctypes.c_int
         self._class_name = class_name
         self._invalid = MPI.KEYVAL_INVALID
+        # What every sync point's vote reads (see garbage_py), from C when the
+        # extension is in use: through ctypes its four reads cost more than
+        # the rest of the vote.
+        self.garbage: Callable[[int], int] = self.garbage_py
+        if SPEEDUPS is not None:
+            SPEEDUPS.set_petsc_reader(
+                ctypes.cast(get_attr, ctypes.c_void_p).value or 0,
+                ctypes.addressof(self._inner_kv),
+                ctypes.addressof(self._counter_kv),
+                ctypes.addressof(self._garbage_kv),
+                self._invalid,
+                self._handle_t is ctypes.c_int,
+            )
+            self.garbage = SPEEDUPS.petsc_garbage
 
     def _attr(self, handle: int, keyval: ctypes.c_int) -> int | None:
         kv = keyval.value
@@ -114,13 +131,29 @@ class Internals:
 
     def inner(self, comm: MPI.Comm) -> int | None:
         """The handle of PETSc's inner communicator of ``comm``, or None if PETSc has none."""
-        handle: int = MPI._handleof(comm)
+        return self._inner_of(MPI._handleof(comm))
+
+    def _inner_of(self, handle: int) -> int | None:
         raw = self._attr(handle, self._inner_kv)  # the common case first: one lookup
         if raw is not None:
             return self._to_handle(raw)
         if self._attr(handle, self._counter_kv) is not None:
-            return handle  # comm is itself a PETSc inner communicator
+            return handle  # the communicator is itself a PETSc inner one
         return None
+
+    def garbage_py(self, handle: int) -> int:
+        """How many garbage entries this rank holds on the PETSc inner
+        communicator of the communicator ``handle`` (``MPI._handleof``); -1 if
+        PETSc has no inner communicator for it, -2 if its garbage map is not
+        laid out as this module knows. Local. ``self.garbage`` is this, or its
+        C twin ``collective_gc._speedups.petsc_garbage``."""
+        inner = self._inner_of(handle)
+        if inner is None:
+            return -1
+        try:
+            return self.count(inner)
+        except Unreadable:
+            return -2
 
     def _table(self, inner: int) -> _KHash | None:
         """The garbage map of an inner communicator, if it has one and it looks whole."""
