@@ -421,14 +421,15 @@ def _reach(parent: Manager) -> None:
     keep = []
     for ref in _UNREACHED:
         child = ref()
-        if child is None or child.broken is not None or child.comm_freed:
-            continue
-        if _reaches(child, parent):
-            # Its sync points reach this parent's (two dups of one
-            # communicator, say: the first one's sync point adopted the
-            # other): never this parent's child, so no group comparison at
-            # each of its sync points to find that out again.
+        if child is not None and _reaches(child, parent):
+            # The parent itself, or a manager whose sync points reach the
+            # parent's (two dups of one communicator, say: the first one's
+            # sync point adopted the other): never this parent's child, so
+            # no group comparison at each of its sync points to find that
+            # out again.
             keep.append(ref)
+            continue
+        if child is None or child.broken is not None or child.comm_freed:
             continue
         try:
             inside = contains(pcomm, child.comm)
