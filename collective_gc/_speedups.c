@@ -42,7 +42,7 @@
  * (PETSc's inner communicator of a user's one, and how many entries its
  * garbage map holds), from C: through ctypes the same reads cost a quarter
  * of an empty sync point. It mirrors collective_gc.petsc._internals.
- * Internals.garbage; MPI_Comm_get_attr and PETSc's keyvals come in as
+ * Internals.garbage_py; MPI_Comm_get_attr and PETSc's keyvals come in as
  * addresses (set_petsc_reader), found at run time by that module.
  */
 #define PY_SSIZE_T_CLEAN
@@ -131,7 +131,7 @@ petsc_attr(long long handle, const int *kvp, uintptr_t *out)
 }
 
 PyDoc_STRVAR(petsc_garbage_doc,
-"petsc_garbage(handle) -> int: see collective_gc.petsc._internals.Internals.garbage.");
+"petsc_garbage(handle) -> int: see collective_gc.petsc._internals.Internals.garbage_py.");
 
 static PyObject *
 petsc_garbage(PyObject *module, PyObject *arg)

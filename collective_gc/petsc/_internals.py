@@ -178,13 +178,6 @@ class Internals:
         kh = self._table(inner)
         return 0 if kh is None else int(kh.size)
 
-    def has_garbage(self, inner: int) -> bool:
-        """Whether this rank holds garbage on an inner communicator; True if unreadable."""
-        try:
-            return self.count(inner) > 0
-        except Unreadable:
-            return True  # cannot tell: say there is garbage (an empty cleanup is harmless)
-
     def entries(self, inner: int) -> list[tuple[int, str]]:
         """(creation index, class name) of this rank's garbage on an inner communicator."""
         kh = self._table(inner)
