@@ -39,13 +39,13 @@ import array
 import functools
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ._registration import SPEEDUPS
+from ._switch import SPEEDUPS
 from ._transport import Deadline, Watch, allgather, allreduce, keep_alive, wait
 
 __all__ = [
@@ -59,6 +59,9 @@ __all__ = [
     "NO_KEY",
     "Header",
     "Agreed",
+    "WORDS",
+    "as_int64",
+    "child_bit",
     "Agreement",
     "PERSISTENT",
     "Window",
@@ -75,7 +78,9 @@ NO_KEY = int(np.iinfo(np.int64).max)
 # the sync point's own flags; each participant votes in one byte above them,
 # its field, fixed by its kind so that every rank reads the same byte.
 FLAG_CYCLIC = 1  # a cyclic-GC death of a managed object was drained
-FLAG_FAILED = 2  # a destroy raised (on a derived communicator, or in the sync point's own)
+# Some rank holds failures not yet reported (a destroy, a participant's
+# finish, a derived family's sync point): reported on every rank at once.
+FLAG_FAILED = 2
 # Some rank waited for the agreement against a deadline: only then may one have
 # given up, and only then is the watch checked once the agreement completed.
 FLAG_DEADLINE = 4
@@ -139,16 +144,42 @@ def field_shift(field: int) -> int:
 class Header:
     """What one rank brings to a sync point, besides its pending keys.
     ``parts`` is a 64-bit fingerprint of its participants (see
-    :func:`fingerprint`), agreed for equality like the sync-point number."""
+    :func:`fingerprint`) combined with the registrations' order over the
+    family's members, agreed for equality like the sync-point number;
+    ``children``, 64 bits ORed over the ranks: which derived families
+    (hashed, see :func:`child_bit`) want a visit."""
 
-    __slots__ = ("seq", "next_key", "at_exit", "flags", "parts")
+    __slots__ = ("seq", "next_key", "at_exit", "flags", "parts", "children")
 
-    def __init__(self, seq: int, next_key: int, at_exit: bool, flags: int, parts: int = 0) -> None:
+    def __init__(
+        self,
+        seq: int,
+        next_key: int,
+        at_exit: bool,
+        flags: int,
+        parts: int = 0,
+        children: int = 0,
+    ) -> None:
         self.seq = seq
         self.next_key = next_key
         self.at_exit = at_exit
         self.flags = flags
         self.parts = parts
+        self.children = children
+
+
+def child_bit(ident: int) -> int:
+    """The bit of the children word that stands for the derived family
+    ``ident`` (the same on every rank of it). Families whose bits collide
+    are visited together: a visit that finds nothing costs one collective of
+    that family, never a wrong result."""
+    return 1 << (((ident * _HASH) & _MASK64) >> 58)
+
+
+def as_int64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 word that carries it."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
 
 
 @functools.lru_cache(maxsize=256)
@@ -227,23 +258,32 @@ class Window:
 class Agreed:
     """What a sync point's agreement found: the same on every rank."""
 
-    __slots__ = ("keys", "flags", "mismatch", "fallback")
+    __slots__ = ("keys", "flags", "children", "mismatch", "fallback")
 
     def __init__(
-        self, keys: np.ndarray[Any, Any], flags: int, mismatch: bool, fallback: bool
+        self,
+        keys: np.ndarray[Any, Any],
+        flags: int,
+        mismatch: bool,
+        fallback: bool,
+        children: int = 0,
     ) -> None:
         self.keys = keys  # pending on every rank, ascending
         self.flags = flags  # ORed over the ranks
+        self.children = children  # ORed over the ranks: derived families to visit
         self.mismatch = mismatch  # the ranks differ in sync number, kind or registrations
         self.fallback = fallback  # keys outside the window needed a second round
 
 
 _HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive keys spread over the filter
+_MASK64 = (1 << 64) - 1
 # The message: the sync-point word (number and exit mark), the next key and
-# the participants' fingerprint, each as x and ~x; the flags, complemented;
-# the hash filter of the pending keys outside the window; then the window's
-# bitmap. Nothing in it is per rank.
-_WORDS = 8
+# the participants' fingerprint with the registrations' order, each as x and
+# ~x; the flags, complemented; the hash filter of the pending keys outside
+# the window; the derived families that want a visit, complemented; then the
+# window's bitmap. Nothing in it is per rank or per communicator.
+_WORDS = 9
+WORDS = _WORDS  # the header's length, for the C steady state's twin
 
 
 def message_words(window_bits: int) -> int:
@@ -412,6 +452,7 @@ class Agreement:
         buf[4] = head.parts
         buf[5] = ~head.parts
         buf[6] = ~(head.flags if deadline.at is None else head.flags | FLAG_DEADLINE)
+        buf[8] = ~head.children
         if pending.size:
             # The keys [first, last) of pending are in the window; the whole
             # bitmap is written.
@@ -445,10 +486,11 @@ class Agreement:
             if self.watch.fired():
                 raise self.watch.error(what)
             agreed_flags &= ~FLAG_DEADLINE
+        children = ~red[8]
         if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
-            return Agreed(_NO_KEYS, agreed_flags, True, False)
+            return Agreed(_NO_KEYS, agreed_flags, True, False, children)
         fallback = red[7] != 0
-        if last == first and not fallback and not agreed_flags:
+        if last == first and not fallback and not agreed_flags and not children:
             return _NOTHING  # the steady state: nothing to destroy, nothing to say
         keys = _NO_KEYS
         if last > first:  # only bits this rank set can have survived the AND
@@ -459,13 +501,22 @@ class Agreement:
             extra = intersect_any(self.comm, outside, deadline, what)
             if extra.size:
                 keys = np.union1d(keys, extra)
-        return Agreed(keys, agreed_flags, False, fallback)
+        return Agreed(keys, agreed_flags, False, fallback, children)
 
     def any_flags(self, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
         """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
         deadline.watch = self.watch
         buf = array.array("q", (~flags,))
         return ~allreduce(self.comm, buf, MPI.BAND, deadline, what)[0]
+
+    def any_words(
+        self, values: Sequence[int], deadline: Deadline, what: Callable[[], str]
+    ) -> list[int]:
+        """Collective: each of ``values`` ORed over the ranks (MPI_BAND of
+        complements, as the flags), in one allreduce."""
+        deadline.watch = self.watch
+        buf = array.array("q", (~as_int64(v) for v in values))
+        return [~w & _MASK64 for w in allreduce(self.comm, buf, MPI.BAND, deadline, what)]
 
     def allgather(self, value: Any, deadline: Deadline, what: Callable[[], str]) -> list[Any]:
         """Collective: every rank's ``value`` (picklable), against ``deadline``

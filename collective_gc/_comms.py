@@ -8,69 +8,62 @@ attribute delete callback is the hazard this library exists to remove.
 
 ``dup``/``split`` make the new communicator a registration on the parent's
 manager, so it is freed at a sync point of the parent, in the agreed order,
-once every rank has dropped it. The parent's sync points first visit each
-derived communicator (in creation order, which is the same on every rank, so
-ranks that share several derived communicators visit them in the same order
-and ranks outside one skip it): they run a sync point of its manager and free
-it once it has been dropped and nothing registered on it is left. Otherwise
-it stays, and is tried again at the parent's next sync point.
+once every rank has dropped it and nothing registered on it is left.
 
-Communicators a library makes (DOLFINx's ``comm.Dup()`` of each mesh,
-PETSc's inner duplicates that its objects hold) are reached the same way: at
-the first collective of a manager on one (collective over it, so at the same
-point of the program on each of its ranks) it is *adopted* by the innermost
-open scope's communicator, or else by ``COMM_WORLD``'s manager if that was
-used, when that communicator's group contains its group (congruent, or a
-subset). An adopted communicator is not ours to free: once nothing is
-registered on its manager (and, with PETSc's garbage cleanup installed, once
-its owner freed it), the parent's sync point lets go of the manager, freeing
-its private duplicate, on every rank of it at the same visit. A manager with
-registrations that nothing adopts is named: see :func:`unreached`.
+What reaches a derived communicator's registrations depends on its group:
 
-Whether a visit syncs a derived communicator must be decided alike on its
-ranks. It is decided by whether its manager exists, which is itself
-collective (``dup``/``split`` make it, with its private duplicate, as they
-make the communicator; adoption happens at a collective): so one rank
-registering what the others do not is a :class:`CollectiveMismatchError` of
-the child's agreement, on every rank at once (issue 25, defect 7), never one
-rank waiting alone in it.
+- *congruent* with its parent (a ``dup``, a ``split`` with one colour, a
+  library's ``comm.Dup()``, PETSc's inner duplicates): it joins the parent's
+  family (:mod:`collective_gc._collective`), so its registrations ride the
+  parent's agreement, in the same collective: no duplicate, no agreement and
+  no sync point of its own, whatever the number of such communicators;
+- a *strict subset* (a ``split``, a library's ``Split``): its own family,
+  with its own agreement, a *child* of the parent's family, whose sync
+  points visit it when one of its ranks has something for it (a bit of the
+  parent's agreement says so: alike on all its ranks). A visit costs one
+  collective of the child; a child with nothing to do costs nothing.
+
+A library's communicator joins a family at its first collective (collective
+over it, so at the same point of the program on each of its ranks) if one
+is congruent with it; otherwise its new family becomes a child of the
+innermost open scope's family, or else of ``COMM_WORLD``'s if that was used,
+when that family's group contains its group. A family of size > 1 that no
+parent contains when it is made is named (see :func:`unreached`) and
+adopted by the next sync point of a family that contains it.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Iterable
 
 from mpi4py import MPI
 
+from . import _agree, _manager
 from ._api import register
+from ._collective import Collective, families
 from ._destroy import Failure
-from ._errors import (
-    CollectiveGCError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DestroyError,
-)
-from ._lookup import lookup, manager, on_first_collective, on_new_manager, retire
-from ._manager import Manager
+from ._errors import CollectiveGCError, CollectiveMismatchError, CollectiveTimeoutError, DestroyError
+from ._lookup import lookup, manager
+from ._manager import Manager, set_first_collective
 from ._scope import current_scope
+from ._syncpoint import add_reacher
 
-__all__ = ["dup", "split", "derived", "adopt", "contains", "relation", "unreached"]
+__all__ = ["dup", "split", "derived", "contains", "relation", "unreached", "adopt"]
 
-_CHILD_KEYVAL: list[int] = []
-# Which manager's sync points reach a manager (to refuse a cycle of visits).
-_PARENT: weakref.WeakKeyDictionary[Manager, Manager] = weakref.WeakKeyDictionary()
+_RECORD_KEYVAL: list[int] = []
 
 
-def _child_deleted(comm: MPI.Comm, keyval: int, record: _Derived) -> None:
+def _record_deleted(comm: MPI.Comm, keyval: int, record: _Owned) -> None:
     # An MPI attribute delete callback: record only, never call MPI here.
     record.handle_freed = True
 
 
 def _keyval() -> int:
-    if not _CHILD_KEYVAL:
-        _CHILD_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_child_deleted))
-    return _CHILD_KEYVAL[0]
+    if not _RECORD_KEYVAL:
+        _RECORD_KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_record_deleted))
+    return _RECORD_KEYVAL[0]
 
 
 def contains(parent: MPI.Intracomm, child: MPI.Intracomm) -> bool:
@@ -78,13 +71,18 @@ def contains(parent: MPI.Intracomm, child: MPI.Intracomm) -> bool:
     subset). Local: groups are compared, no message."""
     if MPI.Comm.Compare(parent, child) in (MPI.IDENT, MPI.CONGRUENT):
         return True
+    return _ranks_in(parent, child) is not None
+
+
+def _ranks_in(parent: MPI.Intracomm, child: MPI.Intracomm) -> tuple[int, ...] | None:
+    """The ranks in ``parent`` of ``child``'s processes, or None if one is not in it."""
     pg, cg = parent.Get_group(), child.Get_group()
     try:
         ranks = MPI.Group.Translate_ranks(cg, list(range(cg.Get_size())), pg)
-        return MPI.UNDEFINED not in ranks
     finally:
         pg.Free()
         cg.Free()
+    return None if MPI.UNDEFINED in ranks else tuple(int(r) for r in ranks)
 
 
 def relation(a: MPI.Comm, b: MPI.Comm) -> str:
@@ -97,229 +95,152 @@ def relation(a: MPI.Comm, b: MPI.Comm) -> str:
     }.get(result, "unequal")
 
 
-class _Derived:
-    """This rank's record of one derived communicator of a parent manager.
+class _Owned:
+    """A communicator ``dup``/``split`` made, on this rank: freed by us once
+    dropped on every rank (its registration's destroy, agreed) and nothing
+    registered on it is left."""
 
-    ``owned``: made by :func:`dup`/:func:`split`, freed by us once dropped;
-    else adopted (a library's), never freed by us. ``whole``: it holds every
-    rank of the parent, so an error of its sync point is raised as is on
-    every rank of the parent (else it is reported through the parent's).
-    """
+    __slots__ = ("handle", "label", "mgr", "fam", "dropped", "released", "handle_freed")
 
-    __slots__ = (
-        "handle",
-        "label",
-        "owned",
-        "whole",
-        "mgr",
-        "dropped",
-        "released",
-        "handle_freed",
-        "__weakref__",
-    )
-
-    def __init__(self, handle: MPI.Intracomm | None, label: str, owned: bool, whole: bool) -> None:
+    def __init__(self, handle: MPI.Intracomm, label: str, mgr: Manager, fam: Collective) -> None:
         # Our own wrapper of the handle: the user's object is the one whose
         # death we watch, so we must not hold it.
-        self.handle = handle
+        self.handle: MPI.Intracomm | None = handle
         self.label = label
-        self.owned = owned
-        self.whole = whole
-        self.mgr: Manager | None = None
+        self.mgr: Manager | None = mgr
+        self.fam = fam  # where its own registrations are agreed (the parent's, or a child)
         self.dropped = False
         self.released = False
         self.handle_freed = False
 
     def drop(self) -> None:
-        """The destroy of the user's communicator object: agreed, so every rank runs it."""
+        """The destroy of the user's communicator object: agreed, so every rank
+        of the parent runs it, at the same point. Freed now if nothing is
+        registered on it, else once its family's sync point finds it empty."""
         self.dropped = True
-        self._try_release()
+        if not self.try_free():
+            self.fam.leaving.append(self.try_free)
 
-    def visit(self, deadline: float | None) -> list[Failure]:
-        """Collective over the derived communicator: sync its manager, free it if done."""
-        failures: list[tuple[int, str, BaseException]] = []
+    def try_free(self) -> bool:
+        """Free the communicator if nothing is registered on it (the count is
+        the same on every rank of it after agreed destroys). True if done."""
+        if self.released:
+            return True
         mgr = self.mgr
-        # Its manager exists on every rank of it or on none (made collectively,
-        # let go of collectively at a visit), so every rank syncs it or skips it.
-        if mgr is not None and mgr.broken is None:
-            # Whatever this sync point raises becomes a failure of the
-            # parent's sync point, which the parent's agreement tells every
-            # rank of the parent (ranks outside this communicator too), so
-            # they all raise together; raising here would leave the
-            # parent's other ranks waiting in its header. A timeout still
-            # propagates: the parent's other ranks have the same deadline.
-            try:
-                mgr.sync(deadline=deadline)
-            except DestroyError as exc:
-                failures.extend(
-                    (key, f"{name} (on {self.label})", RuntimeError(msg))
-                    for r, key, name, msg in exc.failures
-                    if r == mgr.rank
-                )
-            except CollectiveTimeoutError:
-                raise
-            except CollectiveMismatchError as exc:
-                # Every rank of this communicator saw it in the same agreement.
-                error = CollectiveMismatchError(self._mismatch_text(mgr, exc))
-                if self.whole:
-                    raise error from None  # every rank of the parent is here too
-                failures.append((-1, f"the sync point of {self.label}", error))
-            except BaseException as exc:  # an interrupt is re-raised by the parent, later
-                failures.append((-1, f"the sync point of {self.label}", exc))
-        if self.owned:
-            if self.dropped:
-                self._try_release()
-        else:
-            self._let_go_if_done()
-        try:
-            return failures
-        finally:
-            del failures  # see _destroy.Failure
-
-    def _mismatch_text(self, mgr: Manager, exc: CollectiveMismatchError) -> str:
-        """The child's mismatch, with what each rank has registered on it.
-        Collective over the child: every rank of it just left the same
-        agreement with this error, so they all gather here."""
-        mine = [(r.key, r.name) for r in sorted(mgr.alive() + mgr.pending(), key=lambda r: r.key)]
-        handle = self.handle
-        if handle is None or self.handle_freed:
-            everyone = None
-        else:
-            everyone = handle.allgather(mine[-5:])
-        text = f"on {self.label}, reached from a sync point of its parent: {exc}"
-        if everyone is not None:
-            shown = "; ".join(
-                f"rank {r}: "
-                + (", ".join(f"key {k} ({n!r})" for k, n in regs) if regs else "nothing")
-                for r, regs in enumerate(everyone)
-            )
-            text += f" Registered there (the newest, by rank of {self.label}): {shown}."
-        return text
-
-    def _try_release(self) -> None:
+        if mgr is not None and mgr.state is _OPEN and mgr.registered:
+            return False
         handle = self.handle
         if handle is not None and not self.handle_freed:
-            mgr = self.mgr
-            if mgr is not None and mgr.broken is None and mgr.registered:
-                # Still in use. The count left is the same on every rank of
-                # the derived communicator after its sync point (registration
-                # is collective and destroys are agreed), so they all wait.
-                # An unusable one (its ranks disagreed, on all of them) will
-                # never destroy what is left: that is leaked, and it is freed.
-                return
-            # Its manager is told by its attribute delete callback and lets
-            # go of its private duplicate at the next safe point.
+            # Its manager is told by its attribute delete callback and leaves
+            # its family (see _manager.comm_was_freed).
             handle.Free()
         self.handle = None
         self.mgr = None
         self.released = True
-
-    def _let_go_if_done(self) -> None:
-        # An adopted communicator: its manager goes once nothing is registered
-        # there (the same count on every rank of it after its sync point).
-        # With participants (PETSc's garbage cleanup), garbage may still come
-        # while the communicator lives: then it goes once its owner freed it.
-        mgr = self.mgr
-        if mgr is not None and mgr.broken is None:
-            if mgr.registered or (mgr.participants and not mgr.comm_freed):
-                return
-            freed = self.handle_freed or mgr.comm_freed
-            if not retire(mgr, None if freed else self.handle):
-                return
-        handle = self.handle
-        if handle is not None and not self.handle_freed:
-            handle.Delete_attr(_keyval())  # no longer ours to visit
-        self.handle = None
-        self.mgr = None
-        self.released = True
+        return True
 
     def __repr__(self) -> str:
         state = "released" if self.released else "dropped" if self.dropped else "in use"
         return f"<collective_gc derived communicator {self.label}: {state}>"
 
 
-class _Children:
-    """The communicators derived from one parent, visited first at each of its
-    sync points (their resources are newer, and may have to go before one of
-    the parent's can), in creation order: the parent manager's visitor.
+_OPEN = _manager.State.OPEN
 
-    Not a participant: ranks of the parent inside and outside a subset
-    communicator have different records, and nothing of them enters the
-    parent's agreement but the failures of the visits."""
 
-    __slots__ = ("records", "made")
+class _Child:
+    """A derived family that is a strict subset of its parent's (see the
+    module docs), on a rank of it: the parent's :class:`Child`."""
 
-    def __init__(self) -> None:
-        self.records: list[_Derived] = []
-        self.made = 0
+    __slots__ = ("fam", "bit", "label", "owner")
 
-    def __call__(self, mgr: Manager, deadline: float | None) -> list[Failure]:
-        if _UNREACHED:
-            _reach(mgr)
-        records = self.records
-        if not records:
-            return _NO_FAILURES
+    def __init__(self, fam: Collective, ident: tuple[int, ...], label: str, owner: Manager) -> None:
+        self.fam = fam
+        self.bit = _agree.child_bit(hash(ident) & ((1 << 64) - 1))
+        self.label = label
+        self.owner = owner  # a member of it, whose sync point is the family's
+
+    def member(self) -> bool:
+        return True  # records exist only on the child's own ranks
+
+    def wants(self) -> bool:
+        fam = self.fam
+        if fam.reason is not None:
+            return False
+        r = fam.registry
+        if r.inbox or r.stale or fam.unreported or fam.leaving:
+            return True
+        for p, o in zip(fam.participants, fam.owners):
+            if not p.quiet_finish or (p.field is not None and p.vote(o)):
+                return True
+        return any(c.member() and c.wants() for c in fam.children)
+
+    def visit(self, deadline: float | None) -> list[Failure]:
+        """Collective over the child: its sync point. Whatever it raises
+        becomes a failure of the parent's sync point, reported on every rank
+        of the parent (raising here would leave the parent's other ranks,
+        outside the child, behind); a timeout still propagates: the parent's
+        other ranks have the same deadline."""
+        fam = self.fam
         failures: list[Failure] = []
-        # Those dropped at the last sync point were released by their destroys.
-        for record in [r for r in records if not r.released]:
-            failures.extend(record.visit(deadline))
-        self.records = [r for r in records if not r.released]
-        return failures
+        owner = self.owner
+        if fam.reason is None and owner.state is _OPEN:
+            try:
+                fam.sync(owner, deadline=deadline)
+            except DestroyError as exc:
+                failures.extend(
+                    (key, f"{name} (on {self.label})", RuntimeError(msg))
+                    for r, key, name, msg in exc.failures
+                    if r == fam.rank
+                )
+                if not failures:  # other ranks' only: still the parent's to report
+                    failures.append((-1, f"the sync point of {self.label}", exc))
+            except CollectiveTimeoutError:
+                raise
+            except CollectiveMismatchError as exc:
+                failures.append(
+                    (-1, f"the sync point of {self.label}", CollectiveMismatchError(str(exc)))
+                )
+            except BaseException as exc:  # an interrupt is re-raised by the parent, later
+                failures.append((-1, f"the sync point of {self.label}", exc))
+        try:
+            return failures
+        finally:
+            del failures  # see _destroy.Failure
 
+    def done(self) -> bool:
+        return not self.fam.members or self.fam.state is not _OPEN and not self.fam.members
 
-_NO_FAILURES: list[Failure] = []  # never appended to: returned by visits that found nothing
-# Each parent manager's children (the value is also the manager's visitor).
-_CHILDREN: weakref.WeakKeyDictionary[Manager, _Children] = weakref.WeakKeyDictionary()
-
-
-def _children(parent: Manager) -> _Children:
-    children = _CHILDREN.get(parent)
-    if children is None:
-        children = _CHILDREN[parent] = _Children()
-        parent.set_visitor(children)
-    return children
+    def __repr__(self) -> str:
+        return f"<collective_gc derived family {self.label}>"
 
 
 def derived(comm: MPI.Intracomm) -> list[str]:
-    """Labels of the derived communicators of ``comm`` not yet let go of. Local."""
+    """Labels of the derived communicators of ``comm``'s family not yet let go
+    of on this rank: its ``dup``\\s (and one-colour ``split``\\s) still alive,
+    and its child families (strict subsets). Local."""
     mgr = lookup(comm)
-    if mgr is None:
+    fam = None if mgr is None else _manager.family(mgr)
+    if fam is None:
         return []
-    children = _CHILDREN.get(mgr)
-    return [] if children is None else [r.label for r in children.records if not r.released]
+    out = []
+    kv = _keyval()
+    for member in list(fam.members.values()):
+        if member.comm_freed:
+            continue
+        try:
+            record = member.comm.Get_attr(kv)
+        except CollectiveGCError:
+            continue
+        if isinstance(record, _Owned) and not record.released:
+            out.append(record.label)
+    out.extend(c.label for c in fam.children if isinstance(c, _Child) and not c.done())
+    return out
 
 
-def _adopt(
-    children: _Children, new: MPI.Intracomm, comm: MPI.Intracomm, label: str
-) -> MPI.Intracomm:
-    member = new != MPI.COMM_NULL
-    whole = member and new.Get_size() == comm.Get_size()
-    record = _Derived(MPI.Intracomm(new) if member else None, label, owned=True, whole=whole)
-    if member:
-        new.Set_attr(_keyval(), record)
-    children.records.append(record)
-    children.made += 1
-    try:
-        register(new, record.drop, comm=comm, name=label)
-        if member:
-            # Its manager and private duplicate now, with the communicator
-            # (collective over it anyway): then whether the parent's sync
-            # points sync it is the same on all its ranks, and a registration
-            # on it makes no collective, so one rank registering alone is a
-            # mismatch at the next sync point, not a rank waiting (defect 7).
-            child = manager(new)
-            _PARENT[child] = manager(comm)
-            child.sync()
-            record.mgr = child
-    except BaseException:
-        # Refused here (another thread registering at that moment, say):
-        # nothing is left behind, the new communicator included.
-        children.records.remove(record)
-        if member:
-            record.handle = None
-            new.Free()
-        raise
-    return new
+def _owned_record(new: MPI.Intracomm, label: str, mgr: Manager, fam: Collective) -> _Owned:
+    record = _Owned(MPI.Intracomm(new), label, mgr, fam)
+    new.Set_attr(_keyval(), record)
+    return record
 
 
 def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -329,169 +250,233 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     sync point of ``comm`` (after anything registered on it is destroyed),
     or at exit. Do not ``Free()`` it yourself while it is still registered
     (that would be seen and not freed twice, but it wastes nothing to let it be).
-    Each sync point of ``comm`` runs one of the duplicate's while it lives.
+    It shares ``comm``'s sync points (it is congruent with it): it holds no
+    other communicator, and costs nothing at a sync point.
     """
     parent = manager(comm)
     parent.refuse_if_unusable("make a derived communicator")  # before it is made
-    children = _children(parent)
+    fam = _manager.open_family(parent)
     new = MPI.Intracomm(comm.Dup())
-    return _adopt(children, new, comm, f"dup #{children.made} of a {parent.describe()}")
+    return _adopt_congruent(parent, fam, new, f"dup #{_made(fam)} of a {parent.describe()}")
+
+
+_MADE: weakref.WeakKeyDictionary[Collective, list[int]] = weakref.WeakKeyDictionary()
+
+
+def _made(fam: Collective) -> int:
+    # How many derived communicators this family's ranks made, for labels.
+    count = _MADE.setdefault(fam, [0])
+    count[0] += 1
+    return count[0] - 1
+
+
+def _adopt_congruent(
+    parent: Manager, fam: Collective, new: MPI.Intracomm, label: str
+) -> MPI.Intracomm:
+    child = manager(new)
+    _manager.join(child, fam)
+    record = _owned_record(new, label, child, fam)
+    try:
+        register(new, record.drop, comm=parent.comm, name=label)
+    except BaseException:
+        # Refused here (another thread registering at that moment, say):
+        # nothing is left behind, the new communicator included.
+        record.handle = None
+        record.released = True
+        new.Free()
+        raise
+    return new
 
 
 def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     """Collective over ``comm``: ``comm.Split(color, key)``, freed by collective_gc.
 
     As :func:`dup`. A rank that passes ``MPI.UNDEFINED`` gets ``MPI.COMM_NULL``
-    (still registered, so the parent's keys stay the same on every rank).
+    (still registered, so the parent's keys stay the same on every rank). A
+    split with one colour (every rank in the same order) shares ``comm``'s
+    sync points, as a :func:`dup`; a strict subset has sync points of its
+    own, run by ``comm``'s when one of its ranks has something for them.
     """
     parent = manager(comm)
     parent.refuse_if_unusable("make a derived communicator")  # before it is made
-    children = _children(parent)
+    fam = _manager.open_family(parent)
     new = MPI.Intracomm(comm.Split(color, key))
-    label = f"split #{children.made} (color {color}) of a {parent.describe()}"
-    return _adopt(children, new, comm, label)
+    member = new != MPI.COMM_NULL
+    whole = member and new.Get_size() == comm.Get_size()
+    # Alike on every rank: whole on one rank means every rank is in it, and
+    # comparing the two groups gives the same answer everywhere.
+    congruent = whole and MPI.Comm.Compare(new, comm) in (MPI.IDENT, MPI.CONGRUENT)
+    label = f"split #{_made(fam)} (color {color}) of a {parent.describe()}"
+    if congruent:
+        return _adopt_congruent(parent, fam, new, label)
+    record = None
+    if member:
+        child = manager(new)
+        try:
+            # Its family and private duplicate now, with the communicator
+            # (collective over it anyway): then whether the parent's sync
+            # points reach it is the same on all its ranks, and a registration
+            # on it makes no collective, so one rank registering alone is a
+            # mismatch at its next sync point, not a rank waiting.
+            cfam = _manager.open_family(child)
+        except BaseException:
+            new.Free()
+            raise
+        record = _owned_record(new, label, child, cfam)
+        _link(fam, cfam, new, label, child)
+    try:
+        register(new, record.drop if record is not None else _nothing, comm=comm, name=label)
+    except BaseException:
+        if record is not None:
+            record.handle = None
+            record.released = True
+            new.Free()
+        raise
+    return new
 
 
-# -- communicators a library made ------------------------------------------------
+def _nothing() -> None:
+    """The destroy of a rank's ``MPI.COMM_NULL`` from :func:`split`."""
 
 
-def _reaches(a: Manager, b: Manager) -> bool:
-    """Whether ``a``'s sync points reach ``b`` (``b`` is ``a``, or a child of it
-    or of one of its children...). Local, no MPI."""
-    up: Manager | None = b
+def _link(parent: Collective, child: Collective, comm: MPI.Intracomm, label: str, owner: Manager) -> bool:
+    """Make ``child`` a child family of ``parent`` (on this rank, one of the
+    child's). True if linked now; False if it was already reached, or would
+    reach ``parent`` itself (no cycle of visits)."""
+    if child is parent or child.parent is not None or _reaches(child, parent):
+        return False
+    pcomm = parent.comm
+    ranks = None if pcomm is None else _ranks_in(pcomm, comm)
+    if ranks is None:
+        return False
+    child.parent = parent
+    parent.children.append(_Child(child, ranks, label, owner))
+    return True
+
+
+def _reaches(a: Collective, b: Collective) -> bool:
+    """Whether ``a``'s sync points reach ``b`` (``b`` is ``a``, or a child of
+    it or of one of its children...). Local, no MPI."""
+    up: Collective | None = b
     while up is not None:
         if up is a:
             return True
-        up = _PARENT.get(up)
+        up = up.parent
     return False
 
 
 def adopt(parent: Manager, child: Manager) -> bool:
-    """Let ``parent``'s sync points reach ``child`` (a manager of a
-    communicator congruent with, or a subset of, the parent's), as for a
-    ``cgc.dup``; True if it was adopted now, False if something already
-    reaches it or it cannot be (its communicator is not in the parent's).
-
-    Collective in effect over ``child``'s communicator: every rank of it must
-    adopt it at the same point between two sync points of the parent (its
-    first collective is such a point; so is a collective registration).
-    """
-    if child is parent or child.broken is not None or parent.broken is not None:
+    """Let ``parent``'s sync points reach ``child``'s registrations: True if
+    they do now (``child``'s communicator is congruent with ``parent``'s, or
+    a strict subset of it whose family became a child of ``parent``'s), False
+    if they cannot (it is not inside). Collective over ``child``'s
+    communicator (it may make its first collective)."""
+    if child.state is not _OPEN or parent.state is not _OPEN:
         return False
     try:
         comm, pcomm = child.comm, parent.comm
     except CollectiveGCError:
         return False  # freed: nothing more can reach it
-    kv = _keyval()
-    if isinstance(comm.Get_attr(kv), _Derived) or not contains(pcomm, comm):
+    if not contains(pcomm, comm):
         return False
-    if _reaches(child, parent):
-        return False  # no cycle of visits
-    children = _children(parent)
+    pfam = _manager.open_family(parent)
+    cfam = _manager.open_family(child)
+    if cfam is pfam or _reaches(pfam, cfam):
+        return True
     label = (
-        f"a {relation(comm, pcomm)} communicator of size {child.size} "
-        f"(#{children.made}) reached from the {parent.describe()}"
+        f"a {relation(comm, pcomm)} communicator of size {child.size} reached from the "
+        f"{parent.describe()}"
     )
-    record = _Derived(MPI.Intracomm(comm), label, owned=False, whole=child.size == parent.size)
-    record.mgr = child
-    comm.Set_attr(kv, record)
-    _PARENT[child] = parent
-    children.records.append(record)
-    children.made += 1
-    return True
+    if _link(pfam, cfam, comm, label, child):
+        _forget_unreached(cfam)
+        return True
+    return False
 
 
-# Managers with a collective that no parent adopted when it was made, in the
+# Families of size > 1 that no parent reached when they were made, in the
 # order of their first collective (the same on every rank that shares them):
-# the next sync point of a manager whose communicator contains theirs adopts
-# them (see _reach); until then unreached() names them.
-_UNREACHED: list[weakref.ref[Manager]] = []
-_WARNED: weakref.WeakSet[Manager] = weakref.WeakSet()
+# the next sync point of a family whose group contains theirs adopts them
+# (see _reach); until then unreached() names them.
+_UNREACHED: list[tuple[weakref.ref[Collective], weakref.ref[Manager]]] = []
+_WARNED: weakref.WeakSet[Collective] = weakref.WeakSet()
 
 
-def _reach(parent: Manager) -> None:
-    """At a sync point of ``parent`` (before its children are visited): adopt
-    the unreached managers its communicator contains. Every rank of such a
-    communicator is a rank of the parent and runs this at the same point, with
-    the same list (made at collectives), so they all adopt alike."""
-    try:
-        pcomm = parent.comm
-    except CollectiveGCError:
+def _forget_unreached(fam: Collective) -> None:
+    _UNREACHED[:] = [(f, m) for f, m in _UNREACHED if f() is not None and f() is not fam]
+
+
+def _reach(parent: Collective) -> None:
+    """At a sync point of ``parent`` (before its agreement): adopt the
+    unreached families its group contains. Every rank of such a family is a
+    rank of the parent and runs this at the same point, with the same list
+    (made at collectives), so they all adopt alike."""
+    if not _UNREACHED or parent.comm is None:
         return
     keep = []
-    for ref in _UNREACHED:
-        child = ref()
-        if child is not None and _reaches(child, parent):
-            # The parent itself, or a manager whose sync points reach the
-            # parent's (two dups of one communicator, say: the first one's
-            # sync point adopted the other): never this parent's child, so
-            # no group comparison at each of its sync points to find that
-            # out again.
-            keep.append(ref)
+    for fref, mref in _UNREACHED:
+        fam, owner = fref(), mref()
+        if fam is None or owner is None or fam.members == {} or fam.reason is not None:
             continue
-        if child is None or child.broken is not None or child.comm_freed:
+        if fam.parent is not None:
+            continue  # reached meanwhile
+        if _reaches(fam, parent):
+            keep.append((fref, mref))  # it reaches the parent: never its child
             continue
         try:
-            inside = contains(pcomm, child.comm)
+            comm = owner.comm
         except CollectiveGCError:
             continue
-        if not (inside and adopt(parent, child)):
-            keep.append(ref)
+        label = f"a communicator of size {fam.size} reached from a {parent.label}"
+        if not _link(parent, fam, comm, label, owner):
+            keep.append((fref, mref))
     _UNREACHED[:] = keep
 
 
-def _parent_for(mgr: Manager) -> Manager | None:
-    # The innermost open scope's communicator, else COMM_WORLD's manager if it
-    # was used collectively (both alike on every rank: scopes are entered
-    # collectively, registrations and sync points are collective).
+add_reacher(_reach)
+
+
+def _parent_for(mgr: Manager) -> Collective | None:
+    # The innermost open scope's family, else COMM_WORLD's if it was used
+    # collectively (both alike on every rank: scopes are entered collectively,
+    # registrations and sync points are collective).
     candidates = []
     scope = current_scope()
     if scope is not None:
-        candidates.append(scope.manager)
+        candidates.append(_manager.family(scope.manager))
     world = lookup(MPI.COMM_WORLD)
-    if world is not None and (world.next_key or world.sync_count):
-        candidates.append(world)
-    for parent in candidates:
-        if parent is not mgr and parent.broken is None and not parent.comm_freed:
-            try:
-                if contains(parent.comm, mgr.comm):
-                    return parent
-            except CollectiveGCError:
-                continue
+    if world is not None:
+        candidates.append(_manager.family(world))
+    for fam in candidates:
+        if fam is not None and fam.comm is not None and fam.reason is None:
+            return fam
     return None
 
 
-def _first_collective(mgr: Manager) -> None:
+def _first_collective(mgr: Manager, new: bool) -> None:
     """At a manager's first collective (every rank of its communicator at the
-    same point): every manager of size > 1 gets the visitor of derived
-    communicators (it also adopts unreached ones: see _reach), and a
-    communicator a library made is adopted by a parent's sync points."""
-    if mgr.size == 1:
+    same point): a new family of size > 1 (nothing congruent with it existed)
+    is reached by a containing family's sync points, or named unreached."""
+    if not new or mgr.size == 1:
         return
-    _children(mgr)
+    fam = _manager.family(mgr)
+    if fam is None:
+        return
     try:
         comm = mgr.comm
     except CollectiveGCError:
         return
-    if isinstance(comm.Get_attr(_keyval()), _Derived):
-        return  # made by dup/split, or adopted already
+    if isinstance(comm.Get_attr(_keyval()), _Owned):
+        return  # made by split: linked there
     parent = _parent_for(mgr)
-    if parent is None:
-        if comm != MPI.COMM_WORLD:
-            _UNREACHED.append(weakref.ref(mgr))
-        return
-    adopt(parent, mgr)
+    if parent is not None and parent is not fam:
+        label = f"a communicator of size {mgr.size} reached from a {parent.label}"
+        if _link(parent, fam, comm, label, mgr):
+            return
+    if comm != MPI.COMM_WORLD:
+        _UNREACHED.append((weakref.ref(fam), weakref.ref(mgr)))
 
 
-def _new_manager(mgr: Manager) -> None:
-    # Local: the view and the leak check of any communicator name this rank's
-    # unreached managers.
-    mgr.add_view_hook(_unreached_rows)
-    mgr.add_leak_hook(_unreached_lines)
-
-
-on_first_collective(_first_collective)
-on_new_manager(_new_manager)
+set_first_collective(_first_collective)
 
 
 def unreached(warn: bool = True) -> list[Manager]:
@@ -503,33 +488,42 @@ def unreached(warn: bool = True) -> list[Manager]:
     lists them without warning), a RuntimeWarning names it; the list is made from
     collective state, so on every rank of it alike (``warn=False``: no warning)."""
     out = []
-    for ref in _UNREACHED:
-        mgr = ref()
-        if mgr is not None and mgr.registered and mgr.sync_count == 0 and mgr.broken is None:
+    for fref, mref in _UNREACHED:
+        fam, mgr = fref(), mref()
+        if fam is None or mgr is None or fam.parent is not None:
+            continue
+        if fam.registry.live and fam.seq == 0 and fam.reason is None:
             out.append(mgr)
-    for mgr in out if warn else ():
-        if mgr not in _WARNED:
-            _WARNED.add(mgr)
-            warnings.warn(
-                f"collective_gc: rank {mgr.rank}: {mgr.registered} registration(s) on a "
-                f"{mgr.describe()} that no sync point reaches: it was first used outside any "
-                "collective_scope whose communicator contains it, and COMM_WORLD's manager "
-                "was not in use; a sync point of a communicator that contains it, or "
-                "cgc.collect on it, reaches it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            if warn and fam not in _WARNED:
+                _WARNED.add(fam)
+                warnings.warn(
+                    f"collective_gc: rank {mgr.rank}: {len(fam.registry.live)} registration(s) "
+                    f"on a {mgr.describe()} that no sync point reaches: it was first used "
+                    "outside any collective_scope whose communicator contains it, and "
+                    "COMM_WORLD's manager was not in use; a sync point of a communicator "
+                    "that contains it, or cgc.collect on it, reaches it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return out
 
 
-def _unreached_text(mgr: Manager) -> str:
-    return f"{mgr.registered} registered on a {mgr.describe()} that no sync point reaches"
-
-
-def _unreached_rows(mgr: Manager) -> list[tuple[str, str]]:
-    # In cgc.view of any communicator: the unreached managers of this rank.
+def unreached_rows(mgr: Manager) -> list[tuple[str, str]]:
+    """In ``cgc.view`` of any communicator: this rank's unreached managers."""
     return [("unreached", _unreached_text(m)) for m in unreached(warn=False) if m is not mgr]
 
 
-def _unreached_lines(mgr: Manager) -> list[str]:
+def unreached_lines(mgr: Manager) -> list[str]:
+    """In a leak report: this rank's unreached managers (warning once each)."""
     return [_unreached_text(m) for m in unreached() if m is not mgr]
+
+
+def _unreached_text(mgr: Manager) -> str:
+    fam = _manager.family(mgr)
+    n = 0 if fam is None else len(fam.registry.live)
+    return f"{n} registered on a {mgr.describe()} that no sync point reaches"
+
+
+def every_family() -> Iterable[Collective]:
+    """The families of this process (see _collective.families). Local."""
+    return families()

@@ -22,6 +22,8 @@ from typing import IO
 from mpi4py import MPI
 
 from ._api import check_timeout
+from . import _manager
+from ._comms import unreached_rows
 from ._lookup import manager
 from ._manager import Manager
 
@@ -182,11 +184,13 @@ def reference_paths(
 
 
 def _rows(mgr: Manager) -> list[tuple[int, int, str, str, str]]:
-    rows = [
-        (mgr.rank, r.key, r.typename, r.name, str(mgr.sync_count - r.queued_at))
-        for r in mgr.pending()
-    ]
+    # The whole family's queue: a sync point of this communicator destroys
+    # what is queued on the communicators congruent with it too.
+    fam = _manager.family(mgr)
+    queued = [] if fam is None else fam.registry.pending(fam.seq)
+    rows = [(mgr.rank, r.key, r.typename, r.name, str(mgr.sync_count - r.queued_at)) for r in queued]
     rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in mgr.view_rows())
+    rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in unreached_rows(mgr))
     return rows
 
 

@@ -20,7 +20,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import _gcpolicy, _interrupts, _lookup, _manager, _registration, local
+from . import _collective, _gcpolicy, _interrupts, _lookup, _registration, local
 from ._errors import ExitLeakWarning
 
 __all__ = ["exit_timeout"]
@@ -43,12 +43,12 @@ def _at_exit() -> None:
         local.shutdown()
         return
     try:
-        mgrs = _lookup.managers()
-        if _UNCAUGHT[0] and mgrs:
+        fams = [f for f in _collective.families() if f.members]
+        if _UNCAUGHT[0] and fams:
             # Dying of an uncaught exception, maybe on this rank only: the
             # others may never reach an exit agreement, and under `python -m
             # mpi4py` the job is about to be aborted. Leak, and say so.
-            left = sum(len(m.pending()) for m in mgrs)
+            left = sum(len(f.registry.pending(f.seq)) for f in fams)
             if left:
                 warnings.warn(
                     f"collective_gc: exiting on an uncaught exception: {left} pending "
@@ -57,16 +57,17 @@ def _at_exit() -> None:
                     stacklevel=1,
                 )
             return
-        if not MPI.Is_initialized() or not mgrs:
+        if not MPI.Is_initialized() or not fams:
             return
         if MPI.Is_finalized():
             # Finalized by hand: nothing can be agreed any more.
-            for mgr in mgrs:
-                _manager.drain_at_exit(mgr)
-                if mgr.pending():
+            for fam in fams:
+                fam.registry.drain(fam.seq)
+                left = fam.registry.pending(fam.seq)
+                if left:
                     warnings.warn(
-                        f"collective_gc: rank {mgr.rank}: leaked at exit (MPI was finalized "
-                        f"before them): {_manager.leak_text(mgr)}",
+                        f"collective_gc: rank {fam.rank}: leaked at exit (MPI was finalized "
+                        f"before them): {_collective.leak_text(left, fam.label)}",
                         ExitLeakWarning,
                         stacklevel=1,
                     )
@@ -75,23 +76,27 @@ def _at_exit() -> None:
         _lookup.release_freed()
         deadline = time.monotonic() + exit_timeout()
         interrupt: BaseException | None = None
-        # One protected region for every manager's exit agreement: a signal's
-        # handler runs once they are all done (see _interrupts).
+        # One protected region for every family's exit agreement: a signal's
+        # handler runs once they are all done (see _interrupts). Newest
+        # first: a derived family's before the one it came from.
         entered = _interrupts.enter()
         try:
-            for mgr in reversed(_lookup.managers()):
+            for fam in reversed(_collective.families()):
+                owner = next(iter(list(fam.members.values())), None)
+                if owner is None:
+                    continue
                 try:
-                    _manager.exit_agreement(mgr, deadline)
+                    fam.exit_agreement(owner, deadline)
                 except BaseException as exc:
                     # An interrupt, raised by a destroy on this rank: the other
-                    # ranks go on with the other managers' exit agreements, and
+                    # ranks go on with the other families' exit agreements, and
                     # so does this one; it is raised once they are done.
                     if interrupt is None:
                         interrupt = exc
                     else:
                         interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
-            for mgr in _lookup.managers():
-                _manager.end_exit(mgr)
+            for fam in _collective.families():
+                fam.end_exit()
             if interrupt is not None:
                 try:
                     raise interrupt

@@ -4,40 +4,26 @@ MPI attribute cached on it.
 Every Python wrapper of the same handle gets the same manager, and a
 freed-then-reused handle does not: freeing the communicator runs our
 attribute delete callback, which only records (no MPI call there); the
-manager lets go of its private duplicate at the next lookup or at exit.
+manager leaves its family at the family's next sync point, or at the next
+lookup if it was the family's last, once nothing registered on it is left.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
 
-from . import _manager
+from . import _collective, _manager
 from ._errors import CollectiveGCError
 from ._manager import Manager
 
-__all__ = [
-    "manager",
-    "lookup",
-    "managers",
-    "release_freed",
-    "check_comm",
-    "on_first_collective",
-    "on_new_manager",
-    "retire",
-]
+__all__ = ["manager", "lookup", "managers", "release_freed", "check_comm"]
 
 _REGISTRY_LOCK = threading.RLock()
 _MANAGERS: list[Manager] = []
-# Managers of communicators of size > 1 in the order of their first
-# collective (the private duplicate's), which is the same on every rank that
-# shares them, unlike the order of lookups: the exit agreement and the pytest
-# plugin visit managers in this order.
-_COLLECTIVE_ORDER: list[Manager] = []
 _KEYVAL: list[int] = []
 # A weak reference to the communicator object of the last lookup, and its
 # manager: a cache for many registrations on one communicator.
@@ -46,38 +32,8 @@ _LAST: list[Any] = [None, None]
 _FREED: list[Manager] = []
 
 
-# Called with each manager at its first collective (collective_gc._comms:
-# a communicator a library made is adopted by a parent's sync points there).
-_ON_FIRST: list[Callable[[Manager], None]] = []
-
-
-# Called with each new manager (local: a view hook, say).
-_ON_NEW: list[Callable[[Manager], None]] = []
-
-
-def on_new_manager(hook: Callable[[Manager], None]) -> None:
-    """Call ``hook(mgr)`` when a manager is made (a local moment: it must not
-    make MPI calls). Local."""
-    if hook not in _ON_NEW:
-        _ON_NEW.append(hook)
-
-
-def on_first_collective(hook: Callable[[Manager], None]) -> None:
-    """Call ``hook(mgr)`` at each manager's first collective (the making of its
-    private duplicate: collective over its communicator, so every rank of it
-    calls the hook at the same point of the program). Local."""
-    if hook not in _ON_FIRST:
-        _ON_FIRST.append(hook)
-
-
-def _first_collective(mgr: Manager) -> None:
-    with _REGISTRY_LOCK:
-        _COLLECTIVE_ORDER.append(mgr)
-    for hook in _ON_FIRST:
-        hook(mgr)
-
-
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
+    # An MPI attribute delete callback: record only, never call MPI here.
     _manager.comm_was_freed(mgr)
     _FREED.append(mgr)
 
@@ -102,21 +58,12 @@ def check_comm(comm: object) -> MPI.Intracomm:
     return comm
 
 
-def _cached(comm: object) -> Manager | None:
+def lookup(comm: MPI.Comm) -> Manager | None:
+    """The manager of ``comm`` if it has one, else None. Local."""
     last = _LAST
     mgr = last[1]
     if mgr is not None and last[0]() is comm and not mgr.comm_freed:
-        # The same Python object as last time, and its handle was not freed
-        # (freeing runs our attribute delete callback): the same manager.
         return mgr  # type: ignore[no-any-return]
-    return None
-
-
-def lookup(comm: MPI.Comm) -> Manager | None:
-    """The manager of ``comm`` if it has one, else None. Local."""
-    mgr = _cached(comm)
-    if mgr is not None:
-        return mgr
     c = check_comm(comm)
     if not _KEYVAL:
         return None
@@ -127,10 +74,11 @@ def lookup(comm: MPI.Comm) -> Manager | None:
 def manager(comm: MPI.Comm) -> Manager:
     """The manager of ``comm``: the same object each time for the same communicator.
 
-    Local: making a manager sends no message (its private duplicate is made
-    by the first registration or sync point, which are collective anyway).
+    Local: making a manager sends no message (it joins its family, or makes
+    one with its private duplicate, at its first registration or sync point,
+    which are collective anyway).
     """
-    # _cached, inline: this runs at every registration.
+    # The cache, inline: this runs at every registration.
     mgr = _LAST[1]
     if mgr is not None and _LAST[0]() is comm and not mgr.comm_freed:
         return mgr  # type: ignore[no-any-return]
@@ -146,11 +94,9 @@ def manager(comm: MPI.Comm) -> Manager:
         if isinstance(found, Manager):
             mgr = found
         else:
-            mgr = Manager(c, _first_collective, _forget)
+            mgr = Manager(c, _forget)
             c.Set_attr(kv, mgr)
             _MANAGERS.append(mgr)
-            for hook in _ON_NEW:
-                hook(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
     _LAST[0], _LAST[1] = weakref.ref(comm), mgr
@@ -158,64 +104,51 @@ def manager(comm: MPI.Comm) -> Manager:
 
 
 def managers() -> list[Manager]:
-    """Every manager in use in this process. Local.
+    """Every manager in use in this process, in the order they were made. Local.
 
-    Those of communicators of size > 1 come first, in the order of their
-    first collective use (the same on every rank that shares them), then the
-    others in the order they were made.
+    (Collective work goes by family, whose order is the same on every rank:
+    :func:`collective_gc._collective.families`.)
     """
     with _REGISTRY_LOCK:
-        ordered = list(_COLLECTIVE_ORDER)
-        seen = set(map(id, ordered))
-        return ordered + [m for m in _MANAGERS if id(m) not in seen]
+        return list(_MANAGERS)
 
 
 def _forget(mgr: Manager) -> None:
     with _REGISTRY_LOCK:
         if mgr in _MANAGERS:
             _MANAGERS.remove(mgr)
-        if mgr in _COLLECTIVE_ORDER:
-            _COLLECTIVE_ORDER.remove(mgr)
         if _LAST[1] is mgr:
             _LAST[0] = _LAST[1] = None
 
 
 def release_freed() -> None:
-    """Let go of the managers of freed communicators that have nothing left. Local.
+    """Let go of the managers of freed communicators that have nothing left
+    and are the last of their family (a family with other members lets them
+    go at its next sync point instead, at the same point on every rank).
+    Local.
 
-    One that still holds registrations stays: its destroys are agreed at
-    exit (or at a sync point someone runs on it), over its private duplicate.
+    One that still holds registrations stays: its destroys are agreed at the
+    family's sync points, or at exit, over its private duplicate.
     """
     if MPI.Is_finalized():
         return
     keep = []
     for mgr in list(_FREED):
-        if _manager.release(mgr):
+        fam = _manager.family(mgr)
+        others = (
+            fam is not None
+            and any(m is not mgr and not m.comm_freed for m in list(fam.members.values()))
+        )
+        if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
             _forget(mgr)
-        elif mgr.registered:
+        elif not others and not mgr.registered:
+            _manager.let_go(mgr, _collective.State.RELEASED, "its communicator was freed")
+            _forget(mgr)
+        elif fam is None or not others:
             keep.append(mgr)
+        else:
+            _forget(mgr)  # its family's sync point lets it go (comm_was_freed queued it)
     _FREED[:] = keep
-
-
-def retire(mgr: Manager, comm: MPI.Intracomm | None) -> bool:
-    """Let go of ``mgr`` while its communicator ``comm`` may live on (None: it
-    was freed), if nothing is registered on it: its private duplicate is
-    freed, and a later lookup of ``comm`` makes a fresh manager. True if done.
-
-    Collective in effect (freeing the private duplicate is): call it on every
-    rank of the communicator at the same point, as a parent's sync point does
-    for the communicators it reaches (see collective_gc._comms).
-    """
-    if not _manager.release(mgr):
-        return False
-    _forget(mgr)
-    if comm is not None and _KEYVAL and not mgr.comm_freed:
-        with _REGISTRY_LOCK:
-            if comm.Get_attr(_KEYVAL[0]) is mgr:
-                comm.Delete_attr(_KEYVAL[0])  # runs _delete_attr: not a real free
-        if mgr in _FREED:
-            _FREED.remove(mgr)
-    return True
 
 
 def after_fork() -> None:
@@ -226,3 +159,4 @@ def after_fork() -> None:
     _LAST[0] = _LAST[1] = None
     for mgr in _MANAGERS:
         _manager.after_fork(mgr)
+    _collective.after_fork()

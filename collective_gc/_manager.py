@@ -1,70 +1,60 @@
 """The per-communicator manager.
 
-A :class:`Manager` owns the registry of its communicator's registrations,
-and a private duplicate of the communicator for agreement traffic (so that
-it never matches a user's message), made at first use. It keeps a state
-(:class:`State`: usable, or why not), registers objects, runs sync points
-(:mod:`collective_gc._syncpoint` has their steps), gathers over the private
-communicator, and lets go at close, at exit, in a forked child, or once the
-user freed the communicator.
+A :class:`Manager` is what a communicator's users see of collective_gc: it
+registers objects, runs sync points, gathers, and lets go at close, at exit,
+in a forked child, or once the user freed the communicator. What is
+collective lives in its *family* (:class:`~collective_gc._collective.Collective`),
+which every communicator congruent with this one shares (a ``cgc.dup``, a
+library's ``Dup``, PETSc's inner duplicates): one key counter, one private
+duplicate, one agreement. The manager joins its family at its first
+collective (its first registration or sync point, or when ``cgc.dup`` makes
+it): then an existing family of congruent communicators is found, or a new
+one made, with its private duplicate (``MPI_Comm_idup``, against the
+deadline if there is one), so that a lookup, :func:`~collective_gc.pending`
+or a scope's constructor never waits for another rank.
 
-What other modules of the library need beyond the public methods (the exit
-agreement, fork, the communicator's free) are the functions at the end of
-this module.
+What other modules of the library need beyond the public methods (the
+family, joining one, the communicator's free) are the functions at the end
+of this module.
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-from . import _agree, _destroy, _interrupts
-from ._errors import (
-    CollectiveGCError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    ExitLeakWarning,
-)
-from ._registration import DESTROYED, DETACHED, Registration, check_name
-from ._registry import Registry, add_plain
-from ._syncpoint import Books, CollectStats, Participant, SyncPoint, identities, what_raised
-from ._transport import Deadline, dup
+from . import _interrupts
+from ._collective import Collective, State, family_of, leak_text
+from ._errors import CollectiveGCError, ExitLeakWarning
+from ._registration import DESTROYED, DETACHED, Registration, check_name, owned_by
+from ._registry import add_plain
+from ._syncpoint import CollectStats, Participant, what_raised
+from ._transport import Deadline
 
 __all__ = [
     "Manager",
     "State",
     "Snapshot",
     "set_timeout_source",
-    "exit_agreement",
-    "end_exit",
-    "drain_at_exit",
-    "after_fork",
+    "set_first_collective",
+    "family",
+    "open_family",
+    "join",
     "comm_was_freed",
     "release",
+    "let_go",
+    "pending_text",
+    "after_fork",
 ]
 
-
-class State(enum.Enum):
-    """What a manager can still do (:attr:`Manager.state`); :attr:`Manager.broken` says why."""
-
-    OPEN = "open"  #: usable
-    UNUSABLE = "unusable"  #: a timeout, a disagreement, an abandoned collective, mark_unusable
-    RELEASED = "released"  #: its communicator was freed, and nothing was left registered
-    EXITED = "exited"  #: the program is exiting: its exit agreement ran
-    CLOSED = "closed"  #: :meth:`Manager.close` let go
-    FORKED = "forked"  #: this is a forked child: everything belongs to the parent
-
-
-# The usable state, as a module global: the hot paths (a registration, a sync
-# point) compare with it, and an Enum member read through its class costs
-# about 100 ns in Python 3.11, a tenth of a registration.
 _OPEN = State.OPEN
 
 
@@ -98,8 +88,21 @@ def set_timeout_source(source: Callable[[], float | None]) -> None:
     _TIMEOUT_SOURCE[0] = source
 
 
-def _hook_name(hook: object) -> str:
-    return getattr(hook, "__qualname__", None) or type(hook).__name__
+# Called with each manager and whether its family is new, when it joins one
+# at its first collective (collective_gc._comms: a new family that is a
+# strict subset of a scope's or COMM_WORLD's is reached by their sync points).
+_ON_FIRST: list[Callable[[Manager, bool], None]] = []
+
+
+def set_first_collective(hook: Callable[[Manager, bool], None]) -> None:
+    """Call ``hook(mgr, new_family)`` at each manager's first collective
+    (every rank of its communicator at the same point of the program). Local."""
+    _ON_FIRST[:] = [hook]
+
+
+# One thread at a time makes a manager's first collective (a first
+# registration on one thread, a first sync point on another).
+_FIRST = threading.RLock()
 
 
 class Manager:
@@ -108,31 +111,22 @@ class Manager:
     Get it with :func:`collective_gc.manager`; do not construct it.
     """
 
-    def __init__(
-        self,
-        comm: MPI.Intracomm,
-        on_first_collective: Callable[[Manager], None],
-        on_close: Callable[[Manager], None],
-    ) -> None:
-        self._size = size = comm.Get_size()
-        self._rank = rank = comm.Get_rank()
+    def __init__(self, comm: MPI.Intracomm, on_close: Callable[[Manager], None]) -> None:
+        self._size = comm.Get_size()
+        self._rank = comm.Get_rank()
         # A wrapper of the handle, never the user's object: it may be a
         # managed one (cgc.dup) whose death we wait for.
         self._user_comm = MPI.Intracomm(comm)
-        # The private duplicate: made by the first registration or sync point
-        # (both collective, both with a deadline if they have one), so that no
-        # local call (a lookup, a scope's constructor) waits for other ranks.
-        self._comm: MPI.Intracomm | None = None
-        self._on_first_collective = on_first_collective
+        self._fam: Collective | None = None  # joined at the first collective
+        self._tag = -1  # in the family: the order it joined in (0: its first member)
+        # What registrations point to: a proxy, since the family's registry
+        # holds the registrations and the manager holds the family.
+        self._proxy = weakref.proxy(self)
         self._on_close = on_close
-        self._books = Books(rank, size, self.describe(), Registry(self, size > 1))
-        # Sync points and explicit destroys, one thread at a time.
-        self._lock = threading.RLock()
-        self._state = State.OPEN
+        # Its own state, beside its family's (see state).
+        self._state = _OPEN
         self._reason: str | None = None
         self._comm_freed = False
-        self._view_hooks: list[Callable[[Manager], Iterable[tuple[str, str]]]] = []
-        self._leak_hooks: list[Callable[[Manager], Iterable[str]]] = []
 
     # -- description -----------------------------------------------------------
 
@@ -158,13 +152,20 @@ class Manager:
 
     @property
     def state(self) -> State:
-        """What this manager can still do (see :class:`State`)."""
-        return self._state
+        """What this manager can still do (see :class:`State`): its own state
+        (closed, released, forked), else its family's (the communicators
+        congruent with this one share sync points: a timeout or a
+        disagreement on one makes them all unusable)."""
+        if self._state is not _OPEN or self._fam is None:
+            return self._state
+        return self._fam.state
 
     @property
     def broken(self) -> str | None:
         """Why this manager is unusable (a timeout, a disagreement, ...), or None."""
-        return self._reason
+        if self._reason is not None or self._fam is None:
+            return self._reason
+        return self._fam.reason
 
     @property
     def size(self) -> int:
@@ -178,23 +179,26 @@ class Manager:
 
     @property
     def sync_count(self) -> int:
-        """How many sync points have completed on this communicator."""
-        return self._books.seq
+        """How many sync points have completed on this communicator's family
+        (the communicators congruent with it share them)."""
+        return 0 if self._fam is None else self._fam.seq
 
     @property
     def next_key(self) -> int:
-        """The key the next registration will get (the registrations made so far)."""
-        return self._books.registry.next_key
+        """The key the next registration will get (the registrations made so
+        far on this communicator's family, which share one counter)."""
+        return 0 if self._fam is None else self._fam.registry.next_key
 
     @property
     def registered(self) -> int:
-        """Registrations whose destroy has not run (objects alive or queued). Local."""
-        return len(self._books.registry.live)
+        """Registrations on this communicator whose destroy has not run
+        (objects alive or queued). Local."""
+        return 0 if self._fam is None else self._fam.registry.count(self._proxy)
 
     @property
     def destroyed(self) -> int:
-        """Destroys run on this communicator (by sync points and explicit calls)."""
-        return self._books.destroyed
+        """Destroys run on this communicator's family (by sync points and explicit calls)."""
+        return 0 if self._fam is None else self._fam.destroyed
 
     @property
     def message(self) -> tuple[int, int, int] | None:
@@ -203,20 +207,20 @@ class Manager:
         ``[lo, lo + bits)`` the next one carries as a bitmap (a key pending
         outside it goes through a second round). None on a communicator of
         size 1, or before the first collective. Local."""
-        agreement = self._books.agreement
+        agreement = None if self._fam is None else self._fam.agreement
         if agreement is None:
             return None
         return agreement.words, agreement.window.lo, agreement.window.bits
 
     @property
     def cyclic(self) -> int:
-        """Cyclic-GC deaths of managed objects seen by sync points so far."""
-        return self._books.registry.cyclic_total
+        """Cyclic-GC deaths of managed objects seen by sync points so far (of the family)."""
+        return 0 if self._fam is None else self._fam.registry.cyclic_total
 
     @property
     def last_cyclic(self) -> list[tuple[str, str, int, traceback.StackSummary | None]]:
         """(type, name, key, origin) of the cyclic deaths the last sync point drained."""
-        return list(self._books.registry.last_cyclic)
+        return [] if self._fam is None else list(self._fam.registry.last_cyclic)
 
     def cyclic_deaths(
         self, since: int = 0
@@ -224,7 +228,9 @@ class Manager:
         """(type, name, key, origin) of the cyclic deaths sync points have seen,
         from the ``since``-th on (compare :attr:`cyclic`; the last 10,000 are
         kept). Local, changes nothing."""
-        registry = self._books.registry
+        if self._fam is None:
+            return []
+        registry = self._fam.registry
         log = registry.cyclic_log
         first = registry.cyclic_total - len(log)
         return list(log[max(0, since - first) :])
@@ -234,9 +240,10 @@ class Manager:
         return f"communicator of size {self._size} (rank {self._rank})"
 
     def __repr__(self) -> str:
-        state = "" if self._state is State.OPEN else f" {self._state.value}"
+        state = self.state
+        shown = "" if state is _OPEN else f" {state.value}"
         return (
-            f"<collective_gc.Manager{state} of a {self.describe()}: "
+            f"<collective_gc.Manager{shown} of a {self.describe()}: "
             f"{self.registered} registered, {len(self.pending())} pending, "
             f"{self.destroyed} destroyed, {self.sync_count} sync points>"
         )
@@ -247,129 +254,93 @@ class Manager:
         """Refuse every later registration and sync point, saying ``reason``. Local.
 
         Collective in effect: call it on every rank alike (a participant
-        deciding on agreed flags, say). The first reason stays.
+        deciding on agreed flags, say). The first reason stays. The
+        communicators congruent with this one share its sync points, and
+        become unusable with it.
         """
-        self._become(State.UNUSABLE, reason)
+        if self._fam is not None:
+            self._fam.become(State.UNUSABLE, reason)
+        else:
+            self._become(State.UNUSABLE, reason)
 
     def _become(self, state: State, reason: str, *, first: bool = True) -> None:
-        # Usable -> not: the first reason stays, unless ``first`` is false
-        # (letting go, which ends whatever state the manager was in).
         if first and self._reason is not None:
             return
         if self._state is not State.FORKED:
             self._state = state
         self._reason = reason
 
-    def _abandon(self, reason: str) -> None:
-        """This rank left collectives of the private communicator that the
-        others may still be in: unusable, and the others are told through
-        the watch (their waits there end at once, not at a deadline they may
-        not have). A timeout has told them already (see _transport.wait)."""
-        self._become(State.UNUSABLE, reason)
-        agreement = self._books.agreement
-        if agreement is not None:
-            agreement.watch.announce(left=True)
-
     def refuse_if_unusable(self, what: str) -> None:
         """Raise :class:`CollectiveGCError` (saying it cannot ``what``) if a
         registration or a sync point would be refused now, on this thread: in
-        a forked child, inside a destroy of this manager's sync point, once
+        a forked child, inside a destroy of this family's sync point, once
         unusable, or after MPI_Finalize. Local. For work that must not begin
         unless its registration can follow (a derived communicator, say)."""
-        if self._state is not _OPEN or self._books.destroying or MPI.Is_finalized():
-            self._check_usable(what)
+        fam = self._fam
+        if self._state is not _OPEN:
+            self._check_own(what)
+        if fam is not None and not fam.usable():
+            fam.check_usable(what, self.describe())
+        if MPI.Is_finalized():
+            raise CollectiveGCError(f"cannot {what} on the {self.describe()}: MPI is finalized")
 
-    def _check_usable(self, what: str) -> None:
+    def _check_own(self, what: str) -> None:
         if self._state is State.FORKED:
             raise CollectiveGCError(
                 f"cannot {what} in a forked child: the {self.describe()} and its "
                 "registrations belong to the parent process"
             )
-        if self._books.destroying and self._books.destroying == threading.get_ident():
-            raise CollectiveGCError(
-                f"cannot {what} from inside a destroy running at sync point "
-                f"{self.sync_count} on the {self.describe()}; do it after the sync point"
-            )
-        if self._reason is not None:
-            raise CollectiveGCError(
-                f"cannot {what}: the {self.describe()} is unusable since {self._reason}"
-            )
-        if MPI.Is_finalized():
-            raise CollectiveGCError(f"cannot {what} on the {self.describe()}: MPI is finalized")
+        raise CollectiveGCError(
+            f"cannot {what}: the {self.describe()} is unusable since {self._reason}"
+        )
 
-    # -- participants and hooks ------------------------------------------------
+    # -- participants ------------------------------------------------------------
 
     def add_participant(self, participant: Participant) -> None:
-        """Let ``participant`` take part in every sync point. Collective: add
-        the same participants on every rank, in the same order. Adding it again
-        does nothing; two participants may not vote in the same field."""
-        books = self._books
-        if participant in books.participants:
-            return
-        if participant.field is not None:
-            _agree.field_shift(participant.field)  # a valid field
-            if any(p.field == participant.field for p in books.participants):
-                raise CollectiveGCError(
-                    f"the {self.describe()} already has a participant voting in field "
-                    f"{participant.field}"
-                )
-        books.participants.append(participant)
-        books.identities = identities(books.participants)
+        """Let ``participant`` take part in every sync point of this
+        communicator's family (called with this manager). Collective: add the
+        same participants on every rank, in the same order (it may make the
+        family's first collective). Adding it again does nothing; two
+        participants of a family may not vote in the same field."""
+        self._family(None).add_participant(participant, self)
 
     @property
     def participants(self) -> tuple[Participant, ...]:
-        """The participants added to every sync point, in order."""
-        return tuple(self._books.participants)
+        """The participants added on this communicator, in order."""
+        fam = self._fam
+        if fam is None:
+            return ()
+        return tuple(p for p, o in zip(fam.participants, fam.owners) if o is self)
 
-    def set_visitor(
-        self, visit: Callable[[Manager, float | None], Sequence[_destroy.Failure]]
-    ) -> None:
-        """Call ``visit(mgr, deadline)`` first at each sync point, before
-        anything is drained or agreed; what it returns are failures of the
-        sync point, reported like a destroy's.
-        Local. Unlike a participant it votes nothing and adds nothing to the
-        agreement, so ranks may differ in having one; what it runs must be
-        collective only over communicators whose ranks all run it at this
-        sync point (:mod:`collective_gc._comms` visits the derived
-        communicators there)."""
-        self._books.visitor = visit
-
-    def add_view_hook(self, hook: Callable[[Manager], Iterable[tuple[str, str]]]) -> None:
-        """Let :func:`collective_gc.view` show pending entries we do not manage.
-
-        ``hook(manager)`` returns ``(type name, description)`` pairs for this
-        rank (PETSc's own garbage, say). Local; must not make MPI calls.
-        """
-        if hook not in self._view_hooks:
-            self._view_hooks.append(hook)
+    def participant(self, kind: type[Participant]) -> Participant | None:
+        """The participant of exactly class ``kind`` this communicator's family
+        has (added on any of its communicators), or None. Local: how an
+        adapter finds its own state (``collective_gc.petsc`` its cleanup)."""
+        return None if self._fam is None else self._fam.participant(kind)
 
     def view_rows(self) -> list[tuple[str, str]]:
-        """What the view hooks report for this rank. Local. A hook that raises
-        gives a row saying so: view gathers these rows from every rank, and a
-        rank that raised instead would leave the others waiting."""
+        """What the family's participants show in :func:`collective_gc.view`
+        for this rank (their :meth:`Participant.view_rows`). Local. One that
+        raises gives a row saying so: view gathers these rows from every
+        rank, and a rank that raised instead would leave the others waiting."""
         rows: list[tuple[str, str]] = []
-        for hook in self._view_hooks:
+        for p in () if self._fam is None else list(self._fam.participants):
             try:
-                rows.extend(hook(self))
+                rows.extend(p.view_rows(self))
             except Exception as exc:  # noqa: BLE001 (reported in the table)
-                rows.append(("<view hook>", f"{_hook_name(hook)} raised {what_raised(exc)}"))
+                rows.append(("<view>", f"{type(p).__name__}.view_rows raised {what_raised(exc)}"))
         return rows
 
-    def add_leak_hook(self, hook: Callable[[Manager], Iterable[str]]) -> None:
-        """Let leak reports explain why objects here are still alive (an owner
-        kept alive by its own resource, say). Local; must not make MPI calls."""
-        if hook not in self._leak_hooks:
-            self._leak_hooks.append(hook)
-
     def leak_reasons(self) -> list[str]:
-        """What the leak hooks say for this rank. Local. A hook that raises gives
-        a line saying so (leak reports are gathered from every rank)."""
+        """What the family's participants say of the objects still alive
+        here (their :meth:`Participant.leak_reasons`). Local. One that
+        raises gives a line saying so (leak reports are gathered from every rank)."""
         lines: list[str] = []
-        for hook in self._leak_hooks:
+        for p in () if self._fam is None else list(self._fam.participants):
             try:
-                lines.extend(hook(self))
+                lines.extend(p.leak_reasons(self))
             except Exception as exc:  # noqa: BLE001 (reported in the leak report)
-                lines.append(f"the leak hook {_hook_name(hook)} raised {what_raised(exc)}")
+                lines.append(f"{type(p).__name__}.leak_reasons raised {what_raised(exc)}")
         return lines
 
     # -- registration ------------------------------------------------------------
@@ -383,66 +354,72 @@ class Manager:
         name: str | None,
     ) -> Registration:
         """Collective. See :func:`collective_gc.register`."""
-        if self._state is not _OPEN or self._books.destroying or MPI.Is_finalized():
-            self._check_usable("register an object")
         if name is not None and type(name) is not str:
             check_name(name)
-        registry = self._books.registry
-        if self._comm is None and self._size > 1:
-            # The first registration makes the private duplicate (see _first_use).
-            return registry.add(obj, destroy, args, kwargs, name, self._first_use)
+        fam = self._fam
+        if fam is None:
+            # The first registration joins the family (making it if needed,
+            # with its private duplicate) while the communicator is surely
+            # alive (the user may free it before any sync point), against the
+            # innermost scope's timeout.
+            timeout = _TIMEOUT_SOURCE[0]()
+            fam = self._family(None if timeout is None else time.monotonic() + timeout)
+        if (
+            self._state is not _OPEN
+            or fam.state is not _OPEN
+            or fam.destroying
+            or MPI.Is_finalized()
+        ):
+            self.refuse_if_unusable("register an object")
         if not kwargs:
-            reg = add_plain(registry, obj, destroy, args, name)
+            reg = add_plain(fam.registry, self._proxy, self._tag, obj, destroy, args, name)
             if reg is not None:
                 return reg
-        return registry.add(obj, destroy, args, kwargs, name)
-
-    def _first_use(self) -> None:
-        # The first registration makes the private duplicate while the
-        # communicator is surely alive (the user may free it before any sync
-        # point), against the innermost scope's timeout.
-        # A protected region: a signal's handler runs once the duplicate is
-        # made, as every rank's registration then completes.
-        timeout = _TIMEOUT_SOURCE[0]()
-        dl = Deadline(None if timeout is None else time.monotonic() + timeout)
-        entered = _interrupts.enter()
-        try:
-            self._private(dl)
-        finally:
-            _interrupts.leave(entered)
+        return fam.registry.add(self._proxy, self._tag, obj, destroy, args, kwargs, name)
 
     def destroy_registration(self, reg: Registration) -> None:
         """``reg.destroy()``: run it now, once. Collective like the destroy itself."""
-        with self._lock:
+        fam = self._fam
+        if fam is None:
+            return
+        with fam.lock:
             if not reg.alive:
                 return
-            self._check_usable(f"destroy key {reg.key} ({reg.name!r})")
-            call = self._books.registry.retire(reg, DESTROYED)
+            self.refuse_if_unusable(f"destroy key {reg.key} ({reg.name!r})")
+            call = fam.registry.retire(reg, DESTROYED)
             if call is not None:
-                self._books.destroyed += 1
+                fam.destroyed += 1
                 fn, args = call
                 del call
                 fn(*args)
 
     def detach_registration(self, reg: Registration) -> bool:
         """``reg.detach()``: forget it without running it. Local."""
-        with self._lock:
-            return self._books.registry.retire(reg, DETACHED) is not None
+        fam = self._fam
+        if fam is None:
+            return False
+        with fam.lock:
+            return fam.registry.retire(reg, DETACHED) is not None
 
     # -- reads that change nothing -------------------------------------------
 
     def pending(self) -> list[Registration]:
-        """What this rank has queued, oldest key first. Local; safe at any time,
-        from any thread, inside a destroy too."""
-        return self._books.registry.pending(self._books.seq)
+        """What this rank has queued on this communicator, oldest key first.
+        Local; safe at any time, from any thread, inside a destroy too."""
+        fam = self._fam
+        return [] if fam is None else fam.registry.pending(fam.seq, self._proxy)
 
     def alive(self) -> list[Registration]:
-        """Registrations whose objects are still alive on this rank. Local."""
-        return self._books.registry.alive()
+        """Registrations on this communicator whose objects are still alive on this rank. Local."""
+        fam = self._fam
+        return [] if fam is None else fam.registry.alive(self._proxy)
 
     def cyclic_pending(self) -> list[Registration]:
-        """Cyclic-GC deaths not yet seen by a sync point. Local."""
-        return self._books.registry.cyclic_pending()
+        """Cyclic-GC deaths on this communicator not yet seen by a sync point. Local."""
+        fam = self._fam
+        if fam is None:
+            return []
+        return owned_by(fam.registry.cyclic_pending(), self._proxy)
 
     def snapshot(self) -> Snapshot:
         """Everything above at once. Local, changes nothing."""
@@ -450,49 +427,52 @@ class Manager:
             self.pending(),
             self.alive(),
             self.cyclic_pending(),
-            self._reason,
+            self.broken,
             self.sync_count,
             self.next_key,
         )
 
     # -- collectives -------------------------------------------------------------
 
-    def _private(self, deadline: Deadline) -> MPI.Intracomm:
-        """The private duplicate, made at first use against ``deadline``. Collective."""
-        if self._comm is not None:
-            return self._comm
+    def _family(self, deadline: float | None) -> Collective:
+        """The family, joined (or made) at this manager's first collective,
+        against ``deadline``. Collective over the communicator then."""
+        fam = self._fam
+        if fam is not None:
+            return fam
         # Under the lock: a first registration on one thread and a first sync
-        # point on another must not make two duplicates.
-        with self._lock:
-            if self._comm is not None:
-                return self._comm
+        # point on another must not join twice.
+        with _FIRST:
+            if self._fam is not None:
+                return self._fam
+            if self._state is not _OPEN:
+                self._check_own("make its first collective")
             if self._comm_freed:
                 raise CollectiveGCError(
-                    f"the {self.describe()} was freed before its first sync point: "
-                    "its pending destroys cannot be agreed"
+                    f"the {self.describe()} was freed before its first collective: "
+                    "nothing can be agreed on it"
                 )
-            # Never left pending: a duplicate still in progress when the user
-            # frees the communicator would be completed on freed memory.
+            if MPI.Is_finalized():
+                raise CollectiveGCError(f"MPI is finalized: the {self.describe()} is gone")
+            # A protected region: a signal's handler runs once every rank has
+            # made the duplicate (or found the family), as every rank's first
+            # collective then completes.
+            entered = _interrupts.enter()
             try:
-                comm = dup(
-                    self._user_comm, deadline, self._books.what("duplicating its communicator")
+                fam, new = family_of(
+                    self._user_comm, Deadline(deadline), _what(self, "duplicating its communicator")
                 )
-            except BaseException as exc:
-                self._become(
-                    State.UNUSABLE,
-                    f"duplicating its communicator was abandoned ({type(exc).__name__})",
-                    first=False,
-                )
-                raise
-            self._comm = comm
-            if self._size > 1:
-                # Local: it only posts the receive of its watch (see _transport.Watch).
-                self._books.agreement = _agree.Agreement(comm)
-            self._on_first_collective(self)
-            return comm
+                self._tag = fam.join(self)
+                self._fam = fam
+                for hook in _ON_FIRST:
+                    hook(self, new)
+            finally:
+                _interrupts.leave(entered)
+            return fam
 
     def allgather(self, value: Any, timeout: float | None = None) -> list[Any]:
-        """Collective: every rank's ``value`` (picklable), over the private duplicate.
+        """Collective: every rank's ``value`` (picklable), over the family's
+        private duplicate.
 
         ``timeout`` bounds the wait (then :class:`CollectiveTimeoutError`, and
         the manager is unusable: the abandoned gather could match a later one).
@@ -500,24 +480,23 @@ class Manager:
         """
         if self._size == 1:
             return [value]
-        with self._lock:
-            if self._state is not _OPEN or MPI.Is_finalized():
-                self._check_usable("gather from every rank")
-            # A protected region: a signal's handler runs once the gather is
-            # done, so that this rank does not leave a collective the others
-            # complete (see _interrupts).
-            deadline = Deadline(None if timeout is None else time.monotonic() + timeout)
-            entered = _interrupts.enter()
-            try:
-                self._private(deadline)  # makes the agreement
-                agreement = self._books.agreement
-                assert agreement is not None
-                return agreement.allgather(value, deadline, self._books.what("a gather"))
-            except BaseException as exc:
-                self._abandon(f"a gather was left by {type(exc).__name__} ({exc})")
-                raise
-            finally:
-                _interrupts.leave(entered)
+        if self._state is not _OPEN:
+            self._check_own("gather from every rank")
+        fam = self._family(None if timeout is None else time.monotonic() + timeout)
+        return fam.allgather(value, timeout, self.describe())
+
+    def reduce_or(self, values: Sequence[int], timeout: float | None = None) -> list[int]:
+        """Collective: each of ``values`` (64-bit ints) ORed over the ranks, in
+        one allreduce over the family's private duplicate: what a
+        participant's :meth:`~Participant.finish` asks the other ranks
+        (which of several communicators to clean, say). Every rank passes as
+        many values. ``timeout`` as for :meth:`allgather`."""
+        if self._size == 1:
+            return list(values)
+        if self._state is not _OPEN:
+            self._check_own("reduce over the ranks")
+        fam = self._family(None if timeout is None else time.monotonic() + timeout)
+        return fam.reduce_or(values, timeout, self.describe())
 
     def sync(
         self,
@@ -527,224 +506,162 @@ class Manager:
         collected: int | None = None,
         t0: float | None = None,
         at_exit: bool = False,
+        final: bool = False,
     ) -> CollectStats:
-        """Collective. Agree on the keys pending on every rank and destroy them.
+        """Collective. Agree on the keys pending on every rank and destroy them:
+        a sync point of this communicator's family.
 
         ``deadline`` is a ``time.monotonic()`` value. ``participants`` take
-        part in this sync point only, after the manager's own. ``collected``
+        part in this sync point only, after the family's own. ``collected``
         and ``t0`` only feed the returned stats. ``at_exit`` marks the exit
         agreement, which never matches a sync point of the program.
+        ``final``: the sync point reports its own failures on every rank
+        (one more word after its destroys) instead of leaving them to the
+        family's next agreement.
         """
-        if t0 is None:
-            t0 = time.perf_counter()
-        books = self._books
-        with self._lock:
-            if self._state is not _OPEN or books.destroying or MPI.Is_finalized():
-                self._check_usable("run a sync point")
-            if self._size == 1 and books.idle(participants):
-                # Nothing to drain, agree on or destroy, and no collective: what
-                # the steps would do, without a protected region (an object
-                # dying from now on is the next sync point's).
-                seq = books.seq
-                books.seq = seq + 1
-                return CollectStats(0, 0, 0, time.perf_counter() - t0, seq, collected)
-            # A protected region: a signal's handler runs once the sync point's
-            # collectives are done on this rank (see _interrupts).
-            entered = _interrupts.enter()
-            try:
-                point = SyncPoint(
-                    self, books, self._private, Deadline(deadline), participants, at_exit
-                )
-                return point.run(collected, t0)
-            except CollectiveTimeoutError:
-                # An abandoned collective could match a later one: never again.
-                self._become(State.UNUSABLE, f"sync point {books.seq} timed out on this rank")
-                raise
-            except CollectiveMismatchError:
-                # Every rank saw the same agreement, so every rank gets here.
-                # Raised before this sync point's own collectives (by a
-                # derived communicator's, visited in prepare, alike on every
-                # rank: collective_gc._comms), it leaves this one usable.
-                if books.collective:
-                    self._become(State.UNUSABLE, f"the ranks disagreed at sync point {books.seq}")
-                raise
-            except BaseException as exc:
-                if books.collective:
-                    # Left half-way through its collectives on this rank only
-                    # (a second Ctrl-C, out of memory): the other ranks' next
-                    # collective would match the wrong one.
-                    self._abandon(
-                        f"sync point {books.seq} was left on this rank by "
-                        f"{type(exc).__name__} before its collectives were done"
-                    )
-                raise
-            finally:
-                books.collective = False
-                _interrupts.leave(entered)
+        if self._state is not _OPEN:
+            self._check_own("run a sync point")
+        fam = self._fam
+        if fam is None:
+            fam = self._family(deadline)
+        return fam.sync(
+            self,
+            deadline=deadline,
+            participants=participants,
+            collected=collected,
+            t0=t0,
+            at_exit=at_exit,
+            final=final,
+        )
 
     # -- the end -----------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Collective: last sync points (repeated while one destroys something:
-        a destroy may drop more managed objects), then this manager lets go.
+        """Collective: last sync points of the family (repeated while one
+        destroys something: a destroy may drop more managed objects; each
+        reports its own failures), then this manager lets go.
 
         If they raise (a DestroyError, on every rank), it stays open. An
         interrupt that arrived while they waited is raised once it let go.
-        Its private duplicate is freed and later registrations and sync points
-        raise :class:`CollectiveGCError`. Registrations left (objects still
+        Later registrations and sync points on this communicator raise
+        :class:`CollectiveGCError`. Registrations left on it (objects still
         alive, or queued on some ranks only) are detached, never destroyed,
-        and named in an :class:`ExitLeakWarning` on their rank. Call it before
-        freeing a communicator you are done with; a second call does nothing.
+        and named in an :class:`ExitLeakWarning` on their rank; the family's
+        private duplicate is freed once no communicator of it is left. Call
+        it before freeing a communicator you are done with; a second call
+        does nothing.
         """
         if self._state is State.CLOSED:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        fam = self._fam
         # One protected region: a signal's handler runs once every rank has
         # let go (see _interrupts).
         entered = _interrupts.enter()
         try:
-            if self._reason is None and self._agreed_before():
-                self._last_syncs(deadline, at_exit=False)
+            if fam is not None and fam.reason is None and self._state is _OPEN:
+                if fam.agreed_before():
+                    fam.last_syncs(self, deadline, at_exit=False)
             # The sync points completed on every rank (an error raised above is
             # raised on every rank, and the manager stays open on every rank).
-            self._let_go(State.CLOSED, "it was closed")
+            let_go(self, State.CLOSED, "it was closed")
             self._on_close(self)
         finally:
             _interrupts.leave(entered)
 
-    # A destroy may drop more managed objects; each later sync point agrees on
-    # those, up to this many rounds (a destroy that always makes more would
-    # never end).
-    _LAST_ROUNDS = 100
 
-    def _agreed_before(self) -> bool:
-        # Whether the ranks ever made a collective here: if not, no rank has
-        # anything agreed to destroy, and a last sync point would be the first
-        # collective, perhaps on some ranks only (an exit, a close after an error).
-        return self._size == 1 or self._comm is not None
+def _what(mgr: Manager, stage: str) -> Callable[[], str]:
+    def describe() -> str:
+        return f"rank {mgr.rank}: {stage} (the {mgr.describe()}) did not complete before its deadline"
 
-    def _last_syncs(self, deadline: float | None, at_exit: bool) -> None:
-        """Sync points until one destroys nothing (or _LAST_ROUNDS). Collective:
-        how many each destroyed is agreed, so every rank runs as many. The
-        caller makes it one protected region."""
-        for _ in range(self._LAST_ROUNDS):
-            if self.sync(deadline=deadline, at_exit=at_exit).destroyed == 0:
-                break
-
-    def _let_go(self, state: State, reason: str) -> None:
-        registry = self._books.registry
-        left = registry.pending(self._books.seq) + registry.alive()
-        if left:
-            names = ", ".join(f"key {r.key} ({r.name!r})" for r in left[:10])
-            warnings.warn(
-                f"collective_gc: rank {self._rank}: {len(left)} registration(s) left on the "
-                f"{self.describe()} when {reason}, detached without their destroys: {names}",
-                ExitLeakWarning,
-                stacklevel=3,
-            )
-        with self._lock:
-            registry.forget_all()
-            self._free_private()
-            self._become(state, reason, first=False)
-
-    def _free_private(self) -> None:
-        # Local: the agreement's standing receive is withdrawn first.
-        agreement, self._books.agreement = self._books.agreement, None
-        if agreement is not None and not MPI.Is_finalized():
-            agreement.close()
-        if self._comm is not None and self._size > 1 and not MPI.Is_finalized():
-            self._comm.Free()
-        self._comm = None
-
-    def _leak_text(self) -> str:
-        regs = self.pending()
-        names = ", ".join(f"key {r.key} ({r.name!r})" for r in regs[:10])
-        more = f" and {len(regs) - 10} more" if len(regs) > 10 else ""
-        return f"{len(regs)} pending destroy(s) on the {self.describe()}: {names}{more}"
+    return describe
 
 
 # What other modules of the library do to a manager beyond its public methods.
 
 
-def leak_text(mgr: Manager) -> str:
-    """The pending destroys of this rank, for leak messages. Local."""
-    return mgr._leak_text()
+def family(mgr: Manager) -> Collective | None:
+    """The family ``mgr`` joined, or None before its first collective. Local."""
+    return mgr._fam
 
 
-def exit_agreement(mgr: Manager, deadline: float) -> None:
-    """At exit: the exit agreement (if any collective was ever made here),
-    then a warning naming what is left. Collective. The caller, at exit, makes
-    all the managers' exit agreements one protected region."""
-    if mgr._state is State.FORKED:
-        return
-    entered = _interrupts.enter()
-    try:
-        if mgr._reason is None and mgr._agreed_before():
-            try:
-                mgr._last_syncs(deadline, at_exit=True)
-            except CollectiveTimeoutError:
-                warnings.warn(
-                    f"collective_gc: rank {mgr.rank}: the final agreement on the "
-                    f"{mgr.describe()} timed out at exit (did another rank exit early "
-                    "or hang?)",
-                    ExitLeakWarning,
-                    stacklevel=1,
-                )
-            except Exception as exc:  # reported: exit goes on with the other managers
-                warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
-        if mgr.pending():
-            why = (
-                f"the manager is unusable since {mgr._reason}"
-                if mgr._reason is not None
-                else "they were not queued on every rank"
-            )
-            warnings.warn(
-                f"collective_gc: rank {mgr.rank}: leaked at exit ({why}): {mgr._leak_text()}",
-                ExitLeakWarning,
-                stacklevel=1,
-            )
-    finally:
-        _interrupts.leave(entered)
+def open_family(mgr: Manager) -> Collective:
+    """``mgr``'s family, joined (or made) now if it was not yet, against the
+    innermost scope's timeout. Collective over ``mgr``'s communicator then."""
+    fam = mgr._fam
+    if fam is not None:
+        return fam
+    timeout = _TIMEOUT_SOURCE[0]()
+    return mgr._family(None if timeout is None else time.monotonic() + timeout)
 
 
-def end_exit(mgr: Manager) -> None:
-    """At exit, once every manager's exit agreement ran: withdraw the standing
-    receive of the agreement's watch, since MPI is finalized next (mpi4py's
-    ``Py_AtExit``) and a receive still posted then is erroneous. No sync point
-    runs on this manager afterwards. Local."""
-    with mgr._lock:
-        if mgr._books.agreement is not None and not MPI.Is_finalized():
-            mgr._books.agreement.close()
-            mgr._books.agreement = None
-            mgr._become(State.EXITED, "the program is exiting (its exit agreement ran)")
-
-
-def drain_at_exit(mgr: Manager) -> None:
-    """After MPI was finalized by hand: take the inbox in, so that
-    :meth:`Manager.pending` names everything left. Local, no MPI."""
-    with mgr._lock:
-        mgr._books.registry.drain(mgr._books.seq)
-
-
-def after_fork(mgr: Manager) -> None:
-    """In a forked child: nothing here belongs to this process. Fresh locks:
-    one that another thread held at the fork is never released there."""
-    mgr._lock = threading.RLock()
-    mgr._state = State.FORKED
-    mgr._books.registry.after_fork()
+def join(mgr: Manager, fam: Collective) -> None:
+    """Make ``mgr`` a member of ``fam`` without a collective of its own: its
+    communicator was just made congruent with the family's (``cgc.dup``),
+    collectively. Local."""
+    with _FIRST:
+        if mgr._fam is None:
+            mgr._tag = fam.join(mgr)
+            mgr._fam = fam
 
 
 def comm_was_freed(mgr: Manager) -> None:
-    """Called from an MPI attribute delete callback: record only, no MPI."""
+    """Called from an MPI attribute delete callback: record only, no MPI. The
+    manager leaves its family at the family's next sync point once nothing
+    is registered on it (its destroys are agreed over the family's private
+    duplicate meanwhile), or at the next lookup if it was the family's last."""
     mgr._comm_freed = True
+    fam = mgr._fam
+    if fam is not None:
+        fam.leaving.append(functools.partial(release, mgr))
 
 
 def release(mgr: Manager) -> bool:
-    """After the user freed the communicator: free the private duplicate once
-    nothing is registered. Local. True if released."""
-    with mgr._lock:
-        if mgr._books.collective or not mgr._books.registry.is_empty():
-            return False
-        mgr._free_private()
-        mgr._become(State.RELEASED, "its communicator was freed")
+    """Once the user freed ``mgr``'s communicator: let go if nothing is
+    registered on it. True if done (or nothing to do)."""
+    fam = mgr._fam
+    if mgr._state is not _OPEN or fam is None:
+        return True
+    if fam.registry.count(mgr._proxy):
+        return False
+    let_go(mgr, State.RELEASED, "its communicator was freed")
     return True
+
+
+def let_go(mgr: Manager, state: State, reason: str) -> bool:
+    """``mgr`` leaves its family: what is still registered on it is detached
+    (named in an :class:`ExitLeakWarning`), its participants leave the
+    family's sync points, and the family lets go of its private duplicate
+    if no communicator of it is left. Collective in effect (participants
+    change): at the same point on every rank (close, a sync point's step).
+    True if the family let go too."""
+    fam = mgr._fam
+    left: list[Registration] = []
+    gone = False
+    if fam is not None:
+        with fam.lock:
+            registry = fam.registry
+            left = registry.pending(fam.seq, mgr._proxy) + registry.alive(mgr._proxy)
+            registry.forget_owned(mgr._proxy)
+            fam.drop_participants(mgr)
+            gone = fam.leave(mgr._tag)
+    if left:
+        names = ", ".join(f"key {r.key} ({r.name!r})" for r in left[:10])
+        warnings.warn(
+            f"collective_gc: rank {mgr.rank}: {len(left)} registration(s) left on the "
+            f"{mgr.describe()} when {reason}, detached without their destroys: {names}",
+            ExitLeakWarning,
+            stacklevel=3,
+        )
+    mgr._become(state, reason, first=False)
+    return gone
+
+
+def pending_text(mgr: Manager) -> str:
+    """The pending destroys of this rank on ``mgr``, for leak messages. Local."""
+    return leak_text(mgr.pending(), mgr.describe())
+
+
+def after_fork(mgr: Manager) -> None:
+    """In a forked child: nothing here belongs to this process."""
+    mgr._state = State.FORKED

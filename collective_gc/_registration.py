@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._errors import RegistrationError
+from ._switch import PURE_PYTHON, SPEEDUPS, speedups
 
 __all__ = [
     "Registration",
@@ -52,6 +53,7 @@ __all__ = [
     "new_registration_py",
     "construct",
     "plain_adder",
+    "owned_by",
     "SPEEDUPS",
     "PURE_PYTHON",
     "ALIVE",
@@ -136,31 +138,11 @@ def _py_on_finalize(
     reg._push(reg)
 
 
-# COLLECTIVE_GC_PURE_PYTHON=1 (read once, here) blocks the C extension for the
-# whole process: every module then binds its Python versions at import. It is
-# how the tests run one suite against both (``make test``'s pure-Python leg),
-# as CPython's test_heapq runs against heapq with and without _heapq. There is
-# no switch after import: a registration made with one finalizer and a sync
-# point taking it with the other's assumptions would not be tested anywhere.
-PURE_PYTHON = os.environ.get("COLLECTIVE_GC_PURE_PYTHON", "") not in ("", "0")
-
-
-def _load_speedups() -> types.ModuleType | None:
-    if PURE_PYTHON:
-        return None
-    try:
-        from . import _speedups
-    except ImportError:  # built without a C compiler: the Python versions do it all
-        return None
-    # The flags change at run time (the collector's thread, shut down): the
-    # C finalizer reads the same list the Python one does.
-    _speedups.set_flags(_FLAGS)
-    return _speedups
-
-
-# The optional C extension (the one decision, taken here once: every module
-# that has a C twin binds it from this), or None.
-SPEEDUPS = _load_speedups()
+# The one C/Python decision (collective_gc._switch): the C finalizer reads the
+# same list of flags the Python one does, since they change at run time (the
+# collector's thread, shut down).
+if SPEEDUPS is not None:
+    SPEEDUPS.set_flags(_FLAGS)
 
 
 class Registration(weakref.ref):  # type: ignore[type-arg]
@@ -356,14 +338,16 @@ _NEW: Callable[..., Registration] = (
 construct: Callable[..., Registration] = functools.partial(_NEW, _ON_FINALIZE)
 
 
-def plain_adder(registry_type: type) -> Callable[..., Registration | None]:
-    """``add(registry, obj, destroy, args, name)``: a registration made and
-    stored in one C call in the common case (see ``_speedups.add_plain``), or
-    None for the registry's own ``add`` to do it. Without the extension,
-    always None. An ImportError naming the slot if ``registry_type`` lacks
+def plain_adder(
+    registry_type: type, python: Callable[..., Registration | None]
+) -> Callable[..., Registration | None]:
+    """``add(registry, owner, tag, obj, destroy, args, name)``: a registration
+    made and stored in one C call in the common case (see
+    ``_speedups.add_plain``), or ``python``, its twin, without the
+    extension. An ImportError naming the slot if ``registry_type`` lacks
     one that the C code stores into."""
     if SPEEDUPS is None:
-        return _no_plain_add
+        return python
     # TRACK_ORIGINS is a list because it changes at run time (collective_scope,
     # the pytest plugin): add_plain reads it per call. The finalizer does not.
     SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _ON_FINALIZE)
@@ -371,15 +355,9 @@ def plain_adder(registry_type: type) -> Callable[..., Registration | None]:
     return add
 
 
-def _no_plain_add(*args: object) -> None:
-    return None
-
-
-def speedups() -> str:
-    """``"c"`` if this process loaded the C extension, else ``"python"``
-    (not built, or blocked by ``COLLECTIVE_GC_PURE_PYTHON=1``). A read: the
-    decision is taken once, at import."""
-    return "python" if SPEEDUPS is None else "c"
+def owned_by(regs: list[Registration], owner: Owner) -> list[Registration]:
+    """Those of ``regs`` made on ``owner`` (by identity: a manager's proxy)."""
+    return [r for r in regs if r._owner is owner]
 
 
 def finalizer() -> Callable[[Registration], None]:

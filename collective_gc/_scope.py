@@ -31,7 +31,7 @@ from ._errors import (
 from ._exit import exit_timeout
 from ._lookup import lookup, manager
 from ._manager import Manager, set_timeout_source
-from ._syncpoint import CollectStats, Participant
+from ._syncpoint import SCOPE_EXIT, CollectStats, Participant
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
 
@@ -100,6 +100,15 @@ class _Seen(Participant):
             rows = [(mgr.rank, t, n, k, _origin(o)) for t, n, k, o in mgr.last_cyclic]
             gathered = mgr.allgather(rows, self.timeout)
             self.cyclic_rows = [row for per in gathered for row in per]
+
+
+class _Exit(_Seen):
+    """The participant of a scope's exit sync point: it says so in its
+    identity, so that a rank whose scope ended while the others are still at
+    one of its sync points is named as such by the mismatch."""
+
+    def identity(self) -> str:
+        return super().identity() + "/" + SCOPE_EXIT
 
 
 class _Policy(_Seen):
@@ -307,15 +316,19 @@ class collective_scope:
             collected = _gcpolicy.collect(self.exit_collect)
             self.collections += 1
         gather = self.strict is True  # "warn" only warns, on each rank alone
-        seen = (
-            _Policy(gather, self.timeout)
-            if self.gc == "managed" and not collect
-            else _Seen(gather, self.timeout)
-        )
+        seen: _Seen
+        if collect:
+            seen = _Exit(gather, self.timeout)
+        elif self.gc == "managed":
+            seen = _Policy(gather, self.timeout)
+        else:
+            seen = _Seen(gather, self.timeout)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         try:
+            # The exit sync point reports its own failures before the scope
+            # ends (final): nothing is left for a later sync point to say.
             stats = self.manager.sync(
-                deadline=deadline, participants=(seen,), collected=collected, t0=t0
+                deadline=deadline, participants=(seen,), collected=collected, t0=t0, final=collect
             )
         finally:
             if isinstance(seen, _Policy) and seen.collected:

@@ -619,8 +619,8 @@ new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * _registration.TRACK_ORIGINS, a one-item list because it changes at run time
  * (collective_scope and the pytest plugin turn origin tracking on and off). */
 static PyTypeObject *registry_type = NULL;
-static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rowner = -1,
-                  off_rpush = -1, off_thread = -1;
+static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rpush = -1,
+                  off_thread = -1, off_order = -1;
 static PyObject *origins_switch = NULL, *plain_callback = NULL;
 
 PyDoc_STRVAR(set_registry_type_doc,
@@ -646,18 +646,18 @@ set_registry_type(PyObject *module, PyObject *args)
     Py_ssize_t l = slot_offset((PyTypeObject *)cls, "live");
     Py_ssize_t k = l < 0 ? -1 : slot_offset((PyTypeObject *)cls, "next_key");
     Py_ssize_t b = k < 0 ? -1 : slot_offset((PyTypeObject *)cls, "busy");
-    Py_ssize_t o = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "owner");
-    Py_ssize_t p = o < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
+    Py_ssize_t p = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
     Py_ssize_t t = p < 0 ? -1 : slot_offset((PyTypeObject *)cls, "thread");
-    if (t < 0) {
+    Py_ssize_t o = t < 0 ? -1 : slot_offset((PyTypeObject *)cls, "order");
+    if (o < 0) {
         return NULL;
     }
     off_live = l;
     off_next_key = k;
     off_busy = b;
-    off_rowner = o;
     off_rpush = p;
     off_thread = t;
+    off_order = o;
     Py_INCREF(cls);
     Py_XSETREF(registry_type, (PyTypeObject *)cls);
     Py_INCREF(origins);
@@ -667,14 +667,32 @@ set_registry_type(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* collective_gc._registry.order_step: what a registration with ``key`` on
+ * the member tagged ``tag`` adds to the family's order fingerprint (the
+ * finalizer of splitmix64 over key * golden + tag; 0 for tag 0). */
+static uint64_t
+order_step(uint64_t key, uint64_t tag)
+{
+    if (tag == 0) {
+        return 0;
+    }
+    uint64_t x = key * 0x9E3779B97F4A7C15ULL + tag;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
 PyDoc_STRVAR(add_plain_doc,
-"add_plain(registry, obj, destroy, args, name) -> reg or None\n\n"
-"Registry.add's common case in one call: ``destroy`` a plain function without\n"
-"a closure, ``args`` a tuple of objects that are not ``obj`` and not callable,\n"
-"``obj`` weakly referenceable and with no other weak reference, no origin to\n"
-"record, no other registration half-way through on ``registry`` (its busy\n"
-"count 0), and its ``thread`` -1 (any thread may register) or this thread's\n"
-"ident (the thread that has registered since the last sync point). Then the registration is made, given the next key and stored,\n"
+"add_plain(registry, owner, tag, obj, destroy, args, name) -> reg or None\n\n"
+"Registry.add's common case in one call (see _registry.add_plain_py, its\n"
+"Python twin): ``destroy`` a plain function without a closure, ``args`` a\n"
+"tuple of objects that are not ``obj`` and not callable, ``obj`` weakly\n"
+"referenceable and with no other weak reference, no origin to record, no\n"
+"other registration half-way through on ``registry`` (its busy count 0), and\n"
+"its ``thread`` -1 (any thread may register) or this thread's ident (the\n"
+"thread that has registered since the last sync point). Then the\n"
+"registration of ``owner`` is made, given the next key and stored (and the\n"
+"family's order fingerprint advanced, for a member ``tag`` other than 0),\n"
 "with no Python code run between reading the key and storing the next one\n"
 "(so it needs no lock). Otherwise None, having changed nothing:\n"
 "Registry.add then does it (or says what is wrong).");
@@ -683,15 +701,20 @@ static PyObject *
 add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "add_plain: expected 5 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "add_plain: expected 7 arguments");
         return NULL;
     }
-    PyObject *registry = args[0], *obj = args[1], *destroy = args[2], *fargs = args[3];
-    PyObject *name = args[4];
+    PyObject *registry = args[0], *owner = args[1], *tag_obj = args[2], *obj = args[3];
+    PyObject *destroy = args[4], *fargs = args[5], *name = args[6];
     if (registry_type == NULL || reg_type == NULL || Py_TYPE(registry) != registry_type
         || !PyList_CheckExact(origins_switch) || PyList_GET_SIZE(origins_switch) < 1
-        || PyList_GET_ITEM(origins_switch, 0) != Py_False) {
+        || PyList_GET_ITEM(origins_switch, 0) != Py_False || !PyLong_CheckExact(tag_obj)) {
+        Py_RETURN_NONE;
+    }
+    long tag = PyLong_AsLong(tag_obj);
+    if (tag < 0) {
+        PyErr_Clear();
         Py_RETURN_NONE;
     }
     /* What check_destroy would find nothing to refuse in, decided without
@@ -706,8 +729,8 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_RETURN_NONE;
         }
     }
-    PyObject *owner = SLOT(registry, off_rowner), *push = SLOT(registry, off_rpush);
-    if (owner == NULL || push == NULL) {
+    PyObject *push = SLOT(registry, off_rpush);
+    if (push == NULL) {
         Py_RETURN_NONE;
     }
     Py_INCREF(owner);
@@ -727,7 +750,7 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         return NULL;
     }
-    PyObject *next = NULL;
+    PyObject *next = NULL, *order_next = NULL;
     /* From here to the stores, no Python code runs (an int's allocation does
      * not start the collector, an int key's hash and comparison call nothing),
      * so no other thread can take a key in between. */
@@ -736,17 +759,19 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *key = SLOT(registry, off_next_key);
     PyObject *live = SLOT(registry, off_live);
     PyObject *thread = SLOT(registry, off_thread);
+    PyObject *order = SLOT(registry, off_order);
     if (wr->wr_prev != NULL || wr->wr_next != NULL /* another weak reference to obj */
         || busy == NULL || !PyLong_CheckExact(busy) || PyLong_AsLong(busy) != 0
         || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)
-        || thread == NULL || !PyLong_CheckExact(thread)) {
+        || thread == NULL || !PyLong_CheckExact(thread) || order == NULL
+        || !PyLong_CheckExact(order)) {
         /* (busy: another registration is between taking its key and storing
          * the next one, on another thread or below us on this one) */
         goto slow;
     }
-    /* The one thread that registers between two sync points on a
-     * communicator of size > 1 (ranks would number two threads' objects in
-     * different orders): another one goes to Registry.add, which refuses it. */
+    /* The one thread that registers between two sync points on a family of
+     * size > 1 (ranks would number two threads' objects in different
+     * orders): another one goes to Registry.add, which refuses it. */
     /* PyLong_AsLong: PyLong_AsLongLong goes through a byte array for a
      * two-digit int such as a thread ident (about 40 ns here). */
     long owner_ident = PyLong_AsLong(thread);
@@ -765,19 +790,37 @@ add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         goto slow;
     }
+    if (tag != 0) {
+        unsigned long long before = PyLong_AsUnsignedLongLong(order);
+        if (before == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto slow;
+        }
+        order_next = PyLong_FromUnsignedLongLong(
+            (unsigned long long)((uint64_t)before + order_step((uint64_t)k, (uint64_t)tag)));
+        if (order_next == NULL) {
+            Py_DECREF(reg);
+            return NULL;
+        }
+    }
     next = PyLong_FromLongLong(k + 1);
     if (next == NULL) {
+        Py_XDECREF(order_next);
         Py_DECREF(reg);
         return NULL;
     }
     Py_INCREF(key);
     Py_SETREF(SLOT(reg, off_key), key); /* was None */
     if (PyDict_SetItem(live, key, reg) < 0) {
+        Py_XDECREF(order_next);
         Py_DECREF(next);
         Py_DECREF(reg);
         return NULL;
     }
     Py_SETREF(SLOT(registry, off_next_key), next);
+    if (order_next != NULL) {
+        Py_SETREF(SLOT(registry, off_order), order_next);
+    }
     return reg;
 slow:
     Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */

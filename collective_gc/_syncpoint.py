@@ -1,25 +1,38 @@
 """A sync point, as the sequence of its steps.
 
-A manager's sync point on this rank, from a dead object's point of view: its
-finalizer appended its registration to the registry's inbox. Then:
+A family's sync point on this rank (see :mod:`collective_gc._collective`:
+the communicators congruent with one another share one), from a dead
+object's point of view: its finalizer appended its registration to the
+family's inbox. Then:
 
-1. prepare: the manager's visitor (derived communicators) and the
-   participants' own collective work, their votes, and the drain of the
-   inbox into the pending keys;
+1. prepare: the participants' votes, which derived families (strict
+   subsets: ``cgc.split``) this rank has something for, and the drain of
+   the inbox into the pending keys;
 2. agree: one collective over the private communicator says which keys are
-   pending on every rank, ORs the flags and votes, and checks that every rank
-   is at the same sync point (:meth:`._agree.Agreement.agree`);
+   pending on every rank, ORs the flags, votes and derived families' bits,
+   and checks that every rank is at the same sync point
+   (:meth:`._agree.Agreement.agree`); if some rank holds failures that no
+   sync point has reported yet, they are reported now, on every rank, and
+   nothing else is done;
 3. destroy: those keys' destroys, newest first (:func:`._destroy.run`);
-4. check: if some ran, or a rank failed before, one more word says whether a
-   destroy raised anywhere, and takes the votes again;
-5. finish: the participants act on the agreed flags (one more word if any
+4. visit: the sync points of the derived families some rank wanted;
+5. check (a scope's exit, a close, the exit agreement, or a participant
+   that asks for its votes again): one more word says whether anything
+   failed anywhere, and takes the votes again;
+6. finish: the participants act on the agreed flags (one more word if any
    of them might raise);
-6. report: a failure anywhere raises the same error on every rank.
+7. report: what failed is raised on every rank if a collective of this sync
+   point said so; else it is kept, and the family's next agreement reports
+   it (step 2).
 
-Each step decides from agreed values only, so every rank takes the same
-branches and makes the same collectives. One :class:`SyncPoint` holds what a
-sync point carries from step to step; :class:`Books` what the manager's sync
-points share between them.
+So a sync point whose destroys succeed makes one collective, and one whose
+destroys fail costs nothing more: its failures are agreed by the next
+collective of the family, which the program makes anyway (the next sync
+point, the scope's exit, a close, exit). Each step decides from agreed
+values only, so every rank takes the same branches and makes the same
+collectives. One :class:`SyncPoint` holds what a sync point carries from
+step to step; the :class:`~collective_gc._collective.Collective` what the
+family's sync points share.
 
 Participants (:class:`Participant`) are what takes part in a sync point
 beside the destroys: a scope's GC policy, PETSc's own garbage cleanup. Each
@@ -28,11 +41,9 @@ may vote in a byte (its field) of the agreed flags and act on the result.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -41,13 +52,13 @@ from mpi4py import MPI
 from . import _agree, _destroy
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
 from ._errors import CollectiveGCError, CollectiveMismatchError
-from ._registry import Registry
 from ._transport import Deadline, allgather
 
 if TYPE_CHECKING:
+    from ._collective import Collective
     from ._manager import Manager
 
-__all__ = ["Books", "CollectStats", "Participant", "SyncPoint"]
+__all__ = ["CollectStats", "Participant", "SyncPoint", "identities", "what_raised", "add_reacher", "SCOPE_EXIT"]
 
 
 class CollectStats(NamedTuple):
@@ -74,28 +85,37 @@ class CollectStats(NamedTuple):
 
 
 class Participant:
-    """Something that takes part in a manager's sync points (subclass it).
+    """Something that takes part in a family's sync points (subclass it).
 
     ``field`` (0..5, or None) is the byte of the agreed flags it votes in,
     fixed by its kind so that every rank reads the same byte. Every method
     runs on every rank of the communicator at every sync point, in the order
-    participants were added (sync points' own participants last).
+    participants were added (sync points' own participants last), with the
+    manager it was added on (its communicator, rank and size).
+
+    ``quiet_finish``: True if :meth:`finish` does nothing when the agreed
+    flags are all 0 and nothing was destroyed (the steady state), which may
+    then skip it; False (the default) calls it at every sync point.
     """
 
     field: int | None = None
-
-    def prepare(self, mgr: Manager, deadline: float | None) -> list[_destroy.Failure]:
-        """Before the agreement: collective work of its own (on other
-        communicators); failures returned join the sync point's."""
-        return []
+    quiet_finish: bool = False
 
     def vote(self, mgr: Manager) -> int:
         """This rank's byte (0..255), ORed over the ranks. Local, no MPI."""
         return 0
 
+    def revote(self, flags: int) -> bool:
+        """Whether, given the agreed ``flags``, the votes must be taken again
+        after the destroys (they may change them: PETSc garbage), with one
+        more word; answer from ``flags`` alone, so that every rank answers
+        alike. The default: False."""
+        return False
+
     def finish(self, mgr: Manager, flags: int) -> None:
         """After the destroys, with the agreed flags (the votes taken again
-        after the destroys, if any ran). May make collective calls on ``mgr.comm``.
+        after the destroys, if :meth:`revote` asked). May make collective
+        calls on ``mgr.comm``.
 
         If it raises on any rank (when :meth:`may_raise` said it could), every
         rank raises :class:`DestroyError` naming it, after the other
@@ -105,13 +125,14 @@ class Participant:
         """Whether :meth:`finish`, given the agreed ``flags``, might raise on
         some ranks only. Then the sync point runs one more small collective
         after the finishes, so that a failure anywhere is raised on every
-        rank. Answer from ``flags`` alone, so that every rank answers alike.
+        rank at once. Answer from ``flags`` alone, so that every rank answers
+        alike.
 
         It must not raise (if it does, alike on every rank, that counts as a
         yes and is reported). The default: True if the class overrides
-        :meth:`finish`. A finish that raises where this said False raises on
-        its own rank only, unless the sync point reports another failure
-        anyway (then it is in that DestroyError)."""
+        :meth:`finish`. A finish that raises where this said False is
+        reported like a failed destroy of that sync point: on every rank by
+        the family's next collective."""
         return type(self).finish is not Participant.finish
 
     def identity(self) -> str:
@@ -131,6 +152,18 @@ class Participant:
             return 0
         return (flags >> _agree.field_shift(self.field)) & 0xFF
 
+    def view_rows(self, mgr: Manager) -> Iterable[tuple[str, str]]:
+        """Rows for :func:`collective_gc.view` of ``mgr``'s communicator:
+        ``(type name, description)`` of what this rank holds that collective_gc
+        does not manage (PETSc's garbage, say). Local; no MPI."""
+        return ()
+
+    def leak_reasons(self, mgr: Manager) -> Iterable[str]:
+        """Why objects registered on ``mgr``'s communicator are still alive
+        on this rank, where it can tell (an owner kept alive by its own
+        resource): for leak reports. Local; no MPI."""
+        return ()
+
 
 def identities(parts: Sequence[Participant]) -> str:
     """The participants' identities, joined (what the agreement fingerprints)."""
@@ -145,108 +178,47 @@ def what_raised(exc: BaseException) -> str:
         return f"{type(exc).__name__} (whose str() raised)"
 
 
-def _raise_own(failures: list[_destroy.Failure]) -> NoReturn:
-    """Raise the first of this rank's ``failures`` (the others as its notes)."""
-    _, what, first = failures[0]
-    notes = [f"collective_gc: {w} raised too: {exc!r}" for _, w, exc in failures[1:]]
-    failures.clear()  # the caller's frame must not hold what its traceback holds
-    for note in notes:
-        first.add_note(note)
-    try:
-        raise first
-    finally:
-        del first
+# Called at the start of each sync point of a family of size > 1 with that
+# family (collective_gc._comms: a communicator a library made, first used
+# before any family containing it existed, is adopted there).
+_REACHERS: list[Callable[[Collective], None]] = []
 
 
-class Books:
-    """What one manager's sync points share: its registry, its agreement
-    (made with the private communicator), the count of sync points and
-    destroys, the participants, and what the manager reads while a sync
-    point is under way. Owned by the manager; read and written by its sync
-    points."""
-
-    __slots__ = (
-        "rank",
-        "size",
-        "label",
-        "registry",
-        "agreement",
-        "seq",
-        "destroyed",
-        "destroying",
-        "collective",
-        "participants",
-        "identities",
-        "visitor",
-    )
-
-    def __init__(self, rank: int, size: int, label: str, registry: Registry) -> None:
-        self.rank, self.size, self.label = rank, size, label
-        self.registry = registry
-        self.agreement: _agree.Agreement | None = None
-        self.seq = 0  # sync points completed
-        self.destroyed = 0
-        self.destroying = 0  # ident of the thread running this manager's destroys
-        # True while a sync point is inside its collectives on this rank (from
-        # its agreement to its error report, participants' finishes included):
-        # leaving it by an exception then makes the manager unusable, and the
-        # private communicator is not released under it.
-        self.collective = False
-        self.participants: list[Participant] = []
-        self.identities = ""  # of participants (see Participant.identity)
-        self.visitor: Callable[[Manager, float | None], Sequence[_destroy.Failure]] | None = None
-
-    def idle(self, extra: Sequence[Participant]) -> bool:
-        """Whether a sync point on COMM_SELF would have nothing to do."""
-        r = self.registry
-        return not (
-            r.inbox
-            or r.pend.size
-            or r.stale
-            or r.last_cyclic
-            or extra
-            or self.participants
-            or self.visitor is not None
-        )
-
-    def what(self, stage: str) -> Callable[[], str]:
-        """The message of a timeout at ``stage``: formatted only then, while the
-        caller's frames are on the stack."""
-
-        def describe() -> str:
-            here = os.path.dirname(__file__)
-            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
-            where = "".join(traceback.format_list(frames[-3:]))
-            return (
-                f"rank {self.rank}: sync point {self.seq} on the {self.label} did "
-                f"not complete {stage} before its deadline; called from:\n{where}"
-            )
-
-        return describe
+def add_reacher(reach: Callable[[Collective], None]) -> None:
+    """Call ``reach(family)`` at each sync point of a family of size > 1,
+    before its agreement (at the same point on every rank). Local."""
+    if reach not in _REACHERS:
+        _REACHERS.append(reach)
 
 
 class SyncPoint:
-    """One sync point on this rank, run as its steps (see the module docs).
+    """One sync point of a family on this rank, run as its steps (see the
+    module docs).
 
     The failures it collects hold tracebacks, whose frames hold this record:
-    :meth:`run` drops them as it ends, however it ends, so that no reference
-    cycle (with a user's objects in it, perhaps) outlives the sync point and
-    waits for the cyclic collector.
+    :meth:`run` drops them as it ends, however it ends (those kept for the
+    family's next agreement move to the family), so that no reference cycle
+    (with a user's objects in it, perhaps) outlives the sync point and waits
+    for the cyclic collector.
     """
 
     __slots__ = (
-        "mgr",
-        "books",
-        "private",
+        "fam",
         "dl",
         "at_exit",
+        "final",
         "parts",
+        "owners",
         "identities",
+        "fingerprint",
         "seq",
         "flags",
+        "wanted",
         "keys",
         "cyclic",
         "count",
+        "visited",
+        "agreed",
         "bad",
         "failures",
         "caught",
@@ -254,28 +226,37 @@ class SyncPoint:
 
     def __init__(
         self,
-        mgr: Manager,
-        books: Books,
-        private: Callable[[Deadline], MPI.Intracomm],
+        fam: Collective,
         deadline: Deadline,
         extra: Sequence[Participant],
+        owner: Manager,
         at_exit: bool,
+        final: bool,
     ) -> None:
-        self.mgr, self.books, self.private = mgr, books, private
-        self.dl, self.at_exit = deadline, at_exit
-        self.parts: Sequence[Participant] = books.participants
-        self.identities = books.identities
+        self.fam = fam
+        self.dl, self.at_exit, self.final = deadline, at_exit, final
+        self.parts: Sequence[Participant] = fam.participants
+        self.owners: Sequence[Manager] = fam.owners
+        self.identities = fam.identities
+        self.fingerprint = fam.fingerprint
         if extra:
             self._check_fields(extra)
-            self.parts = books.participants + list(extra)
+            self.parts = fam.participants + list(extra)
+            self.owners = fam.owners + [owner] * len(extra)
             self.identities = identities(self.parts)
-        self.seq = books.seq
+            self.fingerprint = _agree.fingerprint(self.identities)
+        self.seq = fam.seq
         self.flags = 0
+        self.wanted = 0  # the derived families' bits: this rank's, then agreed
         self.keys: np.ndarray[Any, Any] = _NO_KEYS
         self.cyclic = 0
         self.count = 0
+        self.visited = False
+        self.agreed = False  # whether a collective of this sync point agreed on its failures
         self.bad: list[str] = []  # participants' votes outside 0..255, on this rank
-        self.failures: list[_destroy.Failure] = []
+        # (sync point, failure): what failed here, and what the family kept
+        # for this sync point's agreement to report.
+        self.failures: list[tuple[int, _destroy.Failure]] = []
         # Interrupts of the sync point's own steps (not from a signal: those
         # wait for the end of the protected region: a second Ctrl-C between two
         # runs of destroys, an exception's str()), raised on this rank once the
@@ -289,17 +270,23 @@ class SyncPoint:
         try:
             self.prepare()
             self.agree()
+            if self.flags & FLAG_FAILED:
+                self.report()  # failures kept by earlier sync points: raised now, on every rank
             if self.keys.size:
                 self.destroy()
-            if self.keys.size or self.flags & FLAG_FAILED:
+            if self.wanted:
+                self.visit()
+            if self.fam.leaving:
+                self.fam.release()
+            if (self.keys.size or self.visited) and self._checked():
                 self.check()
             if self.parts:
                 self.finish()
-            if self.failures or self.caught or self.flags & FLAG_FAILED:
+            if self.failures or self.caught:
                 self.report()
         finally:
             self.failures = self.caught = _NONE  # see the class docs
-        r = self.books.registry
+        r = self.fam.registry
         return CollectStats(
             self.count,
             r.pend.size + len(r.inbox),
@@ -312,17 +299,23 @@ class SyncPoint:
     # -- 1. prepare ------------------------------------------------------------
 
     def prepare(self) -> None:
-        """The visitor's and participants' own work, their votes, the drain."""
-        books, mgr = self.books, self.mgr
-        if books.visitor is not None:
-            self.failures.extend(books.visitor(mgr, self.dl.at))
+        """The votes, the derived families this rank has something for, the drain."""
+        fam = self.fam
+        if fam.size > 1:
+            for reach in _REACHERS:
+                reach(fam)
         if self.parts:
-            for p in self.parts:
-                self.failures.extend(p.prepare(mgr, self.dl.at))
             self.flags = self._votes()
-        if self.failures:
+        for child in fam.children:
+            if child.member() and child.wants():
+                self.wanted |= child.bit
+        if fam.unreported:
+            # Failures of earlier sync points, which this one reports: on
+            # every rank, since the agreement tells every rank of them.
+            self.failures.extend(fam.unreported)
+            fam.unreported.clear()
             self.flags |= FLAG_FAILED
-        r = books.registry
+        r = fam.registry
         if r.inbox or r.stale or r.last_cyclic:
             self.cyclic = r.drain(self.seq)
             if self.cyclic:
@@ -332,74 +325,99 @@ class SyncPoint:
 
     def agree(self) -> None:
         """The keys pending on every rank, and the agreed flags. Collective."""
-        books = self.books
-        r = books.registry
-        if books.size == 1:
+        fam = self.fam
+        r = fam.registry
+        if fam.size == 1:
             self.keys = r.pend
         else:
             # From here until the last collective, leaving by an exception on
-            # this rank only makes the manager unusable (see Manager.sync).
-            books.collective = True
-            if books.agreement is None:
-                self.private(self.dl)  # makes the agreement
-            agreement = books.agreement
-            assert agreement is not None
+            # this rank only makes the family unusable (see Collective.sync).
+            fam.inside = True
+            agreement = fam.agreement
+            assert agreement is not None, "a family of size > 1 is opened when made"
             head = _agree.Header(
                 self.seq,
                 r.next_key,
                 self.at_exit,
                 self.flags,
-                _agree.fingerprint(self.identities) if self.identities else 0,
+                self.fingerprint ^ _agree.as_int64(r.order),
+                self.wanted,
             )
-            agreed = agreement.agree(head, r.pend, self.dl, books.what("its agreement"))
+            agreed = agreement.agree(head, r.pend, self.dl, fam.what("its agreement"))
             if agreed.mismatch:
                 raise self._mismatch(agreement.comm)
             agreement.window.advance(r.next_key)
             r.new_interval()
-            self.keys, self.flags = agreed.keys, agreed.flags
+            self.keys, self.flags, self.wanted = agreed.keys, agreed.flags, agreed.children
         if self.flags & FLAG_BAD_VOTE:
             # Seen alike by every rank, before anything is destroyed: the keys
-            # stay pending, and the manager stays usable. (An interrupt held
+            # stay pending, and the family stays usable. (An interrupt held
             # meanwhile is raised in its place by the protected region's end.)
-            books.collective = False
+            fam.inside = False
             raise CollectiveGCError(
-                f"rank {books.rank}: a participant of the {books.label} voted outside "
+                f"rank {fam.rank}: a participant of the {fam.label} voted outside "
                 f"0..255 at sync point {self.seq} (here: {'; '.join(self.bad) or 'none'}); "
                 "nothing was destroyed"
             )
-        books.seq = self.seq + 1
+        fam.seq = self.seq + 1
+        if self.flags & FLAG_FAILED:
+            self.agreed = True  # every rank reports what any rank kept (step 7)
 
     # -- 3. destroy --------------------------------------------------------------
 
     def destroy(self) -> None:
         """The agreed keys' destroys, newest first, on every rank alike."""
-        books = self.books
-        books.destroying = threading.get_ident()
+        fam = self.fam
+        fam.destroying = threading.get_ident()
         try:
-            self.count, more, interrupt = _destroy.run(books.registry, self.keys)
+            self.count, more, interrupt = _destroy.run(fam.registry, self.keys)
         finally:
-            books.destroying = 0
-            books.destroyed += self.count
-        self.failures.extend(more)
+            fam.destroying = 0
+            fam.destroyed += self.count
+        seq = self.seq
+        self.failures.extend((seq, f) for f in more)
         if interrupt is not None:
             self.caught.append(interrupt)
         # A frame on the failures' tracebacks (through f_back) must not hold them.
         del more, interrupt
 
-    # -- 4. check ----------------------------------------------------------------
+    # -- 4. visit ------------------------------------------------------------------
+
+    def visit(self) -> None:
+        """The sync points of the derived families some rank wanted (each
+        collective over that family: its ranks all saw the same bit), in the
+        order they were made; then those gone leave the list."""
+        fam, wanted, seq = self.fam, self.wanted, self.seq
+        children = fam.children
+        for child in list(children):
+            if child.bit & wanted and child.member():
+                self.visited = True
+                self.failures.extend((seq, f) for f in child.visit(self.dl.at))
+        if any(child.done() for child in children):
+            fam.children = [child for child in children if not child.done()]
+
+    # -- 5. check ----------------------------------------------------------------
+
+    def _checked(self) -> bool:
+        # Agreed values only: every rank decides alike.
+        if self.final:
+            return True
+        flags = self.flags
+        for p in self.parts:
+            if p.revote(flags):
+                return True
+        return False
 
     def check(self) -> None:
-        """Whether a destroy failed anywhere, and the votes again. Collective.
-
-        Whether anything ran depends only on agreed values, so every rank takes
-        the same branch (interrupts are re-raised only after this)."""
+        """Whether anything failed anywhere, and the votes again. Collective."""
         after = self._votes() | (FLAG_FAILED if self.failures else 0)
-        agreement = self.books.agreement
+        agreement = self.fam.agreement
         if agreement is not None:
-            after = agreement.any_flags(after, self.dl, self.books.what("its error check"))
+            after = agreement.any_flags(after, self.dl, self.fam.what("its error check"))
         self.flags = after | (self.flags & FLAG_CYCLIC)
+        self.agreed = True
 
-    # -- 5. finish ---------------------------------------------------------------
+    # -- 6. finish ---------------------------------------------------------------
 
     def finish(self) -> None:
         """Every participant's finish, whatever raises; then, if any of them
@@ -411,82 +429,98 @@ class SyncPoint:
         # region): what raises is the participants' own code.
         # (No local name for the failures: a frame in their tracebacks would
         # hold them; the record's end drops them, see the class docs.)
-        flags = self.flags
+        flags, seq = self.flags, self.seq
         check = False
         for p in self.parts:
             try:
                 check = p.may_raise(flags) or check
             except BaseException as exc:  # a yes (alike on every rank: see may_raise)
                 check = True
-                self.failures.append((-1, f"the may_raise of {type(p).__name__}", exc))
-        for p in self.parts:
+                self.failures.append((seq, (-1, f"the may_raise of {type(p).__name__}", exc)))
+        for p, owner in zip(self.parts, self.owners):
             try:
-                p.finish(self.mgr, flags)
+                p.finish(owner, flags)
             except BaseException as exc:  # every participant finishes; reported after
-                self.failures.append((-1, f"the finish of {type(p).__name__}", exc))
+                self.failures.append((seq, (-1, f"the finish of {type(p).__name__}", exc)))
         if not check:
             return
         mine = FLAG_FAILED if self.failures else 0
-        agreement = self.books.agreement
+        agreement = self.fam.agreement
         if agreement is not None:
-            mine = agreement.any_flags(mine, self.dl, self.books.what("its finish check"))
-        self.flags |= mine  # on COMM_SELF, reported as on a larger communicator
+            mine = agreement.any_flags(mine, self.dl, self.fam.what("its finish check"))
+        self.flags |= mine  # on a family of size 1, reported as on a larger one
+        self.agreed = True
 
-    # -- 6. report ---------------------------------------------------------------
+    # -- 7. report ---------------------------------------------------------------
 
     def report(self) -> None:
-        """Raise on every rank what failed on any, and then this rank's interrupt."""
-        books = self.books
-        if self.failures and not self.flags & FLAG_FAILED:
-            # A finish that said it could not raise did, on this rank: the
-            # others know nothing of it, so it is raised here only, as is.
-            books.collective = False
-            _raise_own(self.failures)
-        if self.flags & FLAG_FAILED:
-            rows = _destroy.rows_of(self.failures, books.rank, self.caught)
-            if books.size > 1:
-                everyone = allgather(
-                    self.private(self.dl), rows, self.dl, books.what("its error report")
+        """Raise on every rank what failed on any, if a collective of this sync
+        point agreed on it; else keep it for the family's next agreement. Then
+        this rank's interrupt."""
+        fam = self.fam
+        if self.flags & FLAG_FAILED and self.agreed:
+            failures = [f for _, f in self.failures]
+            seqs = sorted({s for s, _ in self.failures})
+            rows = _destroy.rows_of(failures, fam.rank, self.caught)
+            if fam.size > 1:
+                assert fam.comm is not None
+                everyone = allgather(fam.comm, (rows, seqs), self.dl, fam.what("its error report"))
+                rows = [row for per_rank, _ in everyone for row in per_rank]
+                seqs = sorted({s for _, per_rank in everyone for s in per_rank})
+            fam.inside = False
+            where = f"sync point {self.seq} on the {fam.label}"
+            earlier = bool(seqs) and seqs != [self.seq]
+            if earlier:
+                where = (
+                    f"sync point{'s' if len(seqs) > 1 else ''} {', '.join(map(str, seqs))} "
+                    f"on the {fam.label} (reported at sync point {self.seq}, the family's "
+                    "next collective)"
                 )
-                rows = [row for per_rank in everyone for row in per_rank]
-            books.collective = False
+            # An interrupt among failures kept from an earlier sync point was
+            # raised on its rank then: here every rank raises DestroyError.
             _destroy.raise_failures(
                 rows,
-                self.caught + [e for _, _, e in self.failures],
-                f"sync point {self.seq} on the {books.label}",
-                books.rank,
-                self.mgr.broken,
+                self.caught + [e for _, (_, _, e) in self.failures],
+                where,
+                fam.rank,
+                fam.reason,
+                interrupts=not earlier,
             )
-        books.collective = False
+        fam.inside = False
+        if self.failures:
+            # Known here only: the family's next agreement reports them on every
+            # rank (an interrupt among them is raised here too, now).
+            fam.unreported.extend(self.failures)
+            self.caught.extend(e for _, (_, _, e) in self.failures if not isinstance(e, Exception))
         if self.caught:
             self.caught[0].add_note(
                 "collective_gc: it was held until the sync point's collectives were "
                 "done, so that every rank ran the same destroys"
             )
-            _raise_own([(-1, "the sync point's own steps", e) for e in self.caught])
+            _raise_own(self.caught)
 
     # -- the votes and the mismatch ----------------------------------------------
 
     def _check_fields(self, extra: Sequence[Participant]) -> None:
         # The same participants on every rank (the call is collective), so
         # refusing here, before any collective, is the same everywhere.
-        taken = {p.field for p in self.books.participants if p.field is not None}
+        taken = {p.field for p in self.fam.participants if p.field is not None}
         for p in extra:
             if p.field is None:
                 continue
             _agree.field_shift(p.field)
             if p.field in taken:
                 raise CollectiveGCError(
-                    f"two participants of a sync point on the {self.books.label} vote in "
+                    f"two participants of a sync point on the {self.fam.label} vote in "
                     f"field {p.field}"
                 )
             taken.add(p.field)
 
     def _votes(self) -> int:
         flags = 0
-        for p in self.parts:
+        for p, owner in zip(self.parts, self.owners):
             if p.field is not None:
-                vote = p.vote(self.mgr)
+                vote = p.vote(owner)
                 if type(vote) is not int or not 0 <= vote <= 0xFF:
                     self.bad.append(f"{type(p).__name__} voted {vote!r}")
                     flags |= FLAG_BAD_VOTE
@@ -496,26 +530,19 @@ class SyncPoint:
 
     def _mismatch(self, comm: MPI.Intracomm) -> CollectiveMismatchError:
         # Every rank saw the disagreement: one more gather says who differs.
-        books = self.books
-        next_key = books.registry.next_key
-        mine = (self.seq, next_key, self.at_exit, self.identities)
-        everyone = allgather(comm, mine, self.dl, books.what("its mismatch report"))
-        seqs = [s for s, _, _, _ in everyone]
-        keys = [k for _, k, _, _ in everyone]
-        kinds = [e for _, _, e, _ in everyone]
-        ids = [i for _, _, _, i in everyone]
+        fam = self.fam
+        registry = fam.registry
+        next_key = registry.next_key
+        mine = (self.seq, next_key, self.at_exit, self.identities, registry.order)
+        everyone = allgather(comm, mine, self.dl, fam.what("its mismatch report"))
+        seqs = [e[0] for e in everyone]
+        keys = [e[1] for e in everyone]
+        kinds = [e[2] for e in everyone]
+        ids = [e[3] for e in everyone]
+        orders = [e[4] for e in everyone]
         parts = []
         if len(set(ids)) > 1:
-            shown = {i: [r for r, j in enumerate(ids) if j == i] for i in dict.fromkeys(ids)}
-            parts.append(
-                "the ranks' sync points have different participants ("
-                + "; ".join(
-                    f"ranks {r}: {i.replace(chr(0), ', ') or 'none'}" for i, r in shown.items()
-                )
-                + "): a collective_scope's gc= or strict= differs between the ranks, or "
-                "two threads ran sync points on this communicator at once and the ranks "
-                "paired them differently"
-            )
+            parts.append(_participants_differ(ids))
         if len(set(kinds)) > 1:
             parts.append(
                 "some ranks were at a sync point of the program and others at the exit "
@@ -534,10 +561,62 @@ class SyncPoint:
                 f"this rank: {next_key}); the ranks did not register the same "
                 "objects (register is collective)"
             )
+        elif len(set(orders)) > 1:
+            parts.append(
+                "the ranks registered as many objects, but on the family's communicators "
+                "(those congruent with this one: its duplicates, a library's) in different "
+                "orders (ranks with the same order: "
+                + "; ".join(
+                    str([r for r, o in enumerate(orders) if o == mine_o])
+                    for mine_o in dict.fromkeys(orders)
+                )
+                + "); registration is collective over the processes of these "
+                "communicators, which share one key counter: register on them in the "
+                "same order on every rank"
+            )
         return CollectiveMismatchError(
-            f"rank {books.rank}: the ranks of the {books.label} disagree at sync "
+            f"rank {fam.rank}: the ranks of the {fam.label} disagree at sync "
             f"point {self.seq}: " + "; ".join(parts) + ". Nothing was destroyed."
         )
+
+
+# The identity a scope's exit sync point gives its participant (see
+# collective_gc._scope): a rank whose scope ended while the others are still
+# inside it shows up as one with this participant where they have another.
+SCOPE_EXIT = "scope-exit"
+
+
+def _participants_differ(ids: list[str]) -> str:
+    """What the mismatch says when the ranks' participants differ."""
+    shown = {i: [r for r, j in enumerate(ids) if j == i] for i in dict.fromkeys(ids)}
+    listing = "; ".join(f"ranks {r}: {i.replace(chr(0), ', ') or 'none'}" for i, r in shown.items())
+    exiting = [r for i, ranks in shown.items() if SCOPE_EXIT in i for r in ranks]
+    if exiting and len(exiting) < len(ids):
+        inside = [r for r in range(len(ids)) if r not in exiting]
+        return (
+            f"the collective_scope ended on rank(s) {exiting} (its exit sync point) while "
+            f"rank(s) {inside} were still inside it, at one of its sync points: the scope "
+            "was left early on some ranks only (an exception or sys.exit that escaped the "
+            f"block there, a return or break on some ranks) ({listing})"
+        )
+    return (
+        f"the ranks' sync points have different participants ({listing}): a "
+        "collective_scope's gc= or strict= differs between the ranks, or two threads ran "
+        "sync points on this communicator at once and the ranks paired them differently"
+    )
+
+
+def _raise_own(caught: list[BaseException]) -> NoReturn:
+    """Raise the first of this rank's interrupts (the others as its notes)."""
+    first = caught[0]
+    notes = [f"collective_gc: then {e!r}" for e in caught[1:]]
+    caught.clear()  # the caller's frame must not hold what its traceback holds
+    for note in notes:
+        first.add_note(note)
+    try:
+        raise first
+    finally:
+        del first
 
 
 _NO_KEYS = np.empty(0, dtype=np.int64)

@@ -54,7 +54,7 @@ from .._lookup import managers
 from .._registration import Registration
 from .._scope import sync_point
 from . import _internals
-from ._cleanup import SERIAL, STATES, immortal, install
+from ._cleanup import SERIAL, cleanup_of, immortal, install
 from ._destroyers import batch_destroys, destroy_all, destroy_many, destroy_one
 from ._keepers import path_to
 
@@ -206,9 +206,12 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     for where in elsewhere.values():
         # PETSc bins the garbage of these objects' other Python references
         # on their own communicator: clean it there too, at comm's sync
-        # points, which reach it as a derived communicator.
+        # points (its family's, when it is congruent with comm; else a
+        # derived family's, which comm's sync points reach).
         adopt(mgr, install(where))
-    state = SERIAL if serial else STATES[mgr]
+    cleanup = cleanup_of(mgr)
+    assert cleanup is not None  # install(comm) above
+    state = SERIAL if serial else cleanup.state
     # (The owner itself among objs is register()'s to refuse.) Most objects
     # have no Python attributes at all: nothing to walk.
     roots = [(type(obj).__name__, obj) for obj in objs if obj is not owner]

@@ -15,6 +15,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -22,109 +23,160 @@ from petsc4py import PETSc
 from .._agree import FIELD_PETSC
 from .._errors import ExitLeakWarning
 from .._lookup import manager
-from .._manager import Manager
+from .._manager import Manager, State, open_family
 from .._syncpoint import Participant
 from . import _internals
 from ._destroyers import CommState
 from ._internals import Unreadable
 from ._keepers import keepers
 
-# One per installed manager. Registrations of serial objects get SERIAL: a
-# serial wreck cannot make the ranks disagree about anything collective.
-STATES: weakref.WeakKeyDictionary[Manager, CommState] = weakref.WeakKeyDictionary()
-SERIAL = CommState()
+SERIAL = CommState()  # registrations of serial objects: a serial wreck disagrees with nobody
 _INSTALLING = threading.Lock()
 
 
 # The bits of PETSc's vote (ORed over the ranks).
-_HAS_GARBAGE = 1  # this rank holds PETSc garbage on the communicator
-_HAS_INNER = 2  # this rank has PETSc's inner communicator for it
-_LACKS_INNER = 4  # this rank does not
+_HAS_GARBAGE = 1  # this rank holds PETSc garbage on an installed communicator
+_HAS_INNER = 2  # this rank has PETSc's inner communicator for one
+_LACKS_INNER = 4  # this rank does not, for one
 _FAILED = 8  # a managed PETSc destroy raised on this rank
 _SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
 
 
 class _Cleanup(Participant):
-    """PETSc's own garbage cleanup, at every sync point of one communicator."""
+    """PETSc's own garbage cleanup, at every sync point of one family: on
+    each of its communicators :func:`install` ran on (PETSc bins garbage per
+    communicator: a family's members each have theirs)."""
 
     field = FIELD_PETSC
+    quiet_finish = True  # with nothing voted (no garbage anywhere), nothing to do
+
+    def __init__(self) -> None:
+        self.state = CommState()
+        # The installed members, in the order install ran on them (the same on
+        # every rank: install is collective); weak, so that the family's
+        # participants never keep a manager alive.
+        self.comms: list[weakref.ref[Manager]] = []
+
+    def add(self, mgr: Manager) -> None:
+        """Clean ``mgr``'s communicator too. Collective (install)."""
+        if all(ref() is not mgr for ref in self.comms):
+            self.comms.append(weakref.ref(mgr))
+
+    def members(self) -> list[Manager]:
+        """The installed communicators still in use (not freed: collectively,
+        so alike on every rank). Local."""
+        out = []
+        for ref in self.comms:
+            mgr = ref()
+            if mgr is not None and not mgr.comm_freed and mgr.state is not State.RELEASED:
+                out.append(mgr)
+        return out
 
     def vote(self, mgr: Manager) -> int:
-        """This rank's vote: whether it holds garbage (on the communicator, on
-        COMM_SELF), has PETSc's inner communicator, and saw a managed destroy
-        fail. Local."""
+        """This rank's vote: whether it holds garbage (on an installed
+        communicator, on COMM_SELF), has PETSc's inner communicators, and saw
+        a managed destroy fail. Local."""
         reader = _internals.READER
-        state = STATES.get(mgr)
-        failed = _FAILED if state is not None and state.failed > 0 else 0
+        mine = _FAILED if self.state.failed > 0 else 0
         if reader is None:
-            return failed
-        mine = failed | (_SELF_GARBAGE if _self_garbage() else 0)
-        # No look once the user's communicator is freed (collectively, so on
-        # every rank alike): its handle is dead.
-        if mgr.comm_freed:
             return mine
-        found = reader.garbage(MPI._handleof(mgr.comm))
-        if found == -1:
-            return mine | _LACKS_INNER
-        # Unreadable (-2): say there is garbage (an empty cleanup is harmless).
-        return mine | _HAS_INNER | (_HAS_GARBAGE if found else 0)
+        if _self_garbage():
+            mine |= _SELF_GARBAGE
+        for member in self.members():
+            mine |= _look(reader, member)
+        return mine
+
+    def revote(self, flags: int) -> bool:
+        """After destroys, before a cleanup: the votes again (a destroy that
+        failed on some rank would make the cleanup hang there)."""
+        return bool(self.votes(flags) & (_HAS_GARBAGE | _SELF_GARBAGE))
 
     def may_raise(self, flags: int) -> bool:
-        """Whether a cleanup (its destroys may raise on some ranks only) runs."""
-        votes = self.votes(flags)
-        if _internals.READER is None or votes & _SELF_GARBAGE:
-            return True
-        wanted = votes & _HAS_GARBAGE and not votes & (_LACKS_INNER | _FAILED)
-        return bool(wanted)
+        """A cleanup's failure is reported like a failed destroy's: by the
+        family's next agreement (it is kept in the vote, _FAILED, too)."""
+        return False
 
     def finish(self, mgr: Manager, flags: int) -> None:
-        """Collective over ``mgr.comm``: clean PETSc's garbage there and on COMM_SELF.
+        """Collective over the family: clean PETSc's garbage on its installed
+        communicators that hold some, and on COMM_SELF.
 
         ``PETSc.garbage_cleanup`` is itself collective and not free even with
-        nothing to clean, so it runs only when the agreed vote (carried in the
-        sync point's own collectives, taken again after its destroys, which
-        may have made garbage) says some rank holds garbage and every rank
-        has PETSc's inner communicator: it costs no message of its own but
-        one word after it (see :meth:`may_raise`), which says whether a
-        cleanup raised on any rank, so that every rank raises alike.
+        nothing to clean, so it runs only on a communicator where the agreed
+        vote (carried in the sync point's own collectives, taken again after
+        its destroys when a cleanup is due) says some rank holds garbage and
+        every rank has PETSc's inner communicator. With two or more installed
+        communicators one more word per communicator says which.
 
         If a managed PETSc destroy raised on any rank, PETSc's objects of the
-        communicator may differ between ranks (the wreck, and PETSc's inner
+        family may differ between ranks (the wreck, and PETSc's inner
         communicator with it, survive where it failed), and any later
-        collective PETSc call on it may hang: the manager is made unusable on
+        collective PETSc call on it may hang: the family is made unusable on
         every rank, with that explanation, and nothing is cleaned there.
         """
         votes = self.votes(flags)
-        if not mgr.comm_freed:
-            self._clean(mgr, votes)
-        if _internals.READER is None:
-            if mgr.comm_freed or mgr.comm != MPI.COMM_SELF:  # unlooked: not the same one twice
-                PETSc.garbage_cleanup(MPI.COMM_SELF)
-        elif votes & _SELF_GARBAGE and _self_garbage():
-            # Rank-local, but only when the vote said so: then every rank
-            # knows a cleanup may raise (see may_raise). Garbage made since
-            # the vote waits for the next sync point.
-            PETSc.garbage_cleanup(MPI.COMM_SELF)
-
-    def _clean(self, mgr: Manager, votes: int) -> None:
-        # The communicator's own garbage (not freed, so its handle is live).
         reader = _internals.READER
-        comm = mgr.comm
-        if mgr.size > 1 and votes & _FAILED:
-            _refuse(mgr)  # nothing collective on comm any more
-        elif reader is None:
-            PETSc.garbage_cleanup(comm)  # cannot look: clean unconditionally (every rank alike)
-        elif mgr.size > 1:
-            if votes & _HAS_GARBAGE and not votes & _LACKS_INNER:
-                PETSc.garbage_cleanup(comm)
-            elif votes & _HAS_GARBAGE and votes & _HAS_INNER:
-                _warn_split_state(mgr)
+        try:
+            members = self.members()
+            if mgr.size > 1 and votes & _FAILED:
+                _refuse(mgr)  # nothing collective on it any more
+            elif reader is None:
+                for member in members:
+                    # Cannot look: clean unconditionally (every rank alike).
+                    PETSc.garbage_cleanup(member.comm)
+            elif mgr.size == 1:
+                self.state.failed = 0  # one rank: nothing can differ between ranks
+                for member in members:
+                    if reader.garbage(MPI._handleof(member.comm)) not in (-1, 0):  # see _look
+                        PETSc.garbage_cleanup(member.comm)
+            elif votes & _HAS_GARBAGE:
+                self._clean(mgr, members, votes)
+            if reader is None:
+                if all(m.comm != MPI.COMM_SELF for m in members):  # not the same one twice
+                    PETSc.garbage_cleanup(MPI.COMM_SELF)
+            elif votes & _SELF_GARBAGE and _self_garbage():
+                # Rank-local, but only when the vote said so: then every rank
+                # knows to look. Garbage made since the vote waits for the next
+                # sync point.
+                PETSc.garbage_cleanup(MPI.COMM_SELF)
+        except BaseException:
+            self.state.failed += 1  # the next vote says so: the family is refused then
+            raise
+
+    def _clean(self, mgr: Manager, members: list[Manager], votes: int) -> None:
+        reader = _internals.READER
+        assert reader is not None
+        if len(members) == 1:
+            looked = [votes]  # the vote is this one communicator's
         else:
-            state = STATES.get(mgr)
-            if state is not None:
-                state.failed = 0  # one rank: nothing can differ between ranks
-            if reader.garbage(MPI._handleof(comm)) not in (-1, 0):  # see vote
-                PETSc.garbage_cleanup(comm)
+            mine = [_look(reader, m) for m in members]
+            looked = mgr.reduce_or(mine)
+        for member, seen in zip(members, looked):
+            if seen & _HAS_GARBAGE and not seen & _LACKS_INNER:
+                PETSc.garbage_cleanup(member.comm)
+            elif seen & _HAS_GARBAGE and seen & _HAS_INNER:
+                _warn_split_state(member)
+
+    def view_rows(self, mgr: Manager) -> Iterator[tuple[str, str]]:
+        """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), and owners that can never die."""
+        return _view_rows(mgr)
+
+    def leak_reasons(self, mgr: Manager) -> list[str]:
+        return keepers(mgr)
+
+
+def _look(reader: Any, member: Manager) -> int:
+    """This rank's vote bits for one installed communicator. Local."""
+    found = reader.garbage(MPI._handleof(member.comm))
+    if found == -1:
+        return _LACKS_INNER
+    # Unreadable (-2): say there is garbage (an empty cleanup is harmless).
+    return _HAS_INNER | (_HAS_GARBAGE if found else 0)
+
+
+def cleanup_of(mgr: Manager) -> _Cleanup | None:
+    """The cleanup participant of ``mgr``'s family, if :func:`install` ran on it. Local."""
+    found = mgr.participant(_Cleanup)
+    return found if isinstance(found, _Cleanup) else None
 
 
 def _self_garbage() -> bool:
@@ -166,7 +218,7 @@ def _warn_split_state(mgr: Manager) -> None:
     )
 
 
-def _view_hook(mgr: Manager) -> Iterator[tuple[str, str]]:
+def _view_rows(mgr: Manager) -> Iterator[tuple[str, str]]:
     """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), and owners that can never die. Local."""
     for line in keepers(mgr):
         yield "never dies", line
@@ -189,9 +241,9 @@ def _view_hook(mgr: Manager) -> Iterator[tuple[str, str]]:
 def install(comm: MPI.Comm | None = None) -> Manager:
     """Make every sync point on ``comm`` also clean PETSc's garbage. Collective.
 
-    From then on each sync point of ``comm``'s manager (``cgc.collect``, a
-    scope's sync or exit, a solve made a sync point, a parent's sync point
-    for a ``cgc.dup``/``cgc.split`` communicator) ends with
+    From then on each sync point of ``comm``'s family (``cgc.collect``, a
+    scope's sync or exit, a solve made a sync point, on ``comm`` or on a
+    communicator congruent with it: they share sync points) ends with
     ``PETSc.garbage_cleanup(comm)`` when any rank holds PETSc garbage on
     ``comm``, and cleans this rank's ``COMM_SELF`` garbage; ``cgc.view(comm)``
     lists PETSc's entries, and it and the pytest plugin's leak check name
@@ -199,17 +251,22 @@ def install(comm: MPI.Comm | None = None) -> Manager:
     defaults to ``COMM_WORLD``. :func:`manage` calls it for you. Idempotent.
 
     Call it on every rank of ``comm``: the cleanup is collective, so a rank
-    without the hook would skip it while the others wait for it.
+    without the hook would skip it while the others wait for it (it may also
+    make ``comm``'s first collective).
     """
     mgr = manager(MPI.COMM_WORLD if comm is None else comm)
-    if mgr not in STATES:
-        with _INSTALLING:  # one state per manager, whichever threads install
-            if mgr not in STATES:
-                mgr.add_participant(_Cleanup())
-                mgr.add_view_hook(_view_hook)
-                mgr.add_leak_hook(keepers)
-                STATES[mgr] = CommState()  # last: seen installed only once it is
+    open_family(mgr)  # its family's participant, if another communicator of it installed
+    with _INSTALLING:  # one participant per family, whichever threads install
+        cleanup = cleanup_of(mgr)
+        if cleanup is None:
+            cleanup = _Cleanup()
+            mgr.add_participant(cleanup)
+            _INSTALLED.add(cleanup)
+        cleanup.add(mgr)
     return mgr
+
+
+_INSTALLED: weakref.WeakSet[_Cleanup] = weakref.WeakSet()
 
 
 def immortal(comm: MPI.Comm) -> list[str]:
@@ -223,27 +280,31 @@ def immortal(comm: MPI.Comm) -> list[str]:
     owner, naming it and the path from its destroy call back to it; break
     that path (a ``weakref.proxy`` of the owner, say). ``cgc.view(comm)``
     and the pytest plugin's leak check show the same lines, and a warning
-    says them at exit. Only managers
-    :func:`install` (or :func:`manage`) ran on are looked at.
+    says them at exit. Only communicators whose family :func:`install` (or
+    :func:`manage`) ran on are looked at.
     """
     mgr = manager(comm)
-    return keepers(mgr) if mgr in STATES else []
+    return keepers(mgr) if cleanup_of(mgr) is not None else []
 
 
 def _warn_immortal_at_exit() -> None:
     # Runs before collective_gc's own exit handler (registered after it), and
     # only looks: no MPI call, no destroy.
-    for mgr in list(STATES.keys()):
-        try:
-            lines = keepers(mgr)
-        except Exception:  # a diagnostic must never break the exit
-            continue
-        for line in lines:
-            warnings.warn(
-                f"collective_gc: rank {mgr.rank}: on the {mgr!r} at exit: {line}",
-                ExitLeakWarning,
-                stacklevel=1,
-            )
+    for cleanup in list(_INSTALLED):
+        for ref in list(cleanup.comms):
+            mgr = ref()
+            if mgr is None:
+                continue
+            try:
+                lines = keepers(mgr)
+            except Exception:  # a diagnostic must never break the exit
+                continue
+            for line in lines:
+                warnings.warn(
+                    f"collective_gc: rank {mgr.rank}: on the {mgr!r} at exit: {line}",
+                    ExitLeakWarning,
+                    stacklevel=1,
+                )
 
 
 atexit.register(_warn_immortal_at_exit)

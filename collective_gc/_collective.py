@@ -1,0 +1,629 @@
+"""The collective state of a family of congruent communicators.
+
+Communicators with the same processes in the same order (MPI_Comm_compare:
+IDENT or CONGRUENT) are one *family*: a user's communicator, its
+``cgc.dup``\\s, a library's ``comm.Dup()`` of it (DOLFINx's per-mesh ones),
+PETSc's inner duplicates. A registration on any of them is collective over
+the same processes as one on any other, so the family needs one key counter
+(:class:`~collective_gc._registry.Registry`), one private duplicate, one
+agreement and one sequence of sync points, whatever the number of its
+communicators: a sync point of any member is a sync point of the family, and
+costs one collective in the steady state, not one per communicator.
+
+:class:`Collective` owns that state: the private duplicate (made by the
+family's first collective), the agreement (its buffer, window and watch:
+:class:`~collective_gc._agree.Agreement`), the sync-point count, whether the
+family is usable and why not, the participants its members added, the
+derived families that are strict subsets of it (its *children*, visited by
+its sync points only when one of their ranks has something for them), and
+the failures not yet reported. It is the only way to make a collective of
+the family: a sync point, a gather, the exit agreement; each of them that
+is left by an exception on this rank only, half-way through its
+collectives, leaves the family unusable (the others would match the wrong
+collective next) and tells the other ranks so through the watch.
+
+Its members are the :class:`~collective_gc.Manager`\\s of the family's
+communicators: each registers on this registry with its own tag (the order
+of registrations over members is agreed, see ``Registry.order``) and keeps
+what is its own (its communicator, freed or not; closed or not; its view).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mpi4py import MPI
+
+from . import _agree, _interrupts
+from ._destroy import Failure
+from ._errors import (
+    CollectiveGCError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ExitLeakWarning,
+)
+from ._registry import Registry
+from ._syncpoint import CollectStats, Participant, SyncPoint, identities
+from ._transport import Deadline, dup
+
+if TYPE_CHECKING:
+    from ._manager import Manager
+
+__all__ = ["State", "Collective", "Child", "families", "family_of", "add_reacher"]
+
+
+class State(enum.Enum):
+    """What a manager can still do (:attr:`Manager.state`); :attr:`Manager.broken` says why."""
+
+    OPEN = "open"  #: usable
+    UNUSABLE = "unusable"  #: a timeout, a disagreement, an abandoned collective, mark_unusable
+    RELEASED = "released"  #: its communicator was freed, and nothing was left registered
+    EXITED = "exited"  #: the program is exiting: its exit agreement ran
+    CLOSED = "closed"  #: :meth:`Manager.close` let go
+    FORKED = "forked"  #: this is a forked child: everything belongs to the parent
+
+
+# The usable state, as a module global: the hot paths (a registration, a sync
+# point) compare with it, and an Enum member read through its class costs
+# about 100 ns in Python 3.11, a tenth of a registration.
+_OPEN = State.OPEN
+
+
+class Child(Protocol):
+    """A derived family that is a strict subset of its parent's processes (a
+    ``cgc.split``, a library's ``Split`` reached by a parent's sync point):
+    visited by the parent's sync points when one of its ranks wants it.
+    Implemented by :mod:`collective_gc._comms`."""
+
+    #: the bit of the parent's children word that stands for it (the same on
+    #: every rank of it: see _agree.child_bit)
+    bit: int
+
+    def member(self) -> bool:
+        """Whether this rank is one of its processes. Local."""
+        ...
+
+    def wants(self) -> bool:
+        """Whether this rank has something for its sync point. Local."""
+        ...
+
+    def visit(self, deadline: float | None) -> list[Failure]:
+        """Collective over it: its sync point (and its free, once dropped and
+        empty); what failed, for the parent to report."""
+        ...
+
+    def done(self) -> bool:
+        """Whether it is gone (freed, or let go of) on this rank."""
+        ...
+
+
+class Collective:
+    """The collective state of one family of congruent communicators (see
+    the module docs). Made at the family's first collective; never by users."""
+
+    __slots__ = (
+        "rank",
+        "size",
+        "label",
+        "registry",
+        "comm",
+        "agreement",
+        "seq",
+        "destroyed",
+        "state",
+        "reason",
+        "lock",
+        "destroying",
+        "inside",
+        "members",
+        "next_tag",
+        "participants",
+        "owners",
+        "identities",
+        "fingerprint",
+        "children",
+        "parent",
+        "ident",
+        "unreported",
+        "leaving",
+        "__weakref__",
+    )
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.label = f"communicator of size {size} (rank {rank})"
+        self.registry = Registry(self.label, size > 1)
+        # The private duplicate, over which every collective of the family
+        # goes (never matching a user's message); None for a family of size 1.
+        self.comm: MPI.Intracomm | None = None
+        self.agreement: _agree.Agreement | None = None
+        self.seq = 0  # sync points completed
+        self.destroyed = 0
+        self.state = State.OPEN
+        self.reason: str | None = None
+        # Sync points and explicit destroys, one thread at a time.
+        self.lock = threading.RLock()
+        self.destroying = 0  # ident of the thread running this family's destroys
+        # True while a sync point (or a gather) is inside its collectives on
+        # this rank: leaving it by an exception then makes the family
+        # unusable, and the private communicator is not released under it.
+        self.inside = False
+        # The managers of its communicators, by tag (the order they joined in,
+        # the same on every rank: they join at collectives).
+        self.members: weakref.WeakValueDictionary[int, Manager] = weakref.WeakValueDictionary()
+        self.next_tag = 0
+        self.participants: list[Participant] = []
+        self.owners: list[Manager] = []  # the member each participant was added on (a proxy)
+        self.identities = ""  # of participants (see Participant.identity)
+        self.fingerprint = 0  # _agree.fingerprint of identities (0: none)
+        self.children: list[Child] = []
+        self.parent: Collective | None = None  # whose sync points reach this one, if any
+        self.ident = 0  # as a child: its bit's source (see _agree.child_bit)
+        # This rank's failures no sync point has reported yet, with the sync
+        # point of each (see collective_gc._syncpoint: the next agreement
+        # reports them).
+        self.unreported: list[tuple[int, Failure]] = []
+        # What may let go once nothing is registered on it (a member whose
+        # communicator was freed, a dropped cgc.dup): tried by each sync
+        # point after its destroys, at the same point on every rank; True
+        # once done. Appended to from MPI attribute delete callbacks (a list
+        # append: no MPI there).
+        self.leaving: list[Callable[[], bool]] = []
+
+    # -- making it -----------------------------------------------------------------
+
+    def open(self, base: MPI.Intracomm, deadline: Deadline, what: Callable[[], str]) -> None:
+        """Collective over ``base`` (a member's communicator): make the private
+        duplicate and the agreement over it. A protected region's caller."""
+        if self.size == 1 or self.comm is not None:
+            return
+        try:
+            comm = dup(base, deadline, what)
+        except BaseException as exc:
+            # Never left pending: a duplicate still in progress when the user
+            # frees the communicator would be completed on freed memory.
+            self.become(
+                State.UNUSABLE,
+                f"duplicating its communicator was abandoned ({type(exc).__name__})",
+                first=False,
+            )
+            raise
+        self.comm = comm
+        # Local: it only posts the receive of its watch (see _transport.Watch).
+        self.agreement = _agree.Agreement(comm)
+
+    def join(self, member: Manager) -> int:
+        """A manager of one of the family's communicators joins it. Its tag:
+        the same on every rank, since members join at collectives."""
+        tag = self.next_tag
+        self.next_tag = tag + 1
+        self.members[tag] = member
+        return tag
+
+    def leave(self, tag: int) -> bool:
+        """The member ``tag`` has let go. True if the family let go too (see
+        :meth:`maybe_free`). Collective in effect: members leave at the same
+        point on every rank (a close, a sync point's step) or once the user
+        freed their communicator (collectively)."""
+        self.members.pop(tag, None)
+        return self.maybe_free()
+
+    def maybe_free(self) -> bool:
+        """If no member is left and nothing is registered: let go of the
+        private duplicate (local), unless a sync point is under way (its end
+        does it). True if done."""
+        if self.members or not self.registry.is_empty() or self.inside:
+            return False
+        if self.comm is None and self.state is not _OPEN:
+            return True
+        self.free_private()
+        if self.state is _OPEN:
+            self.state = State.RELEASED
+            self.reason = "every communicator of it was freed or closed"
+        forget(self)
+        return True
+
+    # -- state ---------------------------------------------------------------------
+
+    def become(self, state: State, reason: str, *, first: bool = True) -> None:
+        """Usable -> not: the first reason stays, unless ``first`` is false
+        (letting go, which ends whatever state it was in)."""
+        if first and self.reason is not None:
+            return
+        if self.state is not State.FORKED:
+            self.state = state
+        self.reason = reason
+
+    def abandon(self, reason: str) -> None:
+        """This rank left collectives of the private communicator that the
+        others may still be in: unusable, and the others are told through
+        the watch (their waits there end at once, not at a deadline they may
+        not have). A timeout has told them already (see _transport.wait)."""
+        self.become(State.UNUSABLE, reason)
+        if self.agreement is not None:
+            self.agreement.watch.announce(left=True)
+
+    def check_usable(self, what: str, describe: str) -> None:
+        """Raise :class:`CollectiveGCError` saying why ``what`` cannot be done
+        on this rank now (``describe``: the communicator, for the message)."""
+        if self.state is State.FORKED:
+            raise CollectiveGCError(
+                f"cannot {what} in a forked child: the {describe} and its "
+                "registrations belong to the parent process"
+            )
+        if self.destroying and self.destroying == threading.get_ident():
+            raise CollectiveGCError(
+                f"cannot {what} from inside a destroy running at sync point "
+                f"{self.seq} on the {describe}; do it after the sync point"
+            )
+        if self.reason is not None:
+            raise CollectiveGCError(f"cannot {what}: the {describe} is unusable since {self.reason}")
+        if MPI.Is_finalized():
+            raise CollectiveGCError(f"cannot {what} on the {describe}: MPI is finalized")
+
+    def usable(self) -> bool:
+        """Whether a sync point could run now on this thread. Local."""
+        return (
+            self.state is _OPEN
+            and not (self.destroying and self.destroying == threading.get_ident())
+            and not MPI.Is_finalized()
+        )
+
+    # -- participants ----------------------------------------------------------------
+
+    def add_participant(self, participant: Participant, owner: Manager) -> None:
+        """See :meth:`Manager.add_participant`: two participants of one family
+        may not vote in the same field."""
+        if participant in self.participants:
+            return
+        if participant.field is not None:
+            _agree.field_shift(participant.field)  # a valid field
+            if any(p.field == participant.field for p in self.participants):
+                raise CollectiveGCError(
+                    f"the {self.label} already has a participant voting in field "
+                    f"{participant.field}"
+                )
+        self.participants.append(participant)
+        self.owners.append(owner)
+        self.identities = identities(self.participants)
+        self.fingerprint = _agree.fingerprint(self.identities)
+
+    def drop_participants(self, owner: Manager) -> None:
+        """The participants added on ``owner``, a member that leaves, leave
+        too. Collective in effect: members leave at the same point on every rank."""
+        kept = [(p, o) for p, o in zip(self.participants, self.owners) if o is not owner]
+        if len(kept) == len(self.participants):
+            return
+        self.participants = [p for p, _ in kept]
+        self.owners = [o for _, o in kept]
+        self.identities = identities(self.participants)
+        self.fingerprint = _agree.fingerprint(self.identities) if self.identities else 0
+
+    def release(self) -> None:
+        """A sync point's step, after its destroys: what was waiting to let go
+        once nothing is registered on it tries again (the counts it reads are
+        the same on every rank after agreed destroys, so every rank does the
+        same)."""
+        leaving, self.leaving = self.leaving, []
+        self.leaving.extend(item for item in leaving if not item())
+
+    def participant(self, kind: type[Participant]) -> Participant | None:
+        """The participant of exactly that class the family has, if any. Local."""
+        for p in self.participants:
+            if type(p) is kind:
+                return p
+        return None
+
+    # -- collectives ---------------------------------------------------------------
+
+    def sync(
+        self,
+        owner: Manager,
+        *,
+        deadline: float | None = None,
+        participants: Sequence[Participant] = (),
+        collected: int | None = None,
+        t0: float | None = None,
+        at_exit: bool = False,
+        final: bool = False,
+    ) -> CollectStats:
+        """Collective. A sync point of the family (see :class:`SyncPoint`):
+        ``participants`` take part in this one only, with ``owner``;
+        ``final``: its own failures are reported by it (one more word after
+        its destroys), not by the family's next agreement: a scope's exit,
+        a close, the exit agreement."""
+        if t0 is None:
+            t0 = time.perf_counter()
+        with self.lock:
+            if self.state is not _OPEN or self.destroying or MPI.Is_finalized():
+                self.check_usable("run a sync point", owner.describe())
+            if self.size == 1 and self._idle(participants):
+                # Nothing to drain, agree on or destroy, and no collective: what
+                # the steps would do, without a protected region (an object
+                # dying from now on is the next sync point's).
+                seq = self.seq
+                self.seq = seq + 1
+                return CollectStats(0, 0, 0, time.perf_counter() - t0, seq, collected)
+            # A protected region: a signal's handler runs once the sync point's
+            # collectives are done on this rank (see _interrupts).
+            entered = _interrupts.enter()
+            try:
+                point = SyncPoint(self, Deadline(deadline), participants, owner, at_exit, final)
+                return point.run(collected, t0)
+            except CollectiveTimeoutError:
+                # An abandoned collective could match a later one: never again.
+                self.become(State.UNUSABLE, f"sync point {self.seq} timed out on this rank")
+                raise
+            except CollectiveMismatchError:
+                # Every rank saw the same agreement, so every rank gets here.
+                if self.inside:
+                    self.become(State.UNUSABLE, f"the ranks disagreed at sync point {self.seq}")
+                raise
+            except BaseException as exc:
+                if self.inside:
+                    # Left half-way through its collectives on this rank only
+                    # (a second Ctrl-C, out of memory): the other ranks' next
+                    # collective would match the wrong one.
+                    self.abandon(
+                        f"sync point {self.seq} was left on this rank by "
+                        f"{type(exc).__name__} before its collectives were done"
+                    )
+                raise
+            finally:
+                self.inside = False
+                if not self.members:
+                    self.maybe_free()
+                _interrupts.leave(entered)
+
+    def _idle(self, extra: Sequence[Participant]) -> bool:
+        """Whether a sync point of a family of size 1 would have nothing to do."""
+        r = self.registry
+        return not (
+            r.inbox
+            or r.pend.size
+            or r.stale
+            or r.last_cyclic
+            or extra
+            or self.participants
+            or self.children
+            or self.unreported
+            or self.leaving
+        )
+
+    def allgather(self, value: Any, timeout: float | None, describe: str) -> list[Any]:
+        """Collective: every rank's ``value`` (picklable), over the private
+        duplicate. See :meth:`Manager.allgather`."""
+        if self.size == 1:
+            return [value]
+        with self.lock:
+            if self.state is not _OPEN or MPI.Is_finalized():
+                self.check_usable("gather from every rank", describe)
+            # A protected region: a signal's handler runs once the gather is
+            # done, so that this rank does not leave a collective the others
+            # complete (see _interrupts).
+            deadline = Deadline(None if timeout is None else time.monotonic() + timeout)
+            entered = _interrupts.enter()
+            try:
+                agreement = self.agreement
+                assert agreement is not None, "a family of size > 1 is opened when made"
+                return agreement.allgather(value, deadline, self.what("a gather"))
+            except BaseException as exc:
+                self.abandon(f"a gather was left by {type(exc).__name__} ({exc})")
+                raise
+            finally:
+                _interrupts.leave(entered)
+
+    def reduce_or(self, values: Sequence[int], timeout: float | None, describe: str) -> list[int]:
+        """Collective: ``values`` ORed over the ranks (see :meth:`Manager.reduce_or`)."""
+        if self.size == 1:
+            return list(values)
+        with self.lock:
+            if self.state is not _OPEN or MPI.Is_finalized():
+                self.check_usable("reduce over the ranks", describe)
+            deadline = Deadline(None if timeout is None else time.monotonic() + timeout)
+            entered = _interrupts.enter()
+            try:
+                agreement = self.agreement
+                assert agreement is not None, "a family of size > 1 is opened when made"
+                return agreement.any_words(values, deadline, self.what("a reduction"))
+            except BaseException as exc:
+                self.abandon(f"a reduction was left by {type(exc).__name__} ({exc})")
+                raise
+            finally:
+                _interrupts.leave(entered)
+
+    def what(self, stage: str) -> Callable[[], str]:
+        """The message of a timeout at ``stage``: formatted only then, while the
+        caller's frames are on the stack."""
+
+        def describe() -> str:
+            here = os.path.dirname(__file__)
+            frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
+            where = "".join(traceback.format_list(frames[-3:]))
+            return (
+                f"rank {self.rank}: sync point {self.seq} on the {self.label} did "
+                f"not complete {stage} before its deadline; called from:\n{where}"
+            )
+
+        return describe
+
+    # -- the end -------------------------------------------------------------------
+
+    # A destroy may drop more managed objects; each later sync point agrees on
+    # those, up to this many rounds (a destroy that always makes more would
+    # never end).
+    LAST_ROUNDS = 100
+
+    def agreed_before(self) -> bool:
+        """Whether the ranks ever made a collective here: if not, no rank has
+        anything agreed to destroy, and a last sync point would be the first
+        collective, perhaps on some ranks only (an exit, a close after an error)."""
+        return self.size == 1 or self.comm is not None
+
+    def last_syncs(self, owner: Manager, deadline: float | None, at_exit: bool) -> None:
+        """Sync points until one destroys nothing (or LAST_ROUNDS), each
+        reporting its own failures. Collective: how many each destroyed is
+        agreed, so every rank runs as many. The caller makes it one
+        protected region."""
+        for _ in range(self.LAST_ROUNDS):
+            stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
+            if stats.destroyed == 0:
+                break
+
+    def free_private(self) -> None:
+        """Let go of the private duplicate. Local: the agreement's standing
+        receive is withdrawn first."""
+        agreement, self.agreement = self.agreement, None
+        if agreement is not None and not MPI.Is_finalized():
+            agreement.close()
+        if self.comm is not None and not MPI.Is_finalized():
+            self.comm.Free()
+        self.comm = None
+
+    def exit_agreement(self, owner: Manager, deadline: float) -> None:
+        """At exit: the exit agreement (if any collective was ever made here),
+        then a warning naming what is left. Collective. The caller, at exit,
+        makes all the families' exit agreements one protected region."""
+        if self.state is State.FORKED:
+            return
+        entered = _interrupts.enter()
+        try:
+            if self.reason is None and self.agreed_before():
+                try:
+                    self.last_syncs(owner, deadline, at_exit=True)
+                except CollectiveTimeoutError:
+                    warnings.warn(
+                        f"collective_gc: rank {self.rank}: the final agreement on the "
+                        f"{self.label} timed out at exit (did another rank exit early "
+                        "or hang?)",
+                        ExitLeakWarning,
+                        stacklevel=1,
+                    )
+                except Exception as exc:  # reported: exit goes on with the other families
+                    warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
+            left = self.registry.pending(self.seq)
+            if left:
+                why = (
+                    f"the manager is unusable since {self.reason}"
+                    if self.reason is not None
+                    else "they were not queued on every rank"
+                )
+                warnings.warn(
+                    f"collective_gc: rank {self.rank}: leaked at exit ({why}): "
+                    f"{leak_text(left, self.label)}",
+                    ExitLeakWarning,
+                    stacklevel=1,
+                )
+        finally:
+            _interrupts.leave(entered)
+
+    def end_exit(self) -> None:
+        """At exit, once every family's exit agreement ran: withdraw the
+        standing receive of the agreement's watch, since MPI is finalized
+        next (mpi4py's ``Py_AtExit``) and a receive still posted then is
+        erroneous. No sync point runs here afterwards. Local."""
+        with self.lock:
+            if self.agreement is not None and not MPI.Is_finalized():
+                self.agreement.close()
+                self.agreement = None
+                self.become(State.EXITED, "the program is exiting (its exit agreement ran)")
+
+    def after_fork(self) -> None:
+        """In a forked child: nothing here belongs to this process. Fresh
+        locks: one that another thread held at the fork is never released there."""
+        self.lock = threading.RLock()
+        self.state = State.FORKED
+        self.registry.after_fork()
+
+
+def leak_text(regs: Sequence[Any], label: str) -> str:
+    """``regs`` (registrations), named for a leak message."""
+    names = ", ".join(f"key {r.key} ({r.name!r})" for r in regs[:10])
+    more = f" and {len(regs) - 10} more" if len(regs) > 10 else ""
+    return f"{len(regs)} pending destroy(s) on the {label}: {names}{more}"
+
+
+# -- the families of this process -------------------------------------------------
+
+_LOCK = threading.RLock()
+# Families of size > 1 in the order of their first collective (the same on
+# every rank that shares them), then those of size 1.
+_FAMILIES: list[Collective] = []
+
+
+def families() -> list[Collective]:
+    """Every family of this process, in the order they were made (the same on
+    every rank that shares them: they are made at collectives). Local."""
+    with _LOCK:
+        return list(_FAMILIES)
+
+
+def family_of(
+    comm: MPI.Intracomm, deadline: Deadline, what: Callable[[], str]
+) -> tuple[Collective, bool]:
+    """The family ``comm`` belongs to: an existing one whose communicators
+    are congruent with it (the oldest such; never for a communicator of size
+    1, which has nothing to share), else a new one, opened over
+    ``comm`` (its private duplicate made: collective over ``comm``, against
+    ``deadline``). Returns it, and whether it is new. Collective over
+    ``comm``, at its first collective: every rank decides alike, since the
+    families it compares with were themselves made at collectives."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    # A family of one process has no agreement to share: each communicator of
+    # size 1 keeps its own (and its own sync points, as a program expects of
+    # COMM_SELF and its duplicates).
+    if size > 1:
+        with _LOCK:
+            for fam in _FAMILIES:
+                if fam.size != size or fam.state is not _OPEN or fam.comm is None:
+                    continue
+                if MPI.Comm.Compare(fam.comm, comm) in _SAME:
+                    return fam, False
+    fam = Collective(rank, size)
+    fam.open(comm, deadline, what)
+    with _LOCK:
+        _FAMILIES.append(fam)
+    return fam, True
+
+
+_SAME = (MPI.IDENT, MPI.CONGRUENT)
+
+
+def forget(fam: Collective) -> None:
+    """A family that let go of everything leaves the list. Local."""
+    with _LOCK:
+        if fam in _FAMILIES:
+            _FAMILIES.remove(fam)
+
+
+def after_fork() -> None:
+    """In a forked child: every family belongs to the parent."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    for fam in _FAMILIES:
+        fam.after_fork()
+
+
+# Called at the start of each sync point of a family of size > 1 with that
+# family (collective_gc._comms: a communicator a library made, first used
+# before any family containing it existed, is adopted there).
+_REACHERS: list[Callable[[Collective], None]] = []
+
+
+def add_reacher(reach: Callable[[Collective], None]) -> None:
+    """Call ``reach(family)`` at each sync point of a family of size > 1,
+    before its agreement (at the same point on every rank). Local."""
+    if reach not in _REACHERS:
+        _REACHERS.append(reach)
+
+
+def reachers() -> Iterable[Callable[[Collective], None]]:
+    return _REACHERS

@@ -1,0 +1,67 @@
+"""The one C/Python decision of a process.
+
+``collective_gc._speedups`` has C versions of the steps that run once per
+managed object (registration, the finalizer, a sync point's pass over its
+agreed registrations) and, where it was built with the MPI compiler wrapper
+and mpi4py's C API, the steady state of a sync point in one call. Whether a
+process uses it is decided here, once, at import (as CPython's ``heapq``
+takes ``_heapq``'s functions when it is there): it is loaded unless it was
+not built or ``COLLECTIVE_GC_PURE_PYTHON=1`` blocks it. Every module that has
+a C twin binds it through :func:`twin` at import from this one decision, so
+a process never mixes the two and nothing switches them later: a
+registration made with one finalizer and a sync point taking it with the
+other's assumptions would be tested nowhere. ``make test`` runs the suites
+that go through the twins a second time with the extension blocked, as
+CPython's test_heapq runs without ``_heapq``.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import TypeVar
+
+__all__ = ["PURE_PYTHON", "SPEEDUPS", "STEADY", "twin", "speedups"]
+
+PURE_PYTHON = os.environ.get("COLLECTIVE_GC_PURE_PYTHON", "") not in ("", "0")
+
+
+def _load() -> types.ModuleType | None:
+    if PURE_PYTHON:
+        return None
+    try:
+        from . import _speedups
+    except ImportError:  # built without a C compiler: the Python versions do it all
+        return None
+    return _speedups
+
+
+# The extension, or None.
+SPEEDUPS = _load()
+
+# The same module where it was built with MPI (its steady state of a sync
+# point, through mpi4py's C API, against the MPI library mpi4py uses), else
+# None: sync points then run from Python, the reference.
+STEADY = SPEEDUPS if SPEEDUPS is not None and getattr(SPEEDUPS, "HAVE_MPI", False) else None
+
+F = TypeVar("F")
+
+
+def twin(name: str, python: F) -> F:
+    """The C function ``name`` of the extension where the process uses it,
+    else ``python``, its Python twin."""
+    if SPEEDUPS is None:
+        return python
+    found: F = getattr(SPEEDUPS, name)
+    return found
+
+
+def speedups() -> str:
+    """``"c+mpi"`` where this process runs the extension's sync-point steady
+    state too, ``"c"`` where it runs only its per-object steps, ``"python"``
+    where it runs none of it (not built, or blocked by
+    ``COLLECTIVE_GC_PURE_PYTHON=1``). A read: the decision is taken once, at
+    import."""
+    if SPEEDUPS is None:
+        return "python"
+    return "c+mpi" if STEADY is not None else "c"
