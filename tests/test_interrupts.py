@@ -1002,9 +1002,12 @@ def test_a_handler_installed_inside_a_region_is_deferred_to_its_end(regions: str
         assert isinstance(installed, _interrupts.Deferring) and installed.__wrapped__ is _preempt
         assert any("handler ran once" in n for n in info.value.__notes__)
         assert _interrupts.deferred() == 0
-        # Outside a region the same handler runs at once, as before.
+        # Outside a region the same handler runs at once, as before, and one
+        # installed there is installed as it is (the next region wraps it).
         with pytest.raises(Preempted):
             signal.raise_signal(signal.SIGALRM)
+        signal.signal(signal.SIGALRM, _preempt)
+        assert signal.getsignal(signal.SIGALRM) is _preempt
 
 
 def test_a_signal_arriving_in_the_destroy_that_installed_its_handler_is_held() -> None:
