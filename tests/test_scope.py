@@ -146,7 +146,9 @@ class ScopeTests:
 
         gc.callbacks[:] = [its_hook]
         try:
-            with pytest.raises(cgc.CyclicFinalizationError, match="5 managed object"):
+            with pytest.raises(
+                cgc.CyclicFinalizationError, match=f"^{5 * comm.Get_size()} managed object"
+            ):
                 with cgc.collective_scope(comm, strict=True) as scope:
                     for i in range(5):
                         make_cycle(comm, log, i)
@@ -174,11 +176,34 @@ class ScopeTests:
                     scope.sync()
                 make_cycle(comm, log, "seen")
                 gc.collect()
-                with pytest.raises(cgc.CyclicFinalizationError, match="1 managed object"):
+                with pytest.raises(
+                    cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                ):
                     scope.sync()
         finally:
             gc.callbacks[:] = saved
         assert log.keys == ["unseen", "seen"]
+
+    def test_strict_is_not_fooled_by_a_rebound_gc_callbacks(self, comm: MPI.Intracomm) -> None:
+        """Rebinding the module attribute (``gc.callbacks = []``) leaves the
+        list the collector calls as it was: the hook still sees every
+        collection, nothing is said, and a cyclic death still raises."""
+        log = CheckedLog(comm)
+        real = gc.callbacks
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                with cgc.collective_scope(comm, strict=True, gc="off") as scope:
+                    gc.callbacks = []
+                    make_cycle(comm, log, "c")
+                    gc.collect()
+                    with pytest.raises(
+                        cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                    ):
+                        scope.sync()
+        finally:
+            gc.callbacks = real
+        assert log.keys == ["c"]
 
     def test_sync_point_decorator(self, comm: MPI.Intracomm) -> None:
         log = CheckedLog(comm)
