@@ -99,12 +99,13 @@ def _gc_phase(
 # The hook lives in a list the program owns: anyone may clear gc.callbacks, or
 # assign it a new content (``gc.callbacks[:] = [mine]``, as a test framework
 # may), and from then on no death is seen as cyclic. Nothing else in CPython
-# 3.11-3.13 tells a finalizer that the cyclic collector runs (not
-# gc.isenabled(), not gc.get_count(): both are the same during a collection as
-# around it), so the hook is put back where it matters (:func:`gc_hook_back`:
-# a scope's entry and each of its sync points), and what was lost meanwhile
-# is counted: gc.get_stats() counts every collection, the hook those it saw
-# start, and while the hook is in place the two move together.
+# 3.11-3.13 tells a finalizer that the cyclic collector runs (gc.isenabled()
+# is as it was; gc.get_count() reads during a collection as right after one,
+# (0, n, m), which a refcount death can see too), so the hook is put back
+# where it matters (:func:`gc_hook_back`: a scope's entry and each of its sync
+# points), and what was lost meanwhile is counted: gc.get_stats() counts every
+# collection, the hook those it saw start, and while the hook is in place the
+# two move together.
 #
 # The list the collector calls is the one gc.callbacks was at import:
 # rebinding the module attribute (gc.callbacks = [...]) changes nothing the
