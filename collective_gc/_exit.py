@@ -5,9 +5,9 @@ runs after every ``atexit`` handler), every manager runs the exit agreement,
 newest first (sub-communicators before the communicators they came from),
 against ``COLLECTIVE_GC_EXIT_TIMEOUT``, after a full collection that first
 thaws whatever ``gc.freeze()`` took out of the collector's reach (garbage
-frozen with the rest: see :func:`._gcpolicy.thaw_all`). A process dying of an uncaught
-exception skips it: the other ranks may never get there. In a forked child
-nothing of the parent's runs.
+frozen with the rest: see ``_gcpolicy.thaw_all``). A process dying of an
+uncaught exception skips it: the other ranks may never get there. In a
+forked child nothing of the parent's runs.
 """
 
 from __future__ import annotations
