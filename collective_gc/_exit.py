@@ -3,9 +3,11 @@
 At exit, before mpi4py and petsc4py finalize (they use ``Py_AtExit``, which
 runs after every ``atexit`` handler), every manager runs the exit agreement,
 newest first (sub-communicators before the communicators they came from),
-against ``COLLECTIVE_GC_EXIT_TIMEOUT``. A process dying of an uncaught
-exception skips it: the other ranks may never get there. In a forked child
-nothing of the parent's runs.
+against ``COLLECTIVE_GC_EXIT_TIMEOUT``, after a full collection that first
+thaws whatever ``gc.freeze()`` took out of the collector's reach (garbage
+frozen with the rest: see ``_gcpolicy.thaw_all``). A process dying of an
+uncaught exception skips it: the other ranks may never get there. In a
+forked child nothing of the parent's runs.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def _at_exit() -> None:
                         stacklevel=1,
                     )
             return
+        # Garbage a gc.freeze() took out of reach is found too (see _gcpolicy).
+        _gcpolicy.thaw_all()
         gc.collect()
         _lookup.release_freed()
         deadline = time.monotonic() + exit_timeout()

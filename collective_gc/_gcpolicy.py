@@ -30,7 +30,15 @@ collection just ran), but frozen objects are never collected, so:
 If the permanent generation held objects when the policy would first freeze
 (someone called ``gc.freeze()``, a pre-fork server for instance), or more
 than it froze later, the policy leaves it alone: it neither freezes nor
-thaws what is not its own.
+thaws what is not its own while the program runs. At exit it does
+(:func:`thaw_all`): a freeze also takes whatever was cyclic garbage at that
+moment out of the collector's reach (a managed object that died in a cycle
+while the collector was off, by the program's ``gc.disable()`` or inside a
+scope), and its destroy would never run, silently. So the exit thaws the
+permanent generation before its full collection, and the exit agreement
+destroys what that collection finds. Nothing runs in the process after that
+which a freeze could still serve (a forked child runs none of the parent's
+exit), and the collection walks the heap once more than it would have.
 
 CPython 3.12's collector itself moves the immortal objects it meets into the
 permanent generation (3.11 has none there; 3.13 untracks them instead), so on
@@ -48,7 +56,7 @@ import gc
 import sys
 import threading
 
-__all__ = ["GcPolicy", "POLICY", "wanted_generation", "collect"]
+__all__ = ["GcPolicy", "POLICY", "wanted_generation", "collect", "thaw_all"]
 
 
 class GcPolicy:
@@ -144,6 +152,22 @@ class GcPolicy:
 
 
 POLICY = GcPolicy()
+
+
+def thaw_all() -> None:
+    """At exit, before the exit collection: thaw the permanent generation,
+    whoever froze it (see the module docs)."""
+    # A daemon thread may still run at exit; it holds the lock only for a few
+    # steps, and a thread stopped with it held must not stop the exit.
+    got = POLICY.lock.acquire(timeout=1.0)
+    try:
+        if gc.get_freeze_count():
+            gc.unfreeze()
+            _LONG_LIVED_TOTAL[0] = None
+        POLICY.frozen = 0
+    finally:
+        if got:
+            POLICY.lock.release()
 
 
 def after_fork() -> None:

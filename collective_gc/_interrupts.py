@@ -38,11 +38,29 @@ still be interrupted, at the price of leaving that region half-way (its
 manager is then unusable, as before this mechanism). Only the main thread's
 regions matter: Python runs signal handlers in the main thread only.
 
+Handlers installed inside a region. Code that runs inside a region (a
+destroy, a finalizer, a participant's finish) may install a handler itself: a
+library that sets up a ``SIGALRM`` preemption in a destructor. Wrapping at the
+entry cannot see it, and its signal may arrive before the region ends, in a
+collective the other ranks are waiting in. So ``signal.signal`` is routed
+through :func:`_signal` (bound in the ``signal`` module once, at import): while
+the main thread is inside a region, a Python handler of a signal in
+:data:`SIGNALS` is installed already wrapped, and is deferred like the ones
+the region found. Outside regions it installs what it is given, unchanged, so
+a program that never enters a region sees no difference. Not covered: a
+handler installed inside a region through a reference to the original taken
+before ``collective_gc`` was imported (``from signal import signal`` in a
+module imported earlier, ``_signal.signal``): it is wrapped at the next
+region's entry only, and its signal arriving before that runs it where it
+arrives, as before this mechanism.
+
 What a program sees. After the first protected region, ``signal.getsignal(s)``
 for a signal in :data:`SIGNALS` that had a Python handler returns a
 :class:`Deferring` object whose ``__wrapped__`` is that handler; installing
-another handler replaces it (the next region wraps that one); SIG_DFL and
-SIG_IGN are left alone. A handler deferred to the end of a region is called
+another handler replaces it (the next region wraps that one; inside a region
+it is wrapped as it is installed); SIG_DFL and SIG_IGN are left alone.
+``signal.signal`` is this module's :func:`_signal`, whose ``__wrapped__`` is
+the one it replaced. A handler deferred to the end of a region is called
 with the frame in which the signal arrived.
 """
 
@@ -133,8 +151,37 @@ def _guard() -> None:
     for signum in SIGNALS:
         handler = _getsignal(signum)
         if callable(handler) and not isinstance(handler, Deferring):
-            signal.signal(signum, Deferring(handler))
+            _install(signum, Deferring(handler))
     _GUARDED[0] = tuple(map(_getsignal, SIGNALS))
+
+
+# signal.signal as it was before this module replaced it (see the module docs:
+# "Handlers installed inside a region"); a second import of this module (a
+# reload) takes the original from the first one's replacement.
+_Installed = Handler | int | signal.Handlers | None  # what signal.signal takes and returns
+_install: Callable[[int | signal.Signals, _Installed], _Installed] = getattr(
+    signal.signal, "_collective_gc_original", signal.signal
+)
+
+
+def _signal(signalnum: int | signal.Signals, handler: _Installed, /) -> _Installed:
+    """``signal.signal``, except that inside a protected region a Python
+    handler of a signal in :data:`SIGNALS` is installed wrapped in a
+    :class:`Deferring`, so that it runs at the region's end (see the module docs)."""
+    if (
+        _DEPTH[0]
+        and callable(handler)
+        and not isinstance(handler, Deferring)
+        and signalnum in SIGNALS
+        and _get_ident() == _MAIN
+    ):
+        handler = Deferring(handler)
+    return _install(signalnum, handler)
+
+
+_signal.__wrapped__ = _install  # type: ignore[attr-defined]
+_signal._collective_gc_original = _install  # type: ignore[attr-defined]
+signal.signal = _signal  # type: ignore[assignment]  # (see the module docs)
 
 
 def enter_py() -> bool:

@@ -50,6 +50,7 @@ __all__ = [
     "after_fork",
     "speedups",
     "finalizer",
+    "gc_hook_back",
     "new_registration_py",
     "construct",
     "plain_adder",
@@ -74,21 +75,70 @@ _STATE_NAMES = ("alive", "queued", "destroyed", "detached")
 #      finalizers then do nothing at all.
 _FLAGS: list[int] = [0, 0]
 
+# How many collections the collector hook (_gc_phase) saw start.
+_SEEN: list[int] = [0]
+
 # Whether register() records a stack summary (set by collective_scope's
 # track_origins, or by tests). Off by default: extracting a stack costs many
 # times a registration.
 TRACK_ORIGINS: list[bool] = [False]
 
 
-def _gc_phase(phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS) -> None:
+def _gc_phase(
+    phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS, _seen: list[int] = _SEEN
+) -> None:
     # The collector runs finalizers on the thread that started it, between its
     # "start" and "stop" callbacks; recording that thread lets a finalizer tell
     # a cyclic-GC death from a refcount death that happens on another thread
     # while the collector is paused between bytecodes.
-    _flags[0] = threading.get_ident() if phase == "start" else 0
+    if phase == "start":
+        _flags[0] = threading.get_ident()
+        _seen[0] += 1
+    else:
+        _flags[0] = 0
 
 
-gc.callbacks.append(_gc_phase)
+# The hook lives in a list the program owns: anyone may clear gc.callbacks, or
+# assign it a new content (``gc.callbacks[:] = [mine]``, as a test framework
+# may), and from then on no death is seen as cyclic. Nothing else in CPython
+# 3.11-3.13 tells a finalizer that the cyclic collector runs (gc.isenabled()
+# is as it was; gc.get_count() reads during a collection as right after one,
+# (0, n, m), which a refcount death can see too), so the hook is put back
+# where it matters (:func:`gc_hook_back`: a scope's entry and each of its sync
+# points), and what was lost meanwhile is counted: gc.get_stats() counts every
+# collection, the hook those it saw start, and while the hook is in place the
+# two move together.
+#
+# The list the collector calls is the one gc.callbacks was at import:
+# rebinding the module attribute (gc.callbacks = [...]) changes nothing the
+# collector does, so that list is the one checked.
+_CALLBACKS = gc.callbacks
+
+
+def _collections() -> int:
+    return sum(s["collections"] for s in gc.get_stats())
+
+
+# Collections that ran without the hook: (all collections) - (those it saw),
+# as of the last time it was put in place.
+_UNSEEN_BASE = [_collections() - _SEEN[0]]
+_CALLBACKS.append(_gc_phase)
+
+
+def gc_hook_back() -> int:
+    """Put the collector hook back in ``gc.callbacks`` if the program took it
+    out; return how many collections ran without it since it was last put
+    back (their finalizations of managed objects were not seen as cyclic).
+    0 when it is in place: a membership test."""
+    if _gc_phase in _CALLBACKS:
+        return 0
+    _CALLBACKS.append(_gc_phase)
+    # A collection under way (this called from one of its finalizers) is
+    # counted by gc.get_stats() only once it ends: it is not counted as lost.
+    now = _collections() - _SEEN[0]
+    lost = max(0, now - _UNSEEN_BASE[0])
+    _UNSEEN_BASE[0] = max(now, _UNSEEN_BASE[0])
+    return lost
 
 
 def track_origins(on: bool | None = None) -> bool:

@@ -217,6 +217,9 @@ class collective_scope:
         self._origins_were = False
         self._thread = 0
         self._owner_stack: list[collective_scope] | None = None
+        # Collections that ran without the collector hook strict mode sees
+        # cyclic deaths by (the program emptied gc.callbacks), not yet said.
+        self._unseen = 0
 
     def __repr__(self) -> str:
         return (
@@ -233,6 +236,7 @@ class collective_scope:
                 f"{self!r} was already entered; a scope is single-use, make a new one"
             )
         self._thread = threading.get_ident()
+        self._unseen = _registration.gc_hook_back()
         self._origins_were = _registration.track_origins()
         stack = _stack()
         self._owner_stack = stack
@@ -310,6 +314,7 @@ class collective_scope:
 
     def _sync(self, *, collect: bool, deadline_s: float | None) -> CollectStats:
         t0 = time.perf_counter()
+        self._unseen += _registration.gc_hook_back()
         collected = None
         if collect and self.gc != "off" and self.exit_collect is not None:
             # The exit sync: the same collection on every rank first.
@@ -337,6 +342,9 @@ class collective_scope:
         self.destroyed += stats.destroyed
         self.cyclic += stats.cyclic
         self.seconds += stats.seconds
+        if self._unseen and self.strict:
+            _warn_unseen(self, self._unseen)
+            self._unseen = 0
         if seen.flags & FLAG_CYCLIC and self.strict:
             self._report_cyclic(seen.cyclic_rows)
         return stats
@@ -364,6 +372,21 @@ class collective_scope:
             "but when they die depends on each rank's allocations. Break the reference "
             "cycles (cgc.find_cycles(obj) on a live instance shows them):\n" + lines
         )
+
+
+def _warn_unseen(scope: collective_scope, count: int) -> None:
+    # Local, after the sync point: a warning made an error then raises on
+    # this rank alone, with no collective left half-done.
+    warnings.warn(
+        f"collective_gc: rank {scope.manager.rank}: collective_gc's hook was not in "
+        f"gc.callbacks (the program cleared or replaced that list) while {count} "
+        f"collection(s) ran, up to sync point {scope.manager.sync_count - 1} of {scope!r}: "
+        "managed objects they finalized were not seen as cyclic, so strict mode could not "
+        "report them. The hook is back in gc.callbacks; add to that list rather than "
+        "replace it.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _origin(origin: traceback.StackSummary | None) -> str:

@@ -12,6 +12,7 @@ import gc
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -20,7 +21,7 @@ import collective_gc as cgc
 from collective_gc import _gcpolicy
 from collective_gc._gcpolicy import POLICY
 
-from _util import CheckedLog, Obj, make_cycle
+from _util import JOB_HEAD, CheckedLog, Obj, job_report, make_cycle, run_job
 
 
 class Node:
@@ -218,3 +219,51 @@ def test_scopes_on_two_threads_share_the_frozen_heap_until_the_last_one_closes(
     assert thawed() and gc.isenabled()
     for c in comms:
         cgc.collect(c)
+
+
+_FROZEN_GARBAGE_JOB = (
+    JOB_HEAD
+    + """
+import gc
+
+comm = MPI.COMM_WORLD
+
+
+def destroyed(tag):
+    print(f"destroy {tag} ran on rank {rank}", flush=True)
+
+
+# A: dies in a cycle while the program has the collector off.
+gc.disable()
+a = Obj()
+a.peer = a
+cgc.register(a, destroyed, "A", comm=comm, name="A")
+del a
+# B: dies in a cycle inside a managed scope (the collector is off there), and
+# the program freezes the heap before the scope ends.
+with cgc.collective_scope(comm, exit_collect=None):
+    b = Obj()
+    b.peer = b
+    cgc.register(b, destroyed, "B", comm=comm, name="B")
+    del b
+    gc.freeze()  # a pre-fork server's freeze: A and B with the rest
+print(f"script end on rank {rank}", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_garbage_frozen_by_the_program_is_destroyed_at_exit(tmp_path: Path) -> None:
+    """Issue 32, defect 6: managed cycles that died while the collector was
+    off, then ``gc.freeze()``: frozen, the collector never finds them. Before:
+    their destroys never ran and no ExitLeakWarning named them. Now the exit
+    thaws the permanent generation before its collection, so the exit
+    agreement finds and destroys them on every rank."""
+    proc, outs, errs, took = run_job(tmp_path, _FROZEN_GARBAGE_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    for rank in range(4):
+        assert f"script end on rank {rank}" in outs[rank], report
+        for tag in "AB":
+            assert f"destroy {tag} ran on rank {rank}" in outs[rank], report
+        assert "ExitLeakWarning" not in errs[rank], report

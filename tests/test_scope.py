@@ -129,6 +129,82 @@ class ScopeTests:
             make_cycle(comm, log, 8)
         assert scope.cyclic == 1 and log.keys == [7, 8]
 
+    def test_strict_raises_after_the_program_replaced_gc_callbacks(
+        self, comm: MPI.Intracomm
+    ) -> None:
+        """Issue 32, defect 5: a program (or a test framework) sets
+        ``gc.callbacks[:] = [its_hook]`` before a strict scope, and five managed
+        objects die in cycles inside it. Before: no CyclicFinalizationError
+        (the collector's start and stop went unseen); now the scope puts its
+        hook back at its entry, beside the program's."""
+        log = CheckedLog(comm)
+        saved = gc.callbacks[:]
+        calls: list[str] = []
+
+        def its_hook(phase: str, info: dict[str, int]) -> None:
+            calls.append(phase)
+
+        gc.callbacks[:] = [its_hook]
+        try:
+            with pytest.raises(
+                cgc.CyclicFinalizationError, match=f"^{5 * comm.Get_size()} managed object"
+            ):
+                with cgc.collective_scope(comm, strict=True) as scope:
+                    for i in range(5):
+                        make_cycle(comm, log, i)
+                    gc.collect()
+                    scope.sync()
+            assert its_hook in gc.callbacks and calls  # the program's hook stays, and runs
+        finally:
+            gc.callbacks[:] = saved
+        assert sorted(log.keys) == [0, 1, 2, 3, 4]
+
+    def test_strict_says_when_gc_callbacks_lost_its_hook_inside(self, comm: MPI.Intracomm) -> None:
+        """Issue 32, defect 5: ``gc.callbacks`` emptied inside a strict scope,
+        then a managed cycle collected: that death was not seen as cyclic, and
+        the next sync point says so (a RuntimeWarning naming gc.callbacks and
+        how many collections ran unseen) and puts the hook back, so that the
+        next cyclic death raises CyclicFinalizationError as usual."""
+        log = CheckedLog(comm)
+        saved = gc.callbacks[:]
+        try:
+            with cgc.collective_scope(comm, strict=True, gc="off") as scope:
+                gc.callbacks.clear()
+                make_cycle(comm, log, "unseen")
+                gc.collect()
+                with pytest.warns(RuntimeWarning, match=r"gc\.callbacks.*1 collection"):
+                    scope.sync()
+                make_cycle(comm, log, "seen")
+                gc.collect()
+                with pytest.raises(
+                    cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                ):
+                    scope.sync()
+        finally:
+            gc.callbacks[:] = saved
+        assert log.keys == ["unseen", "seen"]
+
+    def test_strict_is_not_fooled_by_a_rebound_gc_callbacks(self, comm: MPI.Intracomm) -> None:
+        """Rebinding the module attribute (``gc.callbacks = []``) leaves the
+        list the collector calls as it was: the hook still sees every
+        collection, nothing is said, and a cyclic death still raises."""
+        log = CheckedLog(comm)
+        real = gc.callbacks
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                with cgc.collective_scope(comm, strict=True, gc="off") as scope:
+                    gc.callbacks = []
+                    make_cycle(comm, log, "c")
+                    gc.collect()
+                    with pytest.raises(
+                        cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                    ):
+                        scope.sync()
+        finally:
+            gc.callbacks = real
+        assert log.keys == ["c"]
+
     def test_sync_point_decorator(self, comm: MPI.Intracomm) -> None:
         log = CheckedLog(comm)
 
