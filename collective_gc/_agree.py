@@ -452,7 +452,7 @@ class Agreement:
         buf[4] = head.parts
         buf[5] = ~head.parts
         buf[6] = ~(head.flags if deadline.at is None else head.flags | FLAG_DEADLINE)
-        buf[8] = ~head.children
+        buf[8] = ~as_int64(head.children)
         if pending.size:
             # The keys [first, last) of pending are in the window; the whole
             # bitmap is written.
@@ -486,7 +486,7 @@ class Agreement:
             if self.watch.fired():
                 raise self.watch.error(what)
             agreed_flags &= ~FLAG_DEADLINE
-        children = ~red[8]
+        children = ~red[8] & _MASK64
         if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
             return Agreed(_NO_KEYS, agreed_flags, True, False, children)
         fallback = red[7] != 0

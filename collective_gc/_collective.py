@@ -265,7 +265,9 @@ class Collective:
                 f"{self.seq} on the {describe}; do it after the sync point"
             )
         if self.reason is not None:
-            raise CollectiveGCError(f"cannot {what}: the {describe} is unusable since {self.reason}")
+            raise CollectiveGCError(
+                f"cannot {what}: the {describe} is unusable since {self.reason}"
+            )
         if MPI.Is_finalized():
             raise CollectiveGCError(f"cannot {what} on the {describe}: MPI is finalized")
 
@@ -284,6 +286,11 @@ class Collective:
         may not vote in the same field."""
         if participant in self.participants:
             return
+        if self.leaving:
+            # Members whose communicators were freed leave first, with their
+            # participants: this is collective too (every rank adds the same
+            # participants at the same point).
+            self.release()
         if participant.field is not None:
             _agree.field_shift(participant.field)  # a valid field
             if any(p.field == participant.field for p in self.participants):
@@ -312,8 +319,16 @@ class Collective:
         once nothing is registered on it tries again (the counts it reads are
         the same on every rank after agreed destroys, so every rank does the
         same)."""
-        leaving, self.leaving = self.leaving, []
-        self.leaving.extend(item for item in leaving if not item())
+        todo, self.leaving = self.leaving, []
+        kept = []
+        while todo:
+            item = todo.pop(0)
+            if not item():
+                kept.append(item)
+            # What letting go of one queued (a freed cgc.dup's manager) goes now too.
+            todo.extend(self.leaving)
+            self.leaving.clear()
+        self.leaving = kept
 
     def participant(self, kind: type[Participant]) -> Participant | None:
         """The participant of exactly that class the family has, if any. Local."""
@@ -334,12 +349,15 @@ class Collective:
         t0: float | None = None,
         at_exit: bool = False,
         final: bool = False,
+        sink: list[tuple[int, Failure]] | None = None,
     ) -> CollectStats:
         """Collective. A sync point of the family (see :class:`SyncPoint`):
         ``participants`` take part in this one only, with ``owner``;
         ``final``: its own failures are reported by it (one more word after
         its destroys), not by the family's next agreement: a scope's exit,
-        a close, the exit agreement."""
+        a close, the exit agreement; ``sink``: where its failures go
+        otherwise (a parent family's visit), instead of this family's next
+        agreement."""
         if t0 is None:
             t0 = time.perf_counter()
         with self.lock:
@@ -356,7 +374,9 @@ class Collective:
             # collectives are done on this rank (see _interrupts).
             entered = _interrupts.enter()
             try:
-                point = SyncPoint(self, Deadline(deadline), participants, owner, at_exit, final)
+                point = SyncPoint(
+                    self, Deadline(deadline), participants, owner, at_exit, final, sink
+                )
                 return point.run(collected, t0)
             except CollectiveTimeoutError:
                 # An abandoned collective could match a later one: never again.
@@ -475,8 +495,8 @@ class Collective:
         protected region."""
         for _ in range(self.LAST_ROUNDS):
             stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
-            if stats.destroyed == 0:
-                break
+            if (stats.destroyed == 0 and stats.visits == 0) or self.state is not _OPEN:
+                break  # (its last communicator may have let go in that one)
 
     def free_private(self) -> None:
         """Let go of the private duplicate. Local: the agreement's standing

@@ -40,11 +40,16 @@ from collections.abc import Iterable
 
 from mpi4py import MPI
 
-from . import _agree, _manager
+from . import _agree, _interrupts, _manager
 from ._api import register
 from ._collective import Collective, families
 from ._destroy import Failure
-from ._errors import CollectiveGCError, CollectiveMismatchError, CollectiveTimeoutError, DestroyError
+from ._errors import (
+    CollectiveGCError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DestroyError,
+)
 from ._lookup import lookup, manager
 from ._manager import Manager, set_first_collective
 from ._scope import current_scope
@@ -169,6 +174,11 @@ class _Child:
         r = fam.registry
         if r.inbox or r.stale or fam.unreported or fam.leaving:
             return True
+        agreement = fam.agreement
+        if agreement is not None and agreement.window.marks[-1] != r.next_key:
+            # Registered since its last sync point: agreeing on the count now
+            # finds a rank that registered alone at once (issue 25, defect 7).
+            return True
         for p, o in zip(fam.participants, fam.owners):
             if not p.quiet_finish or (p.field is not None and p.vote(o)):
                 return True
@@ -182,10 +192,11 @@ class _Child:
         other ranks have the same deadline."""
         fam = self.fam
         failures: list[Failure] = []
+        kept: list[tuple[int, Failure]] = []  # what its sync point knows on this rank only
         owner = self.owner
         if fam.reason is None and owner.state is _OPEN:
             try:
-                fam.sync(owner, deadline=deadline)
+                fam.sync(owner, deadline=deadline, sink=kept)
             except DestroyError as exc:
                 failures.extend(
                     (key, f"{name} (on {self.label})", RuntimeError(msg))
@@ -201,7 +212,10 @@ class _Child:
                     (-1, f"the sync point of {self.label}", CollectiveMismatchError(str(exc)))
                 )
             except BaseException as exc:  # an interrupt is re-raised by the parent, later
-                failures.append((-1, f"the sync point of {self.label}", exc))
+                if not any(exc is e for _, (_, _, e) in kept):  # else it is among those below
+                    failures.append((-1, f"the sync point of {self.label}", exc))
+        failures.extend((key, f"{name} (on {self.label})", exc) for _, (key, name, exc) in kept)
+        del kept
         try:
             return failures
         finally:
@@ -238,6 +252,7 @@ def derived(comm: MPI.Intracomm) -> list[str]:
 
 
 def _owned_record(new: MPI.Intracomm, label: str, mgr: Manager, fam: Collective) -> _Owned:
+    _manager.set_label(mgr, label)
     record = _Owned(MPI.Intracomm(new), label, mgr, fam)
     new.Set_attr(_keyval(), record)
     return record
@@ -255,9 +270,15 @@ def dup(comm: MPI.Intracomm) -> MPI.Intracomm:
     """
     parent = manager(comm)
     parent.refuse_if_unusable("make a derived communicator")  # before it is made
-    fam = _manager.open_family(parent)
-    new = MPI.Intracomm(comm.Dup())
-    return _adopt_congruent(parent, fam, new, f"dup #{_made(fam)} of a {parent.describe()}")
+    # One protected region: a signal's handler runs once every rank has made
+    # it (and made the parent's first collective, if this is it).
+    entered = _interrupts.enter()
+    try:
+        fam = _manager.open_family(parent)
+        new = MPI.Intracomm(comm.Dup())
+        return _adopt_congruent(parent, fam, new, f"dup #{_made(fam)} of a {parent.describe()}")
+    finally:
+        _interrupts.leave(entered)
 
 
 _MADE: weakref.WeakKeyDictionary[Collective, list[int]] = weakref.WeakKeyDictionary()
@@ -299,6 +320,14 @@ def split(comm: MPI.Intracomm, color: int, key: int = 0) -> MPI.Intracomm:
     """
     parent = manager(comm)
     parent.refuse_if_unusable("make a derived communicator")  # before it is made
+    entered = _interrupts.enter()  # as dup's
+    try:
+        return _split(parent, comm, color, key)
+    finally:
+        _interrupts.leave(entered)
+
+
+def _split(parent: Manager, comm: MPI.Intracomm, color: int, key: int) -> MPI.Intracomm:
     fam = _manager.open_family(parent)
     new = MPI.Intracomm(comm.Split(color, key))
     member = new != MPI.COMM_NULL
@@ -339,7 +368,9 @@ def _nothing() -> None:
     """The destroy of a rank's ``MPI.COMM_NULL`` from :func:`split`."""
 
 
-def _link(parent: Collective, child: Collective, comm: MPI.Intracomm, label: str, owner: Manager) -> bool:
+def _link(
+    parent: Collective, child: Collective, comm: MPI.Intracomm, label: str, owner: Manager
+) -> bool:
     """Make ``child`` a child family of ``parent`` (on this rank, one of the
     child's). True if linked now; False if it was already reached, or would
     reach ``parent`` itself (no cycle of visits)."""

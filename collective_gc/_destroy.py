@@ -194,15 +194,14 @@ def raise_failures(
     where: str,
     rank: int,
     broken: str | None,
-    interrupts: bool = True,
+    interrupt: BaseException | None,
 ) -> None:
     """Raise what the failures of a sync point call for, on this rank.
 
     ``rows`` are (rank, key, name, message) from every rank, ``local`` this
-    rank's exceptions. A rank whose destroy raised KeyboardInterrupt or
-    SystemExit re-raises it, with a note (unless ``interrupts`` is false: it
-    was raised on its rank already, when it happened); every other rank
-    raises :class:`DestroyError`.
+    rank's exceptions. A rank with an ``interrupt`` to raise (a
+    KeyboardInterrupt or SystemExit of a destroy, or of the report itself)
+    re-raises it, with a note; every other rank raises :class:`DestroyError`.
     """
     lines = "\n".join(f"  rank {r}, key {k} ({n!r}): {msg}" for r, k, n, msg in rows)
     text = (
@@ -211,7 +210,6 @@ def raise_failures(
     )
     if broken is not None:
         text += f"\nThis communicator is unusable from now on: {broken}"
-    interrupt = next((e for e in local if not isinstance(e, Exception)), None) if interrupts else None
     if interrupt is not None:
         interrupt.add_note(
             f"collective_gc: raised by a destroy or a participant's finish on rank {rank}; "

@@ -21,8 +21,8 @@ from typing import IO
 
 from mpi4py import MPI
 
-from ._api import check_timeout
 from . import _manager
+from ._api import check_timeout
 from ._comms import unreached_rows
 from ._lookup import manager
 from ._manager import Manager
@@ -188,7 +188,9 @@ def _rows(mgr: Manager) -> list[tuple[int, int, str, str, str]]:
     # what is queued on the communicators congruent with it too.
     fam = _manager.family(mgr)
     queued = [] if fam is None else fam.registry.pending(fam.seq)
-    rows = [(mgr.rank, r.key, r.typename, r.name, str(mgr.sync_count - r.queued_at)) for r in queued]
+    rows = [
+        (mgr.rank, r.key, r.typename, r.name, str(mgr.sync_count - r.queued_at)) for r in queued
+    ]
     rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in mgr.view_rows())
     rows.extend((mgr.rank, -1, t, desc, "-") for t, desc in unreached_rows(mgr))
     return rows

@@ -65,11 +65,11 @@ def _at_exit() -> None:
             # Finalized by hand: nothing can be agreed any more.
             for fam in fams:
                 fam.registry.drain(fam.seq)
-                left = fam.registry.pending(fam.seq)
-                if left:
+                queued = fam.registry.pending(fam.seq)
+                if queued:
                     warnings.warn(
                         f"collective_gc: rank {fam.rank}: leaked at exit (MPI was finalized "
-                        f"before them): {_collective.leak_text(left, fam.label)}",
+                        f"before them): {_collective.leak_text(queued, fam.label)}",
                         ExitLeakWarning,
                         stacklevel=1,
                     )

@@ -135,9 +135,8 @@ def release_freed() -> None:
     keep = []
     for mgr in list(_FREED):
         fam = _manager.family(mgr)
-        others = (
-            fam is not None
-            and any(m is not mgr and not m.comm_freed for m in list(fam.members.values()))
+        others = fam is not None and any(
+            m is not mgr and not m.comm_freed for m in list(fam.members.values())
         )
         if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
             _forget(mgr)
@@ -157,6 +156,5 @@ def after_fork() -> None:
     global _REGISTRY_LOCK
     _REGISTRY_LOCK = threading.RLock()
     _LAST[0] = _LAST[1] = None
-    for mgr in _MANAGERS:
-        _manager.after_fork(mgr)
+    _manager.after_fork(_MANAGERS)
     _collective.after_fork()

@@ -47,6 +47,7 @@ __all__ = [
     "set_first_collective",
     "family",
     "open_family",
+    "set_label",
     "join",
     "comm_was_freed",
     "release",
@@ -127,6 +128,7 @@ class Manager:
         self._state = _OPEN
         self._reason: str | None = None
         self._comm_freed = False
+        self._label: str | None = None  # what messages call it (see set_label)
 
     # -- description -----------------------------------------------------------
 
@@ -236,8 +238,9 @@ class Manager:
         return list(log[max(0, since - first) :])
 
     def describe(self) -> str:
-        """``"communicator of size N (rank r)"``, for messages."""
-        return f"communicator of size {self._size} (rank {self._rank})"
+        """``"communicator of size N (rank r)"`` (or what made it: ``"dup #0 of
+        a communicator of size N (rank r)"``), for messages."""
+        return self._label or f"communicator of size {self._size} (rank {self._rank})"
 
     def __repr__(self) -> str:
         state = self.state
@@ -361,9 +364,27 @@ class Manager:
             # The first registration joins the family (making it if needed,
             # with its private duplicate) while the communicator is surely
             # alive (the user may free it before any sync point), against the
-            # innermost scope's timeout.
+            # innermost scope's timeout; one protected region: a signal's
+            # handler runs once the object is registered, as every rank's
+            # registration then completes.
             timeout = _TIMEOUT_SOURCE[0]()
-            fam = self._family(None if timeout is None else time.monotonic() + timeout)
+            entered = _interrupts.enter()
+            try:
+                fam = self._family(None if timeout is None else time.monotonic() + timeout)
+                return self._add(fam, obj, destroy, args, kwargs, name)
+            finally:
+                _interrupts.leave(entered)
+        return self._add(fam, obj, destroy, args, kwargs, name)
+
+    def _add(
+        self,
+        fam: Collective,
+        obj: object,
+        destroy: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None,
+    ) -> Registration:
         if (
             self._state is not _OPEN
             or fam.state is not _OPEN
@@ -572,7 +593,9 @@ class Manager:
 
 def _what(mgr: Manager, stage: str) -> Callable[[], str]:
     def describe() -> str:
-        return f"rank {mgr.rank}: {stage} (the {mgr.describe()}) did not complete before its deadline"
+        return (
+            f"rank {mgr.rank}: {stage} (the {mgr.describe()}) did not complete before its deadline"
+        )
 
     return describe
 
@@ -583,6 +606,11 @@ def _what(mgr: Manager, stage: str) -> Callable[[], str]:
 def family(mgr: Manager) -> Collective | None:
     """The family ``mgr`` joined, or None before its first collective. Local."""
     return mgr._fam
+
+
+def set_label(mgr: Manager, label: str) -> None:
+    """What messages call ``mgr``'s communicator (``cgc.dup``'s, say). Local."""
+    mgr._label = label
 
 
 def open_family(mgr: Manager) -> Collective:
@@ -662,6 +690,10 @@ def pending_text(mgr: Manager) -> str:
     return leak_text(mgr.pending(), mgr.describe())
 
 
-def after_fork(mgr: Manager) -> None:
-    """In a forked child: nothing here belongs to this process."""
-    mgr._state = State.FORKED
+def after_fork(mgrs: Sequence[Manager]) -> None:
+    """In a forked child: nothing here belongs to this process. A fresh lock:
+    one that another thread held at the fork is never released there."""
+    global _FIRST
+    _FIRST = threading.RLock()
+    for mgr in mgrs:
+        mgr._state = State.FORKED

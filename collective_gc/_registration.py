@@ -55,6 +55,7 @@ __all__ = [
     "construct",
     "plain_adder",
     "owned_by",
+    "where",
     "SPEEDUPS",
     "PURE_PYTHON",
     "ALIVE",
@@ -403,6 +404,14 @@ def plain_adder(
     SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _ON_FINALIZE)
     add: Callable[..., Registration | None] = SPEEDUPS.add_plain
     return add
+
+
+def where(reg: Registration) -> str:
+    """The communicator ``reg`` was made on, in words (for messages)."""
+    try:
+        return reg._owner.describe()
+    except ReferenceError:  # its owner is gone (a forked child's old reaper)
+        return "an owner that is gone"
 
 
 def owned_by(regs: list[Registration], owner: Owner) -> list[Registration]:

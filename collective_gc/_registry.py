@@ -404,7 +404,9 @@ class Registry(Ledger):
         return [r for r in tuple(self.inbox) if r.cyclic and r.alive]
 
     def is_empty(self) -> bool:
-        return not (self.live or self.inbox or self.pend.size)
+        """Whether nothing is left to destroy (keys still queued belong to
+        registrations detached or destroyed since: nothing to agree on)."""
+        return not self.live
 
 
 def add_plain_py(

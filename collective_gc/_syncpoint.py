@@ -52,13 +52,22 @@ from mpi4py import MPI
 from . import _agree, _destroy
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
 from ._errors import CollectiveGCError, CollectiveMismatchError
+from ._registration import where
 from ._transport import Deadline, allgather
 
 if TYPE_CHECKING:
     from ._collective import Collective
     from ._manager import Manager
 
-__all__ = ["CollectStats", "Participant", "SyncPoint", "identities", "what_raised", "add_reacher", "SCOPE_EXIT"]
+__all__ = [
+    "CollectStats",
+    "Participant",
+    "SyncPoint",
+    "identities",
+    "what_raised",
+    "add_reacher",
+    "SCOPE_EXIT",
+]
 
 
 class CollectStats(NamedTuple):
@@ -72,8 +81,11 @@ class CollectStats(NamedTuple):
             the cyclic collector.
         seconds: wall time of the sync point on this rank, including the local
             ``gc.collect``.
-        sync: the sync-point number on this communicator (0 for the first).
+        sync: the sync-point number on this communicator's family (0 for the first).
         collected: what the local ``gc.collect`` returned, or None if skipped.
+        visits: how many derived families (strict subsets: ``cgc.split``)
+            some rank wanted visited at this sync point (the same on every
+            rank; their destroys, which may drop more objects, are theirs).
     """
 
     destroyed: int
@@ -82,6 +94,7 @@ class CollectStats(NamedTuple):
     seconds: float
     sync: int
     collected: int | None = None
+    visits: int = 0
 
 
 class Participant:
@@ -222,6 +235,7 @@ class SyncPoint:
         "bad",
         "failures",
         "caught",
+        "sink",
     )
 
     def __init__(
@@ -232,8 +246,12 @@ class SyncPoint:
         owner: Manager,
         at_exit: bool,
         final: bool,
+        sink: list[tuple[int, _destroy.Failure]] | None = None,
     ) -> None:
         self.fam = fam
+        # Where failures known on this rank only go (see report): the
+        # family's, or a parent's visit (it reports them to all its ranks).
+        self.sink = fam.unreported if sink is None else sink
         self.dl, self.at_exit, self.final = deadline, at_exit, final
         self.parts: Sequence[Participant] = fam.participants
         self.owners: Sequence[Manager] = fam.owners
@@ -270,19 +288,21 @@ class SyncPoint:
         try:
             self.prepare()
             self.agree()
-            if self.flags & FLAG_FAILED:
-                self.report()  # failures kept by earlier sync points: raised now, on every rank
-            if self.keys.size:
-                self.destroy()
-            if self.wanted:
-                self.visit()
-            if self.fam.leaving:
-                self.fam.release()
-            if (self.keys.size or self.visited) and self._checked():
-                self.check()
+            if not self.flags & FLAG_FAILED:
+                if self.keys.size:
+                    self.destroy()
+                if self.wanted:
+                    self.visit()
+                if self.fam.leaving:
+                    self.fam.release()
+                if (self.keys.size or self.visited) and self._checked():
+                    self.check()
+            # else failures kept by earlier sync points: reported now, on every
+            # rank, instead of destroying (the participants still see the flags:
+            # PETSc's refuses the family if one of them was its own)
             if self.parts:
                 self.finish()
-            if self.failures or self.caught:
+            if self.failures or self.caught or self.flags & FLAG_FAILED:
                 self.report()
         finally:
             self.failures = self.caught = _NONE  # see the class docs
@@ -294,6 +314,7 @@ class SyncPoint:
             time.perf_counter() - t0,
             self.seq,
             collected,
+            self.wanted.bit_count(),
         )
 
     # -- 1. prepare ------------------------------------------------------------
@@ -456,48 +477,62 @@ class SyncPoint:
     def report(self) -> None:
         """Raise on every rank what failed on any, if a collective of this sync
         point agreed on it; else keep it for the family's next agreement. Then
-        this rank's interrupt."""
+        this rank's interrupt.
+
+        (No exception is held in a local name of these frames: they are in
+        the raised exception's traceback, and would close a cycle with it.)"""
         fam = self.fam
         if self.flags & FLAG_FAILED and self.agreed:
-            failures = [f for _, f in self.failures]
-            seqs = sorted({s for s, _ in self.failures})
-            rows = _destroy.rows_of(failures, fam.rank, self.caught)
-            if fam.size > 1:
-                assert fam.comm is not None
-                everyone = allgather(fam.comm, (rows, seqs), self.dl, fam.what("its error report"))
-                rows = [row for per_rank, _ in everyone for row in per_rank]
-                seqs = sorted({s for _, per_rank in everyone for s in per_rank})
-            fam.inside = False
-            where = f"sync point {self.seq} on the {fam.label}"
-            earlier = bool(seqs) and seqs != [self.seq]
-            if earlier:
-                where = (
-                    f"sync point{'s' if len(seqs) > 1 else ''} {', '.join(map(str, seqs))} "
-                    f"on the {fam.label} (reported at sync point {self.seq}, the family's "
-                    "next collective)"
-                )
-            # An interrupt among failures kept from an earlier sync point was
-            # raised on its rank then: here every rank raises DestroyError.
-            _destroy.raise_failures(
-                rows,
-                self.caught + [e for _, (_, _, e) in self.failures],
-                where,
-                fam.rank,
-                fam.reason,
-                interrupts=not earlier,
-            )
+            self._raise_agreed()
         fam.inside = False
-        if self.failures:
-            # Known here only: the family's next agreement reports them on every
-            # rank (an interrupt among them is raised here too, now).
-            fam.unreported.extend(self.failures)
-            self.caught.extend(e for _, (_, _, e) in self.failures if not isinstance(e, Exception))
         if self.caught:
             self.caught[0].add_note(
                 "collective_gc: it was held until the sync point's collectives were "
                 "done, so that every rank ran the same destroys"
             )
+        if self.failures:
+            # Known here only: the family's next agreement reports them on every
+            # rank (or the parent's, for a visit); an interrupt among them is
+            # raised here too, now.
+            self.sink.extend(self.failures)
+            self.caught.extend(_interrupts_among(self.failures, self.seq, fam.rank))
+        if self.caught:
             _raise_own(self.caught)
+
+    def _raise_agreed(self) -> None:
+        """Every rank's failures, gathered and raised on every rank."""
+        fam = self.fam
+        failures = [f for _, f in self.failures]
+        seqs = sorted({s for s, _ in self.failures})
+        rows = _destroy.rows_of(failures, fam.rank, self.caught)
+        del failures
+        if fam.size > 1:
+            assert fam.comm is not None
+            everyone = allgather(fam.comm, (rows, seqs), self.dl, fam.what("its error report"))
+            rows = [row for per_rank, _ in everyone for row in per_rank]
+            seqs = sorted({s for _, per_rank in everyone for s in per_rank})
+        fam.inside = False
+        where = f"sync point {self.seq} on the {fam.label}"
+        earlier = bool(seqs) and seqs != [self.seq]
+        if earlier:
+            where = (
+                f"sync point{'s' if len(seqs) > 1 else ''} {', '.join(map(str, seqs))} "
+                f"on the {fam.label} (reported at sync point {self.seq}, the family's "
+                "next collective)"
+            )
+        # An interrupt among failures kept from an earlier sync point was
+        # raised on its rank then: here every rank raises DestroyError, but
+        # for an interrupt of this sync point's own (a str() that raised one
+        # while the rows were written, say).
+        local = self.caught + [e for _, (_, _, e) in self.failures]
+        interrupt = self.caught[0] if self.caught else None
+        if interrupt is None and not earlier:
+            interrupt = next((e for e in local if not isinstance(e, Exception)), None)
+        self.caught = []
+        try:
+            _destroy.raise_failures(rows, local, where, fam.rank, fam.reason, interrupt)
+        finally:
+            del local, interrupt
 
     # -- the votes and the mismatch ----------------------------------------------
 
@@ -533,7 +568,18 @@ class SyncPoint:
         fam = self.fam
         registry = fam.registry
         next_key = registry.next_key
-        mine = (self.seq, next_key, self.at_exit, self.identities, registry.order)
+        newest = [
+            (r.key, r.name, where(r))
+            for r in registry.alive()[-3:] + registry.pending(self.seq)[-3:]
+        ]
+        mine = (
+            self.seq,
+            next_key,
+            self.at_exit,
+            self.identities,
+            registry.order,
+            sorted(set(newest)),
+        )
         everyone = allgather(comm, mine, self.dl, fam.what("its mismatch report"))
         seqs = [e[0] for e in everyone]
         keys = [e[1] for e in everyone]
@@ -574,6 +620,13 @@ class SyncPoint:
                 "communicators, which share one key counter: register on them in the "
                 "same order on every rank"
             )
+        if len(set(keys)) > 1 or len(set(orders)) > 1:
+            shown = "; ".join(
+                f"rank {r}: "
+                + (", ".join(f"key {k} ({n!r}) on the {w}" for k, n, w in e[5][-3:]) or "nothing")
+                for r, e in enumerate(everyone)
+            )
+            parts.append(f"registered most recently, by rank: {shown}")
         return CollectiveMismatchError(
             f"rank {fam.rank}: the ranks of the {fam.label} disagree at sync "
             f"point {self.seq}: " + "; ".join(parts) + ". Nothing was destroyed."
@@ -604,6 +657,23 @@ def _participants_differ(ids: list[str]) -> str:
         "collective_scope's gc= or strict= differs between the ranks, or two threads ran "
         "sync points on this communicator at once and the ranks paired them differently"
     )
+
+
+def _interrupts_among(
+    failures: list[tuple[int, _destroy.Failure]], seq: int, rank: int
+) -> list[BaseException]:
+    """The interrupts (KeyboardInterrupt, SystemExit) among ``failures``, each
+    with a note saying what the other ranks will see."""
+    found = []
+    for _, (key, name, exc) in failures:
+        if not isinstance(exc, Exception):
+            exc.add_note(
+                f"collective_gc: raised by {'a destroy' if key >= 0 else name} at sync "
+                f"point {seq} on rank {rank}; every agreed destroy ran, and every rank "
+                "raises DestroyError naming it at the family's next collective"
+            )
+            found.append(exc)
+    return found
 
 
 def _raise_own(caught: list[BaseException]) -> NoReturn:

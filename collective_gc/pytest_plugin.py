@@ -582,7 +582,9 @@ def _final_syncs(used: list[Manager], state: _State, deadline: float) -> list[st
             if mgr.broken is not None:
                 continue
             try:
-                destroyed += mgr.sync(deadline=deadline).destroyed
+                stats = mgr.sync(deadline=deadline, final=True)
+                # A derived family's visit may have dropped more (agreed alike).
+                destroyed += stats.destroyed + stats.visits
             except CollectiveGCError as exc:
                 errors.append(f"rank {mgr.rank} of a communicator of size {mgr.size}: {exc}")
         if state.comm is None:

@@ -23,6 +23,9 @@ from typing import Any
 import pytest
 from mpi4py import MPI
 
+from collective_gc._lookup import lookup
+from collective_gc._manager import family
+
 WORLD = MPI.COMM_WORLD
 
 
@@ -121,10 +124,20 @@ def pure_python() -> None:
 
 @pytest.fixture
 def comm(request: pytest.FixtureRequest) -> Iterator[MPI.Intracomm]:
-    """A fresh duplicate of the test class's COMM (default COMM_WORLD), freed after."""
+    """A fresh duplicate of the test class's COMM (default COMM_WORLD), freed after.
+
+    Duplicates of one communicator share a family (one key counter, one
+    agreement: collective_gc._collective), so what a test leaves registered
+    on its duplicate's family (its cgc.dup's, its library communicators') is
+    detached before it is freed: the family is let go of, and the next
+    test's duplicate starts a family of its own."""
     base = getattr(request.cls, "COMM", WORLD)
     c = base.Dup()
     yield c
+    fam = None if (mgr := lookup(c)) is None else family(mgr)
+    if fam is not None:
+        for reg in list(fam.registry.live.values()):
+            reg.detach()  # local: what the test left, on any communicator of it, is its own
     c.Free()
 
 

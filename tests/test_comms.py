@@ -107,6 +107,9 @@ def test_destroy_error_on_a_split_raises_on_every_parent_rank(comm: MPI.Intracom
     o = Obj()
     cgc.register(o, destroy, comm=sub, name="res")
     del o
+    cgc.collect(comm)  # visits each half: the destroy fails in color 1
+    # The parent's next agreement raises it on every rank of the parent,
+    # those of color 0 included.
     with pytest.raises(cgc.DestroyError, match="fails in color 1 only"):
         cgc.collect(comm)
     del sub
@@ -144,6 +147,7 @@ def test_a_dup_refused_inside_a_destroy_leaves_nothing_behind(comm: MPI.Intracom
     o = Obj()
     cgc.register(o, make_one, comm=comm, name="maker")
     del o
+    cgc.collect(comm, generation=None, timeout=30)
     with pytest.raises(cgc.DestroyError, match="inside a destroy"):
         cgc.collect(comm, generation=None, timeout=30)
     assert derived(comm) == []

@@ -130,14 +130,21 @@ def test_a_huge_timeout_is_either_refused_up_front_or_works(comm: MPI.Intracomm)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_late_rank_in_the_error_check_raises_timeout_too(comm: MPI.Intracomm) -> None:
-    """Only rank 0 has a deadline; rank 1's destroy is slow, so rank 0 gives up in
-    the second collective (the error check). Ranks without a deadline that
-    complete it afterwards must raise CollectiveTimeoutError too.
+@pytest.mark.parametrize("final", [False, True])
+def test_a_rank_late_from_its_destroys_makes_every_rank_time_out(
+    comm: MPI.Intracomm, final: bool
+) -> None:
+    """Only rank 0 has a deadline; rank 1's destroy is slow. A sync point's
+    only collective is its agreement: rank 0 gives up in the next one (or,
+    for a final sync point, a scope's exit or a close, in its own error
+    check). Ranks without a deadline that complete it afterwards must raise
+    CollectiveTimeoutError too.
 
-    Found by the hostile tests of core v2 (issue 14).
+    Found by the hostile tests of core v2 (issue 14), for the error check
+    every sync point with destroys had then.
     """
     rank = comm.Get_rank()
+    mgr = cgc.manager(comm)
 
     def destroy() -> None:
         if rank == 1:
@@ -148,12 +155,14 @@ def test_a_late_rank_in_the_error_check_raises_timeout_too(comm: MPI.Intracomm) 
     cgc.collect(comm, generation=None, timeout=30)
     del o
     t0 = time.monotonic()
-    seen = outcome_of(
-        lambda: cgc.collect(comm, generation=None, timeout=1.0 if rank == 0 else None)
-    )
+    deadline = time.monotonic() + 1.0 if rank == 0 else None
+    first = outcome_of(lambda: mgr.sync(deadline=deadline, final=final))
+    deadline = time.monotonic() + 1.0 if rank == 0 else None
+    then = outcome_of(lambda: mgr.sync(deadline=deadline)) if first == "ok" else "-"
     took = time.monotonic() - t0
-    seen_all = everyone(comm, seen)
-    assert seen_all == ["CollectiveTimeoutError"] * comm.Get_size(), seen_all
+    seen_all = everyone(comm, (first, then))
+    expected = ("CollectiveTimeoutError", "-") if final else ("ok", "CollectiveTimeoutError")
+    assert seen_all == [expected] * comm.Get_size(), seen_all
     assert took < 10
     after = everyone(comm, outcome_of(lambda: cgc.collect(comm, timeout=5)))
     assert after == ["CollectiveGCError"] * comm.Get_size(), after
@@ -212,18 +221,19 @@ def test_bad_timeouts_refused_before_any_collective(comm: MPI.Intracomm, timeout
 def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
     """From the fault tests of the reliability work."""
     # Rank 0's destroy "hangs" (longer than the timeout); the others must not
-    # wait for it for ever: their sync point raises CollectiveTimeoutError.
+    # wait for it for ever: their next sync point raises CollectiveTimeoutError
+    # (the one with the destroys needs nothing more of rank 0 once agreed).
     o = Obj()
     slow = comm.Get_rank() == 0
     cgc.register(o, time.sleep, 2.0 if slow else 0.0, comm=comm)
     del o
     if slow:
-        try:
+        cgc.collect(comm, timeout=0.5)  # agreed in time; then its destroy takes 2 s
+        with pytest.raises(cgc.CollectiveTimeoutError, match="gave up"):
             cgc.collect(comm, timeout=0.5)
-        except cgc.CollectiveTimeoutError:
-            pass  # it may or may not match the others' abandoned requests
     else:
-        with pytest.raises(cgc.CollectiveTimeoutError, match="error check"):
+        cgc.collect(comm, timeout=0.5)
+        with pytest.raises(cgc.CollectiveTimeoutError, match="agreement"):
             cgc.collect(comm, timeout=0.5)
     comm.Barrier()
     cgc.manager(comm).mark_unusable("the end of this test")

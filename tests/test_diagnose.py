@@ -71,16 +71,29 @@ def test_view_lists_queued_on_every_rank(comm: MPI.Intracomm) -> None:
         c.Free()
 
 
-def test_a_view_hook_that_raises_on_one_rank_is_a_row_everywhere(comm: MPI.Intracomm) -> None:
-    # view gathers every rank's rows: a hook that raised on one rank would
-    # have left the others waiting in the gather.
-    def broken(mgr: cgc.Manager) -> list[tuple[str, str]]:
-        raise RuntimeError("this hook broke")
+class BrokenView(cgc.Participant):
+    """A participant whose rows for the view raise on rank 0 only."""
 
-    if comm.Get_rank() == 0:
-        cgc.manager(comm).add_view_hook(broken)
-    text = cgc.view(comm, file=None, timeout=30)
-    assert "<view hook>" in text and "RuntimeError: this hook broke" in text
+    def view_rows(self, mgr: cgc.Manager) -> list[tuple[str, str]]:
+        if mgr.rank == 0:
+            raise RuntimeError("these rows broke")
+        return [("fine", "a row")]
+
+
+def test_view_rows_that_raise_on_one_rank_are_a_row_everywhere(comm: MPI.Intracomm) -> None:
+    # view gathers every rank's rows: a participant whose rows raised on one
+    # rank would have left the others waiting in the gather.
+    own = comm.Dup()  # the participant leaves with it
+    mgr = cgc.manager(own)
+    try:
+        mgr.add_participant(BrokenView())
+        text = cgc.view(own, file=None, timeout=30)
+        assert "<view>" in text and "RuntimeError: these rows broke" in text
+        assert ("a row" in text) == (comm.Get_size() > 1)
+    finally:
+        mgr.close(timeout=30)
+        own.Free()
+    assert BrokenView not in {type(p) for p in cgc.manager(comm).participants}
 
 
 def test_diagnostics_do_not_silence_strict_mode(comm: MPI.Intracomm) -> None:

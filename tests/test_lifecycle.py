@@ -289,15 +289,18 @@ def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
     # at the fork (the reaper thread claiming a registration, a sync point on
     # another thread) is never released there. Our fork handler must not
     # take such a lock, and later calls must not wait on one.
-    from collective_gc import _gcpolicy, _lookup, local
+    from collective_gc import _collective, _gcpolicy, _lookup, _manager, local
 
     cgc.collect(comm, generation=None)
-    mgr = cgc.manager(comm)
+    fam = _manager.family(cgc.manager(comm))
+    assert fam is not None
     locks = [
         local._REAPER.ledger.lock,
-        mgr._lock,
-        mgr._books.registry.lock,
+        fam.lock,
+        fam.registry.lock,
         _lookup._REGISTRY_LOCK,
+        _collective._LOCK,
+        _manager._FIRST,
         _gcpolicy.POLICY.lock,
     ]
     taken, release = threading.Event(), threading.Event()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 import zlib
 from typing import Any
 
@@ -19,7 +18,6 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc._comms import derived
 
 from _util import (
     TIMEOUT,
@@ -95,8 +93,10 @@ def test_registration_on_one_rank_of_a_dup_is_a_mismatch_at_once(
     parent's sync point used to visit the child on that rank only, which then
     waited in the child's agreement until the deadline (for ever without
     one). Now every rank raises CollectiveMismatchError at once, naming the
-    child and what each rank registered. ``earlier``: the child had already
-    been used (and emptied) by every rank, so its private duplicate exists."""
+    child and what each rank registered: the child shares the parent's
+    agreement (it is congruent with it), which counts the registrations of
+    both. ``earlier``: the child had already been used (and emptied) by
+    every rank."""
     rank = comm.Get_rank()
     sub = cgc.dup(comm)
     if earlier:
@@ -118,17 +118,20 @@ def test_registration_on_one_rank_of_a_dup_is_a_mismatch_at_once(
     assert "dup #0" in text, text  # the child communicator is named
     assert "only-on-rank-0" in text and "rank 1" in text, text  # and what each rank has
     assert took < 4, f"raised after {took:.1f} s, not at once"
-    # Only the child is unusable now: the parent's sync points go on, and
-    # free the child once dropped; what is left on it is leaked, and named.
+    # The parent and the child share one agreement, whose ranks now number
+    # registrations differently: both are unusable, on every rank alike. A
+    # fresh communicator (a new family) works.
     child = cgc.manager(sub)
-    assert child.broken is not None and cgc.manager(comm).broken is None
+    assert child.broken is not None and cgc.manager(comm).broken is not None
     keep.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cgc.ExitLeakWarning)
-        child.close()
-    del sub, child
-    cgc.collect(comm, generation=None, timeout=30)
-    assert derived(comm) == []
+    fresh = comm.Dup()
+    try:
+        o = Obj()
+        cgc.register(o, lambda: None, comm=fresh)
+        del o
+        assert cgc.collect(fresh, generation=None, timeout=30).destroyed == 1
+    finally:
+        fresh.Free()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -211,15 +214,22 @@ def test_scopes_whose_options_differ_between_ranks_are_a_mismatch_on_every_rank(
 def test_mismatch_in_a_derived_communicator_raises_on_every_rank_of_the_parent() -> None:
     """Issue 11, defect 3."""
     parent = WORLD.Dup()
-    rank = parent.Get_rank()
-    child = cgc.split(parent, int(rank >= 2))
-    keep = [Obj()]
-    cgc.register(keep[0], noop, comm=child)
-    if rank == 0:
-        keep.append(Obj())
-        cgc.register(keep[1], noop, comm=child)  # registered on one rank of the child only
-    # Ranks 0 and 1 find their child's keys differ; ranks 2 and 3 are not in
-    # it. Every rank of the parent must raise, none may wait in its header.
-    with pytest.raises(cgc.DestroyError, match="disagree"):
+    try:
+        rank = parent.Get_rank()
+        child = cgc.split(parent, int(rank >= 2))
+        keep = [Obj()]
+        cgc.register(keep[0], noop, comm=child)
+        if rank == 0:
+            keep.append(Obj())
+            cgc.register(keep[1], noop, comm=child)  # registered on one rank of the child only
+        # Ranks 0 and 1 find their child's keys differ; ranks 2 and 3 are not in
+        # it. Every rank of the parent must raise, none may wait in its header:
+        # the parent's next agreement reports it on all of them.
         cgc.collect(parent, timeout=30)
-    assert cgc.collect(parent, timeout=30).destroyed == 0  # the parent goes on
+        with pytest.raises(cgc.DestroyError, match="disagree"):
+            cgc.collect(parent, timeout=30)
+        assert cgc.collect(parent, timeout=30).destroyed == 0  # the parent goes on
+        del child
+        assert cgc.collect(parent, timeout=30).destroyed == 1  # and frees the split
+    finally:
+        parent.Free()

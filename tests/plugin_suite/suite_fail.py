@@ -22,7 +22,11 @@ _KEEP: list[object] = []
 
 @pytest.mark.mpi(min_size=2)
 def test_registered_on_one_rank_only() -> None:
-    comm = WORLD.Dup()
+    # Not a duplicate of WORLD: a communicator congruent with WORLD would
+    # share WORLD's agreement (collective_gc's families), and one rank's stray
+    # registration would make WORLD unusable for every later test too. The
+    # same processes in another order are a communicator of its own.
+    comm = WORLD.Split(0, WORLD.Get_size() - WORLD.Get_rank())
     _KEEP.append(comm)  # never freed: its manager's keys now differ between ranks
     _KEEP.append(Resource(comm, "everywhere"))
     if comm.Get_rank() == 0:
