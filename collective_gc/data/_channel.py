@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _protocol as P
 from ._leases import DEAD, collect_dead, watch_segment
-from ._shm import Segment
+from ._shm import Segment, map_fd
 
 __all__ = ["EMPTY", "END", "POLL", "Channel"]
 
@@ -446,7 +446,7 @@ class Channel:
         fd = self.inbox_fd
         if fd < 0:
             return False
-        mapping = mmap.mmap(fd, capacity)
+        mapping = map_fd(fd, capacity)
         segment = Segment(mapping, capacity, f"ProcessPrefetch {self.describe()} slot {slot}")
         watch_segment(segment)
         self.slots[slot] = segment

@@ -34,7 +34,7 @@ import resource
 import threading
 from collections.abc import Callable
 
-from . import _leases, _process
+from . import _leases, _process, _shm
 from ._channel import Channel
 from ._leases import SlotTable
 from ._process import WorkerProcess
@@ -270,6 +270,7 @@ def _after_fork_in_child() -> None:
             handle.forget_in_child()
     _LIVE.clear()
     _leases.forget_in_child()
+    _shm.detach_in_child()  # after the handles let go of their views
     _SPAWNER[0] = _Spawner()
 
 

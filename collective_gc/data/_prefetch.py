@@ -116,8 +116,8 @@ class ProcessPrefetch(Generic[T]):
     In a process forked from this one (a checkpoint writer), a started
     loader is inert: its ``next()`` raises :class:`LoaderError`, and closing
     or dropping it touches nothing this process's loader uses; the child
-    holds none of its descriptors or memory, but that of elements it has
-    copies of. A loader made in the child works.
+    holds none of its descriptors or shared memory (its copies of elements
+    are private copies). A loader made in the child works.
 
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
     new loader over the same ``indices``, or of this one between two
