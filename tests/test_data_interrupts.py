@@ -22,7 +22,7 @@ import pytest
 from data_scripts.fns import slow, small, tagged
 
 from collective_gc import local
-from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch
+from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, testing
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
@@ -134,13 +134,13 @@ def test_close_is_bounded_when_an_interrupt_left_a_workers_wait_lock_held() -> N
     # lock is Popen's own (a CPython detail), held here as the interrupt would.
     it = ProcessPrefetch(small, range(TOTAL), num_workers=2, buffer_size=4, close_timeout=0.5)
     next(it)
-    workers = it._holder.pool.workers
-    for w in workers:
-        assert w.proc._waitpid_lock.acquire(False)
+    workers = testing.workers(it)
+    for p in workers:
+        assert p._waitpid_lock.acquire(False)
     t0 = time.monotonic()
     it.close()
     assert time.monotonic() - t0 < 10
-    assert all(w.proc.returncode is not None for w in workers)
+    assert all(p.returncode is not None for p in workers)
 
 
 # -- close() from another thread while next() waits ---------------------------------

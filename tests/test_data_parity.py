@@ -23,7 +23,7 @@ from collective_gc.data import (
     RemoteTraceback,
     ThreadPrefetch,
     WorkerError,
-    _leases,
+    testing,
 )
 
 from _util import mapped_segments
@@ -129,9 +129,9 @@ def test_process_set_state_keeps_the_workers_at_or_a_buffer_ahead_of_the_positio
     # Further, or back: new workers.
     it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
     first = {next(it)[1] for _ in range(4)}
-    workers = list(it._holder.pool.workers)
+    workers = testing.workers(it)
     it.set_state({"version": 1, "position": 1, "length": 20})
-    assert all(w.proc.returncode is not None for w in workers)  # stopped, and waited for
+    assert all(p.returncode is not None for p in workers)  # stopped, and waited for
     assert [e[0] for e in it] == list(range(1, 20))
 
 
@@ -306,7 +306,7 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
             peak = max(peak, mapped_segments() - base)
         # Dead segments waiting for the reaper never exceed the backlog bound
         # (plus a ring being dropped, at most all the slots one loader had).
-        assert peak <= _leases.BACKLOG + 2 * 12, peak
+        assert peak <= testing.RELEASE_BACKLOG + 2 * 12, peak
     finally:
         gate.set()
     assert local.flush(10)

@@ -76,9 +76,9 @@ class _Mapped(weakref.ref):  # type: ignore[type-arg]
 
 
 # This process's mappings of segments, for a forked child to take its copies
-# out of them. The callback is the list's C-level append (no Python frame
-# runs when a mapping dies, so no interrupt can strike there); the dead ones
-# are dropped at the next map_fd.
+# out of them. The callback is the list's C-level append (NOTE [ Loader
+# shutdown and interrupts ] in _loader, rule 5); the dead ones are dropped at
+# the next map_fd.
 MAPPED: set[_Mapped] = set()
 _UNMAPPED: list[_Mapped] = []
 
