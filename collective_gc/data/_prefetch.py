@@ -375,6 +375,7 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
             element = self._fn(self._indices[pos])
         except Exception:  # as with workers, an error of fn ends the iteration
             self.close()
+            del self  # the traceback keeps this frame: not the loader
             raise
         self._pos = pos + 1
         return element

@@ -337,6 +337,12 @@ class ThreadPrefetch(Loader[T, _State[T]]):
             raise StopIteration
         # An interrupt inside the iterable's next() is the iterable's business
         # (a generator is finished by it); one after it returns loses its value.
-        item = next(it)
+        # The end and an error end the iteration, as with the thread.
+        try:
+            item = next(it)
+        except Exception:  # StopIteration among them
+            self.close()
+            del self, state, it  # the traceback keeps this frame: not the loader
+            raise
         self._pos += 1
         return item
