@@ -10,7 +10,9 @@ import gc
 import os
 import random
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -423,3 +425,26 @@ def test_worker_error_type_is_a_loader_error() -> None:
     from collective_gc.data import LoaderError
 
     assert issubclass(WorkerError, LoaderError)
+
+
+def _fails_in_process(kind: str) -> Any:
+    if kind == "process":
+        return ProcessPrefetch(fail_at_3, range(6), num_workers=0)
+    return ThreadPrefetch(_Flaky(), buffer_size=0)
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_an_error_kept_in_process_keeps_no_loader(kind: str) -> None:
+    # As with workers and threads: the traceback of an error of fn (of the
+    # iterable) holds no frame that holds the loader.
+    it = _fails_in_process(kind)
+    ref = weakref.ref(it)
+    kept: BaseException | None = None
+    try:
+        for _ in it:
+            pass
+    except (ValueError, OSError) as exc:
+        kept = exc
+    del it
+    assert kept is not None
+    assert ref() is None, "the error keeps its loader alive"
