@@ -285,7 +285,16 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
             self.close()
             raise StopIteration
         if not self._num_workers:
-            return self._next_in_process(pos)
+            # In-process. An interrupt anywhere here leaves _pos alone: the
+            # next call makes the same element again.
+            try:
+                element = self._fn(self._indices[pos])
+            except Exception:  # as with workers, an error of fn ends the iteration
+                self.close()
+                del self  # the traceback keeps this frame: not the loader
+                raise
+            self._pos = pos + 1
+            return element
         pool = self._holder.running
         if pool is None or not pool.ready:
             pool = self._launch()
@@ -352,7 +361,7 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
                 self._ready = element
                 channel.flush()
                 self._ready = NOTHING
-            return element  # type: ignore[no-any-return]
+            return element
         if pool.closed or self._closed:  # closed meanwhile, maybe from another thread
             self._closed = True
             raise StopIteration
@@ -367,18 +376,6 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
             raise error
         finally:
             del error
-
-    def _next_in_process(self, pos: int) -> T:
-        # An interrupt anywhere here leaves _pos alone: the next call makes the
-        # same element again.
-        try:
-            element = self._fn(self._indices[pos])
-        except Exception:  # as with workers, an error of fn ends the iteration
-            self.close()
-            del self  # the traceback keeps this frame: not the loader
-            raise
-        self._pos = pos + 1
-        return element
 
     def _forked(self, pool: _pool.Pool) -> NoReturn:
         self._fault = (

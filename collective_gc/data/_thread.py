@@ -289,7 +289,26 @@ class ThreadPrefetch(Loader[T, _State[T]]):
         if self._closed:
             raise StopIteration
         if not self._size:
-            return self._next_in_process()
+            # In-process: the running part is never launched; its source is
+            # the iterator (None once closed).
+            state = self._holder.running
+            if state is None:
+                state = self._begin()
+            it = state.source
+            if it is None:
+                raise StopIteration
+            # An interrupt inside the iterable's next() is the iterable's
+            # business (a generator is finished by it); one after it returns
+            # loses its value. The end and an error end the iteration, as
+            # with the thread.
+            try:
+                item = next(it)
+            except Exception:  # StopIteration among them
+                self.close()
+                del self, state, it  # the traceback keeps this frame: not the loader
+                raise
+            self._pos += 1
+            return item
         s = self._holder.running
         if s is None:
             s = self._begin()
@@ -326,23 +345,4 @@ class ThreadPrefetch(Loader[T, _State[T]]):
         self._ready = item
         _signal(s.room)
         self._ready = NOTHING
-        return item
-
-    def _next_in_process(self) -> T:
-        state = self._holder.running
-        if state is None:
-            state = self._begin()
-        it = state.source
-        if it is None:  # closed
-            raise StopIteration
-        # An interrupt inside the iterable's next() is the iterable's business
-        # (a generator is finished by it); one after it returns loses its value.
-        # The end and an error end the iteration, as with the thread.
-        try:
-            item = next(it)
-        except Exception:  # StopIteration among them
-            self.close()
-            del self, state, it  # the traceback keeps this frame: not the loader
-            raise
-        self._pos += 1
         return item
