@@ -99,9 +99,12 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
     Args:
         fn: called as ``fn(index)`` in a worker, once per index.
         indices: a sequence (list, range, array) of picklable keys.
-        num_workers: worker processes (at most one per element); 0: in-process.
+        num_workers: worker processes (at most one per element); 0: none,
+            ``fn`` runs on the thread that calls ``next()``, inside it, one
+            element per call (and need not pickle), as PyTorch's
+            ``num_workers=0``.
         buffer_size: elements made but not yet consumed, over all workers
-            (default: 4 per worker).
+            (default: 4 per worker); nothing is made ahead in-process.
         close_timeout: seconds to wait for a worker to exit before SIGKILL.
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker
             before its first element (not in-process, as in PyTorch).

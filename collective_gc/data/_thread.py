@@ -175,6 +175,12 @@ class ThreadPrefetch(Loader[T, _State[T]]):
 
     Raises ValueError if ``buffer_size`` < 0, TypeError if ``iterable`` is
     not iterable (has neither ``__iter__`` nor ``__getitem__``).
+
+    Args:
+        iterable: what to iterate (``iter()`` is called at the first ``next()``).
+        buffer_size: elements made ahead by the thread; 0: no thread, the
+            iterable runs on the thread that calls ``next()``, inside it,
+            one element per call.
     """
 
     def __init__(self, iterable: Iterable[T], *, buffer_size: int = 2) -> None:
