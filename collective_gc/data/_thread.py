@@ -45,7 +45,13 @@ def _signal(gate: threading.Lock) -> None:
         pass
 
 
-class _State(Generic[T]):
+class State(Generic[T]):
+    """A ThreadPrefetch's running part: what its producer thread and its consumer share.
+
+    Refers to no loader. With ``buffer_size=0`` it is never launched, and
+    ``next()`` reads ``source`` itself.
+    """
+
     __slots__ = (
         "__weakref__",
         "done",
@@ -83,7 +89,7 @@ class _State(Generic[T]):
 
 
 # The states of started loaders, for the fork handler.
-_STARTED: weakref.WeakSet[_State[Any]] = weakref.WeakSet()
+_STARTED: weakref.WeakSet[State[Any]] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -99,7 +105,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _produce(state: _State[T]) -> None:
+def _produce(state: State[T]) -> None:
     state.ident = threading.get_ident()
     it, state.source = state.source, None
     assert it is not None
@@ -129,7 +135,7 @@ def _produce(state: _State[T]) -> None:
         state.finished.release()
 
 
-def _stop(state: _State[Any], timeout: float | None) -> None:
+def _stop(state: State[Any], timeout: float | None) -> None:
     state.stop = True
     state.items.clear()
     _signal(state.room)
@@ -144,7 +150,7 @@ def _stop(state: _State[Any], timeout: float | None) -> None:
             state.finished.release()
 
 
-class ThreadPrefetch(Loader[T, _State[T]]):
+class ThreadPrefetch(Loader[T, State[T]]):
     """Iterate ``iterable`` with up to ``buffer_size`` elements made ahead by a thread.
 
     Same contract as :class:`ProcessPrefetch`: elements in order; an exception
@@ -200,7 +206,7 @@ class ThreadPrefetch(Loader[T, _State[T]]):
         self._source: Iterable[T] | None = None
         self._size = buffer_size
         self._extra_state: dict[str, int] = {}
-        # The running part is a _State: a producer thread's, or with
+        # The running part is a State: a producer thread's, or with
         # buffer_size=0 one that is never launched, whose source next() reads.
         self._setup(_stop, "ThreadPrefetch")
 
@@ -261,7 +267,7 @@ class ThreadPrefetch(Loader[T, _State[T]]):
         buffered = len(s.items) if s is not None else 0
         return f"<ThreadPrefetch {buffered}/{self._size} buffered, {state}>"
 
-    def _begin(self) -> _State[T]:
+    def _begin(self) -> State[T]:
         """Start the running part: iter() the iterable, skip to ``_start``, and the thread."""
         holder = self._holder
         holder.retire()  # one set_state() left, if it was cut short
@@ -272,7 +278,7 @@ class ThreadPrefetch(Loader[T, _State[T]]):
         self._source = iterable if it is not iterable else None
         if self._start:
             it = itertools.islice(it, self._start, None)
-        state: _State[T] = _State(self._size)
+        state: State[T] = State(self._size)
         state.source = it
         if not self._size:  # in-process: never launched; next() reads the source
             holder.running = state

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
-from . import _leases, _loader, _pool, _process, _shm
+from . import _leases, _loader, _pool, _process, _shm, _thread
 from ._channel import Channel
 from ._leases import SlotTable
 from ._prefetch import ProcessPrefetch
@@ -169,4 +169,5 @@ def internal_types() -> tuple[type, ...]:
         Channel,
         SlotTable,
         _shm.Segment,
+        _thread.State,
     )
