@@ -88,8 +88,30 @@ class State(Generic[T]):
         self.forked = False
 
 
-# The states of started loaders, for the fork handler.
-_STARTED: weakref.WeakSet[State[Any]] = weakref.WeakSet()
+class _Started(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a launched State, for the fork handler."""
+
+    __slots__ = ()
+
+    # By identity: weakref.ref's own would compare the states.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
+# The states of launched producers, for the fork handler. Not a WeakSet: its
+# callback is Python code, and the callback here is the list's C-level
+# append (NOTE [ Loader shutdown and interrupts ] in _loader, rule 5); the
+# dead ones are dropped at the next launch.
+_STARTED: set[_Started] = set()
+_ENDED: list[_Started] = []
+
+
+def _remember(state: State[Any]) -> None:
+    ended = _ENDED
+    while ended:
+        _STARTED.discard(ended.pop())
+    _STARTED.add(_Started(state, ended.append))
 
 
 def _after_fork_in_child() -> None:
@@ -97,9 +119,13 @@ def _after_fork_in_child() -> None:
     # sees": a producer of the parent does not exist here (a lock it held at
     # the fork stays held for ever); its loader is done here, the parent's
     # goes on.
-    for state in list(_STARTED):
-        state.forked = state.stop = state.done = True
-        state.items.clear()  # the parent's elements: the parent delivers them
+    for ref in list(_STARTED):
+        state = ref()
+        if state is not None:
+            state.forked = state.stop = state.done = True
+            state.items.clear()  # the parent's elements: the parent delivers them
+    _STARTED.clear()
+    _ENDED.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -284,7 +310,7 @@ class ThreadPrefetch(Loader[T, State[T]]):
             holder.running = state
             self._iterable = None
             return state
-        _STARTED.add(state)
+        _remember(state)
         holder.running = state
         self._iterable = None
         # A store, then one C call (rule 2 of the NOTE in _loader): either
