@@ -338,11 +338,12 @@ class ThreadPrefetch(Loader[T, State[T]]):
             # An interrupt inside the iterable's next() is the iterable's
             # business (a generator is finished by it); one after it returns
             # loses its value. The end and an error end the iteration, as
-            # with the thread.
+            # with the thread (which does not close the iterator then either).
             try:
                 item = next(it)
             except Exception:  # StopIteration among them
-                self.close()
+                self._closed = True
+                state.source = None
                 del self, state, it  # the traceback keeps this frame: not the loader
                 raise
             self._pos += 1
