@@ -24,6 +24,9 @@ class _Hung(BaseException):
 
 
 _STDLIB = os.path.dirname(threading.__file__)
+# The standard library's finalizers and weak reference callbacks (WeakSet,
+# WeakValueDictionary): Python swallows what is raised in them.
+_SWALLOWING = frozenset({"__del__", "_remove", "remove"})
 
 
 def _inside_the_loader(frame: Any) -> bool:
@@ -31,8 +34,10 @@ def _inside_the_loader(frame: Any) -> bool:
     library's on its behalf: where the interrupt is the loader's to survive.
 
     Elsewhere (this file's own loop; a callback of the collector or of pytest,
-    or a finalizer such as ``Popen.__del__``, which swallow what is raised in
-    them as an "exception ignored") nothing is raised.
+    a finalizer such as ``Popen.__del__``, or a weak reference's callback such
+    as ``WeakSet``'s when the collector frees a test's ``Thread`` meanwhile,
+    all of which swallow what is raised in them as an "exception ignored")
+    nothing is raised.
     """
     if frame is None:
         return False
@@ -40,7 +45,7 @@ def _inside_the_loader(frame: Any) -> bool:
     if "collective_gc/data/" in name:
         return True
     while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
-        if frame.f_code.co_name == "__del__":  # a finalizer the collector ran meanwhile
+        if frame.f_code.co_name in _SWALLOWING:  # run by the collector meanwhile
             return False
         frame = frame.f_back
     return frame is not None and "collective_gc/data/" in frame.f_code.co_filename

@@ -68,10 +68,12 @@ def test_a_forked_child_leaves_the_parents_loader_alone(kind: str, how: str, pro
 
 
 def test_a_forked_helper_pins_none_of_the_loaders_memory() -> None:
-    """Issue 24, defect 7. Before: a helper process forked by the rank (one
-    that never uses the loader) held every slot's and ring's memfd and mapping
-    until it exited, even after the rank died. Now it holds only the segment
-    of the element it has a copy of."""
+    """Issue 24, defect 7, and the held-out rounds of issue 32. A helper
+    process forked by the rank (one that never uses the loader) held every
+    slot's and ring's memfd and mapping until it exited, even after the rank
+    died; then still the segments of the elements it had copies of (4
+    elements, 8 references: their mappings and descriptors). Now it holds
+    none: its copies of the elements are its own, private memory."""
     result = _run("process", "helper")
     assert result.returncode == 0 and result.stdout.strip() == "ok", (
         CODES.get(result.returncode, f"exit code {result.returncode}") + "\n" + result.stderr

@@ -22,7 +22,7 @@ import pytest
 from data_scripts.fns import slow, small, tagged
 
 from collective_gc import local
-from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch
+from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, testing
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
@@ -134,13 +134,13 @@ def test_close_is_bounded_when_an_interrupt_left_a_workers_wait_lock_held() -> N
     # lock is Popen's own (a CPython detail), held here as the interrupt would.
     it = ProcessPrefetch(small, range(TOTAL), num_workers=2, buffer_size=4, close_timeout=0.5)
     next(it)
-    workers = it._holder.pool.workers
-    for w in workers:
-        assert w.proc._waitpid_lock.acquire(False)
+    workers = testing.workers(it)
+    for p in workers:
+        assert p._waitpid_lock.acquire(False)
     t0 = time.monotonic()
     it.close()
     assert time.monotonic() - t0 < 10
-    assert all(w.proc.returncode is not None for w in workers)
+    assert all(p.returncode is not None for p in workers)
 
 
 # -- close() from another thread while next() waits ---------------------------------
@@ -171,3 +171,38 @@ def test_close_from_another_thread_while_next_waits(kind: str) -> None:
         next(it)
     if kind == "thread":
         gate.set()
+
+
+def test_nothing_of_the_loaders_runs_python_code_when_it_dies() -> None:
+    """A weak reference callback written in Python runs wherever its object
+    dies, on the consumer's thread too, and an interrupt raised there is
+    swallowed ("Exception ignored"): the user's Ctrl-C lost. Every callback
+    on the loaders' objects, their elements and their segments must be C
+    code (a list's append). Before: a started ThreadPrefetch's state sat in
+    a WeakSet, whose callback is Python code."""
+    import types
+    import weakref
+
+    import numpy as np
+
+    import collective_gc as cgc
+    from collective_gc.data import testing
+
+    c_code = (types.BuiltinFunctionType, types.BuiltinMethodType)
+    with ThreadPrefetch(range(10)) as t, ProcessPrefetch(tagged, range(10), num_workers=1) as p:
+        next(t)
+        element = next(p)
+        objects = [o for o in gc.get_objects() if isinstance(o, testing.internal_types())]
+        objects.append(element.base)  # what the element's lease watches
+        root: Any = element
+        while isinstance(root, np.ndarray) or isinstance(root, memoryview):
+            root = root.base if isinstance(root, np.ndarray) else root.obj
+        objects.append(root)  # the segment's mapping
+        assert any(type(o).__name__ == "State" for o in objects)  # the producer's
+        for o in objects:
+            for ref in weakref.getweakrefs(o):
+                if isinstance(ref, cgc.Registration):
+                    continue  # collective_gc's own finalizer: the core's business
+                callback = ref.__callback__
+                assert callback is None or isinstance(callback, c_code), (o, callback)
+        del element, root, objects

@@ -10,7 +10,9 @@ import gc
 import os
 import random
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from collective_gc.data import (
     RemoteTraceback,
     ThreadPrefetch,
     WorkerError,
-    _leases,
+    testing,
 )
 
 from _util import mapped_segments
@@ -129,9 +131,9 @@ def test_process_set_state_keeps_the_workers_at_or_a_buffer_ahead_of_the_positio
     # Further, or back: new workers.
     it = ProcessPrefetch(whoami, range(20), num_workers=2, buffer_size=4)
     first = {next(it)[1] for _ in range(4)}
-    workers = list(it._holder.pool.workers)
+    workers = testing.workers(it)
     it.set_state({"version": 1, "position": 1, "length": 20})
-    assert all(w.proc.returncode is not None for w in workers)  # stopped, and waited for
+    assert all(p.returncode is not None for p in workers)  # stopped, and waited for
     assert [e[0] for e in it] == list(range(1, 20))
 
 
@@ -199,19 +201,111 @@ def test_num_workers_0_runs_fn_here_with_the_same_api() -> None:
         next(it2)
 
 
-def test_buffer_size_0_runs_the_iterable_on_this_thread() -> None:
+def test_num_workers_0_makes_each_element_inside_next_on_the_calling_thread() -> None:
+    """Issue 32 (held-out rounds): ``num_workers=0`` was accepted and delivered
+    elements, with no meaning a user could find. It means what PyTorch's does:
+    ``fn`` runs in this process, on the thread that calls ``next()``, one
+    element per call, nothing made ahead (``buffer_size`` changes nothing),
+    and ``fn`` need not pickle (a lambda: there is no worker to send it to)."""
+    calls: list[tuple[int, int]] = []
+
+    def fn(i: int) -> int:
+        calls.append((i, threading.get_ident()))
+        return 10 * i
+
+    before, running = _children(), threading.active_count()
+    it = ProcessPrefetch(fn, range(6), num_workers=0, buffer_size=16)
+    assert calls == []  # nothing at construction
+    for k in range(3):
+        assert next(it) == 10 * k
+        assert calls == [(i, threading.get_ident()) for i in range(k + 1)]  # none ahead
+    assert _children() == before and threading.active_count() == running
+    # An interrupt inside fn (a Ctrl-C while it reads a file): the next call
+    # makes the same element again; nothing is skipped.
+    stop = [True]
+
+    def interrupted(i: int) -> int:
+        if stop and i == 1:
+            stop.clear()
+            raise KeyboardInterrupt
+        return i
+
+    it2 = ProcessPrefetch(interrupted, range(3), num_workers=0)
+    assert next(it2) == 0
+    with pytest.raises(KeyboardInterrupt):
+        next(it2)
+    assert not it2.closed and list(it2) == [1, 2]
+    # close() ends it at once; after the end, it is closed too.
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    assert len(calls) == 3 and it.closed and it2.closed
+
+
+def test_buffer_size_0_makes_each_element_inside_next_on_the_calling_thread() -> None:
+    """Issue 32 (held-out rounds): ``ThreadPrefetch(..., buffer_size=0)``: the
+    iterable runs on the thread that calls ``next()``, one element per call,
+    no thread, nothing made ahead; the rest of the contract is the loader's."""
     threads: list[int] = []
 
     def gen() -> Iterator[int]:
-        for i in range(4):
-            threads.append(threading.get_ident())
-            yield i
+        try:
+            for i in range(6):
+                threads.append(threading.get_ident())
+                yield i
+        finally:
+            threads.append(-1)  # closed: on the thread that closed the loader
 
     running = threading.active_count()
     it = ThreadPrefetch(gen(), buffer_size=0)
-    assert list(it) == [0, 1, 2, 3]
-    assert threads == [threading.get_ident()] * 4
+    assert threads == [] and "in-process" in repr(it)
+    for k in range(3):
+        assert next(it) == k
+        assert threads == [threading.get_ident()] * (k + 1)  # none ahead
     assert threading.active_count() == running
+    it.close()  # the generator is closed here, at once
+    assert threads[-1] == -1
+    with pytest.raises(StopIteration):
+        next(it)
+    assert it.closed
+
+
+class _Flaky:
+    """An iterator whose ``__next__`` fails once and would then go on."""
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def __iter__(self) -> _Flaky:
+        return self
+
+    def __next__(self) -> int:
+        self.i += 1
+        if self.i == 3:
+            raise OSError("a read failed")
+        if self.i > 6:
+            raise StopIteration
+        return self.i
+
+
+@pytest.mark.parametrize("buffer_size", [0, 2])
+def test_thread_loader_end_and_error_whatever_the_buffer(buffer_size: int) -> None:
+    """The same contract with and without the thread: an error of the
+    iterable ends the iteration (even one that would go on); after the end
+    the loader is closed, and set_state() says so. Before (buffer_size=0):
+    the iterator went on after its error, and an exhausted loader was not
+    ``closed``."""
+    it = ThreadPrefetch(_Flaky(), buffer_size=buffer_size)
+    assert [next(it), next(it)] == [1, 2]
+    with pytest.raises(OSError, match="a read failed"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert it.closed
+    done = ThreadPrefetch([1, 2], buffer_size=buffer_size)
+    assert list(done) == [1, 2] and done.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        done.set_state({"version": 1, "position": 0})
 
 
 # -- worker_init_fn -----------------------------------------------------------------------
@@ -306,7 +400,7 @@ def test_segments_are_released_even_when_the_reaper_is_stuck() -> None:
             peak = max(peak, mapped_segments() - base)
         # Dead segments waiting for the reaper never exceed the backlog bound
         # (plus a ring being dropped, at most all the slots one loader had).
-        assert peak <= _leases.BACKLOG + 2 * 12, peak
+        assert peak <= testing.RELEASE_BACKLOG + 2 * 12, peak
     finally:
         gate.set()
     assert local.flush(10)
@@ -331,3 +425,26 @@ def test_worker_error_type_is_a_loader_error() -> None:
     from collective_gc.data import LoaderError
 
     assert issubclass(WorkerError, LoaderError)
+
+
+def _fails_in_process(kind: str) -> Any:
+    if kind == "process":
+        return ProcessPrefetch(fail_at_3, range(6), num_workers=0)
+    return ThreadPrefetch(_Flaky(), buffer_size=0)
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_an_error_kept_in_process_keeps_no_loader(kind: str) -> None:
+    # As with workers and threads: the traceback of an error of fn (of the
+    # iterable) holds no frame that holds the loader.
+    it = _fails_in_process(kind)
+    ref = weakref.ref(it)
+    kept: BaseException | None = None
+    try:
+        for _ in it:
+            pass
+    except (ValueError, OSError) as exc:
+        kept = exc
+    del it
+    assert kept is not None
+    assert ref() is None, "the error keeps its loader alive"

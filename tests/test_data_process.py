@@ -38,8 +38,9 @@ from data_scripts.fns import (
     slow,
 )
 
+import collective_gc.data
 from collective_gc import local
-from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, _leases, _pool, _shm
+from collective_gc.data import ProcessPrefetch, RemoteTraceback, WorkerError, testing
 
 from _util import GcDisabled as GcOff
 from _util import mapped_segments, process_alive, script_env
@@ -76,7 +77,7 @@ def clean() -> Iterator[None]:
     maps = mapped_segments()
     yield
     _settle()
-    assert not _leases.LEASES
+    assert not testing.live_leases()
     assert mapped_segments() == maps
     assert set(os.listdir("/proc/self/fd")) <= fds | {"0", "1", "2"}
 
@@ -214,7 +215,7 @@ def test_bad_arguments() -> None:
 
 
 def _pids(it: ProcessPrefetch[Any]) -> list[int]:
-    return [w.proc.pid for w in it._holder.pool.workers]
+    return [p.pid for p in testing.workers(it)]
 
 
 def test_close_while_workers_block_on_a_full_buffer() -> None:
@@ -241,7 +242,7 @@ def test_close_while_a_worker_is_inside_fn() -> None:
     it.close()
     assert time.monotonic() - t0 < 1.0  # the watch thread ends them; no 5 s wait
     # Their watch thread killed their process group (them and anything fn started).
-    assert [w.proc.returncode for w in it._holder.pool.workers] == [-signal.SIGKILL] * 2
+    assert [p.returncode for p in testing.workers(it)] == [-signal.SIGKILL] * 2
 
 
 def test_dropping_the_loader_stops_its_workers() -> None:
@@ -349,7 +350,7 @@ def test_no_cycles_keep_the_last_element() -> None:
             next(it)
         del last, it
         assert last_ref() is None and it_ref() is None
-        assert not _leases.LEASES
+        assert not testing.live_leases()
 
 
 def test_debug_saveall_finds_no_loader_garbage() -> None:
@@ -373,16 +374,8 @@ def test_debug_saveall_finds_no_loader_garbage() -> None:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
-    ours = (
-        ProcessPrefetch,
-        _pool.WorkerHandle,
-        _pool.Pool,
-        _shm.Segment,
-        np.ndarray,
-        BaseException,
-        types.TracebackType,
-    )
-    data_dir = os.path.dirname(_pool.__file__)
+    ours = (*testing.internal_types(), np.ndarray, BaseException, types.TracebackType)
+    data_dir = os.path.dirname(collective_gc.data.__file__)
     bad: list[object] = [o for o in garbage if isinstance(o, ours)]
     bad += [
         o
@@ -411,11 +404,7 @@ def test_workers_never_initialize_mpi() -> None:
         assert r["env"] == []
         assert r["ppid"] == os.getpid()
         # Only the worker side of the loader: no pool, prefetcher or thread code.
-        assert r["data_modules"] == [
-            "collective_gc.data._protocol",
-            "collective_gc.data._shm",
-            "collective_gc.data._worker",
-        ]
+        assert r["data_modules"] == sorted(testing.WORKER_MODULES)
     assert len({r["pid"] for r in reports}) == 2
 
 
@@ -423,7 +412,7 @@ _EXIT_SCRIPT = """
 import sys, mpi4py
 mpi4py.rc.initialize = False  # no MPI singleton (and its daemon): this is about the loader
 sys.path.insert(0, {tests!r})
-from collective_gc.data import ProcessPrefetch
+from collective_gc.data import ProcessPrefetch, testing
 from data_scripts.fns import make
 
 if __name__ == "__main__":
@@ -432,7 +421,7 @@ if __name__ == "__main__":
     kept = next(it)
     other = ProcessPrefetch(make, range(100), num_workers=2, buffer_size=2)
     held = [next(other) for _ in range(3)]                           # open, elements held
-    print("pids", *[w.proc.pid for x in (it, other) for w in x._holder.pool.workers])
+    print("pids", *[p.pid for x in (it, other) for p in testing.workers(x)])
 """
 
 
@@ -442,7 +431,8 @@ def test_nothing_printed_at_exit(tmp_path: Any) -> None:
     script = tmp_path / "exit_script.py"
     script.write_text(_EXIT_SCRIPT.format(tests=os.path.dirname(__file__)))
     shm_before = os.listdir("/dev/shm")
-    env = _pool.child_environment()
+    # No MPI launcher's variables: the script must not take itself for a rank.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     proc = subprocess.run(
         [sys.executable, "-W", "default", "-X", "dev", str(script)],

@@ -13,7 +13,6 @@ import gc
 import os
 import platform
 import random
-import select
 import signal
 import threading
 import time
@@ -32,8 +31,7 @@ from data_scripts.fns import (
     tagged,
 )
 
-from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, _leases, _pool
-from collective_gc.data import _protocol as P
+from collective_gc.data import LoaderError, ProcessPrefetch, WorkerError, testing
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread
@@ -42,28 +40,30 @@ pytestmark = pytest.mark.launcher
 
 
 @pytest.fixture(params=["ring", "socket"])
-def transport(request: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def transport(request: Any) -> Iterator[str]:
     """Run the test over the ring (where this machine has it) and over the socket alone."""
-    if request.param == "ring" and not _pool.RING:
+    if request.param == "ring" and not testing.RING_AVAILABLE:
         pytest.skip("no ring on this machine")
-    monkeypatch.setattr(_pool, "RING", request.param == "ring")
-    yield request.param
+    if request.param == "ring":
+        yield request.param
+    else:
+        with testing.socket_only():
+            yield request.param
     gc.collect()
-    assert not _leases.LEASES, "a lease outlived its loader and its elements"
+    assert not testing.live_leases(), "a lease outlived its loader and its elements"
 
 
 def test_the_ring_is_used_on_x86_64() -> None:
-    assert _pool.RING == (platform.machine().lower() in ("x86_64", "amd64"))
-    if not _pool.RING:
+    assert testing.RING_AVAILABLE == (platform.machine().lower() in ("x86_64", "amd64"))
+    if not testing.RING_AVAILABLE:
         pytest.skip("no ring on this machine")
     with ProcessPrefetch(plain, range(40), num_workers=2, buffer_size=4) as it:
         assert [next(it) for _ in range(30)][:3] == [(0, "0"), (1, "1"), (2, "2")]
-        pool = it._holder.pool
-        assert pool is not None
-        for w in pool.workers:  # each has its ring, and its elements were posted there
-            assert w.shared and w.ring is not None
-            marks = [P.read_mark(w.ring, e * P.RING_ENTRY)[0] for e in range(w.entries)]
-            assert max(marks) >= 15, marks
+        # Each worker has its ring, and its elements were posted there.
+        assert all(last >= 15 for last in testing.last_ring_posts(it)), testing.last_ring_posts(it)
+    with testing.socket_only(), ProcessPrefetch(plain, range(40), num_workers=2) as it:
+        assert [next(it) for _ in range(30)][:3] == [(0, "0"), (1, "1"), (2, "2")]
+        assert testing.last_ring_posts(it) == [0, 0]  # no ring: everything by socket
 
 
 def test_both_channels_in_one_stream_keep_the_order(transport: str) -> None:
@@ -104,9 +104,8 @@ def test_a_worker_killed_while_posting_never_delivers_half_an_element(
         try:
             first = next(it)
             assert (first[0] if fn is plain else int(first[0])) == 0
-            worker = it._holder.pool.workers[0] if it._holder.pool else None
-            assert worker is not None
-            timer = _kill_after(worker.proc.pid, rng.uniform(0.0, 0.03))
+            (worker,) = testing.workers(it)
+            timer = _kill_after(worker.pid, rng.uniform(0.0, 0.03))
             n = 1
             with pytest.raises(WorkerError) as info:
                 for e in it:
@@ -168,9 +167,8 @@ def test_the_parent_watch_thread_keeps_the_default_policy() -> None:
     # wait for a free moment.
     with ProcessPrefetch(policy, range(40), num_workers=1) as it:
         next(it)
-        pool = it._holder.pool
-        assert pool is not None
-        pid = pool.workers[0].proc.pid
+        (worker,) = testing.workers(it)
+        pid = worker.pid
         policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
     assert policies.pop(pid) == os.SCHED_BATCH  # the thread that runs fn
     assert os.SCHED_OTHER in policies.values()  # the parent watch
@@ -187,14 +185,9 @@ def test_a_socket_message_lost_before_a_ring_post_is_reported_not_awaited(
     it = ProcessPrefetch(second_by_socket, range(8), num_workers=1, buffer_size=4)
     try:
         assert next(it) == (0, "x")
-        pool = it._holder.pool
-        assert pool is not None
-        worker = pool.workers[0]
-        if worker.has_message():  # taken in already, while next() waited for element 0
-            worker.done_with_inbox()
-        else:
-            assert select.select([worker.sock], [], [], 20)[0], "element 1 never came"
-            assert len(worker.sock.recv(1 << 16)) > 5000  # element 1's message
+        # Element 1's message (taken in already while next() waited for element
+        # 0, or still on the socket).
+        assert testing.drop_socket_message(it, 0, 20), "element 1 never came"
         finished, outcome = in_thread(lambda: next(it), 20)
         assert finished, "next() waits for an element that was lost"
         assert isinstance(outcome, LoaderError) and "lost element 1" in str(outcome), outcome

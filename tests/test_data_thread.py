@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from collective_gc import local
-from collective_gc.data import ThreadPrefetch
+from collective_gc.data import ThreadPrefetch, testing
 
 from _util import GcDisabled as GcOff
 
@@ -76,12 +76,13 @@ def test_close_while_the_producer_waits_for_room() -> None:
 
     it = ThreadPrefetch(gen(), buffer_size=2)
     assert next(it) == 0
+    producer = testing.Producer(it)
     time.sleep(0.1)
     assert len(produced) <= 4  # bounded by the buffer
     t0 = time.monotonic()
     it.close()
     assert time.monotonic() - t0 < 1.0
-    assert produced[-1] == -1 and not it._holder.state.finished.locked()  # the thread returned
+    assert produced[-1] == -1 and producer.returned
     with pytest.raises(StopIteration):
         next(it)
 
@@ -89,10 +90,10 @@ def test_close_while_the_producer_waits_for_room() -> None:
 def test_dropping_the_loader_stops_its_thread() -> None:
     it = ThreadPrefetch(arrays(10**9), buffer_size=2)
     next(it)
-    finished = it._holder.state.finished  # released when the thread returns
+    producer = testing.Producer(it)  # refers to the thread, not to the loader
     del it
     assert local.flush(10)
-    assert finished.acquire(timeout=5)
+    assert producer.wait(5)
 
 
 def test_buffer_size_must_not_be_negative() -> None:

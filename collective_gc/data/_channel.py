@@ -1,33 +1,33 @@
-"""The channel to one worker: its inbox, its ring, waiting, and what it is owed.
+"""A worker's channel: its socket, inbox, ring and doorbells; receiving, waiting, sending.
 
 The consumer thread (``ProcessPrefetch.__next__``) does all the talking: it
-receives elements, attaches new segments, and sends what the worker is owed
-(the count of its elements consumed, the slot allowance, freed slots)
-batched in one message per few elements, since every message wakes a
-process and wake-ups, not bytes, cost time on a busy machine.
+receives elements, attaches new segments (into the worker's slot table,
+``_leases``), and sends what the worker is owed (the count of its elements
+consumed, the slot allowance, freed slots) batched in one message per few
+elements, since every message wakes a process and wake-ups, not bytes, cost
+time on a busy machine.
 
-Receiving survives an interrupt: a message is received into the handle's own
-``inbox`` (a buffer that outlives the call), and the inbox counts as full
-until the consumer has delivered the element, so an interrupt anywhere in
-between leaves the message there for the next call. The receive itself
-writes the message and its descriptor into memory of the handle (libc's
-``recvmsg``, see below), so even an interrupt raised as that call returns
-loses neither; the element numbers in the messages would show a loss, and
-the loader would then fail loudly.
+Receiving survives an interrupt (NOTE [ Loader shutdown and interrupts ] in
+``_loader``, rules 1 and 2): a message is received into the channel's own
+``inbox``, which counts as full until the consumer has delivered the
+element, and the receive writes the message and its descriptor into memory
+of the channel (libc's ``recvmsg``, see below).
 
 On x86-64 a worker posts most messages into a shared-memory ring instead of
 the socket (see ``_protocol``): the consumer takes an element there with no
 system call, and sleeps on the worker's doorbell (an ``eventfd``, with the
-socket and the pidfd) only when the element it needs is not posted yet.
+socket and the worker's pidfd) only when the element it needs is not posted
+yet.
 
 Sends never block (what does not fit the socket stays owed and goes out when
 there is room); the consumer's waits wake up every ``POLL`` seconds to send
 slots freed meanwhile on other threads, so a worker waiting for a slot is
-never forgotten. The worker's ``stop()`` may come from any thread: it shuts
-the socket down (which wakes a consumer waiting on it) and the descriptors
-are closed by whichever of the two comes last, never under a waiting call.
+never forgotten. :meth:`Channel.shut` may come from any thread: it shuts the
+socket down (which wakes a consumer waiting on it), and the descriptors are
+closed by whichever of the two comes last, never under a waiting call: the
+consumer marks its socket calls (:meth:`Channel._begin_io`, ``_end_io``).
 
-Part of a worker's handle (``_pool.WorkerHandle``): :class:`Channel`.
+:class:`Channel` is the channel part of a worker's handle (``_pool``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _protocol as P
-from ._leases import DEAD, collect_dead, watch_segment
-from ._shm import Segment
+from ._leases import DEAD, SlotTable, collect_dead, watch_segment
+from ._shm import Segment, map_fd, unmap_view
 
 __all__ = ["EMPTY", "END", "POLL", "Channel"]
 
@@ -111,45 +111,56 @@ END = 256  # the inbox's kind once the worker's end is seen (no message has it)
 
 
 class Channel:
-    """The socket, inbox, ring and doorbells of one worker, and what it is owed."""
+    """The socket, inbox, ring and doorbells of one worker, and what it is owed.
 
-    # Of the other parts of the handle.
-    proc: subprocess.Popen[bytes]
-    pidfd: int
-    lock: threading.Lock
-    closed: bool
-    window: int
-    slots: dict[int, Segment]
-    live: set[int]
-    freed: list[tuple[int, int]]
-    attached: int
+    Takes what it needs of the worker's other parts explicitly: the process
+    (``proc``: its pid for a pidfd, which the channel watches and closes,
+    and its ``poll`` where there is no pidfd), its name for messages, and
+    its slot table, which :meth:`attach` fills and whose dead leases
+    :meth:`flush` sends back.
+    """
 
-    if TYPE_CHECKING:
-
-        def describe(self) -> str: ...
-
-    def init_channel(
-        self, sock: socket.socket, window: int, ring: mmap.mmap | None, bell: int, wake: int
+    def __init__(
+        self,
+        sock: socket.socket,
+        window: int,
+        ring: mmap.mmap | None,
+        bell: int,
+        wake: int,
+        proc: subprocess.Popen[bytes],
+        slots: SlotTable,
+        name: str,
     ) -> None:
         self.sock = sock
+        self.window = window
+        self.slots = slots
+        self.name = name
+        self.proc = proc
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)  # readable once the worker has exited
+        except (AttributeError, OSError):  # no pidfd here: poll the process every POLL
+            self.pidfd = -1
+        self.lock = threading.Lock()  # shut() and the consumer's last socket call race
+        self.closed = False  # shut (or forked): no socket call from now
         self.busy = False  # the consumer is inside a socket call: it closes the descriptors
         self.fds_closed = False
         # The message being delivered: received, its element not yet handed out.
         self.inbox = bytearray(P.MAX_MESSAGE)
         self.inview = memoryview(self.inbox)
         self.inbox_fd = -1  # a descriptor that came with it, not yet mapped
+        self.attached = -1  # the element whose new segment was mapped last
         # Where recvmsg writes (see "receiving into memory that outlives the call").
         self.cmsg = _Cmsg()
         self.inbox_c = ctypes.c_char.from_buffer(self.inbox)  # pins its address
         self.iov = _Iovec(ctypes.addressof(self.inbox_c), P.MAX_MESSAGE)
         self.msg = _Msghdr(None, 0, ctypes.pointer(self.iov), 1, ctypes.addressof(self.cmsg))
         self.msg_ref = ctypes.byref(self.msg)
-        self.sockfd = sock.fileno()  # used only between _enter() and _leave(): still open
+        self.sockfd = sock.fileno()  # used only between _begin_io() and _end_io(): still open
         # The worker's ring (None: every message by socket) and its doorbell.
-        # stop() drops the view; the mapping goes with the last reference, so a
+        # shut() drops the view; the mapping goes with the last reference, so a
         # reader holding it in a local never sees it unmapped.
         self.ring: memoryview | None = None
-        self.shared = ring is not None  # the ring's mode, for good (ring is dropped at stop)
+        self.shared = ring is not None  # the ring's mode, for good (ring is dropped at shut)
         self.entries, self.control = 1, 0
         self.bell, self.wake = bell, wake
         self.put = 0  # FREE records written into the ring's control area
@@ -172,7 +183,7 @@ class Channel:
         not (the ring never grows for ever); the slack covers a batch of
         freed slots not sent yet.
         """
-        return self.window + self.batch + len(self.live)
+        return self.window + self.batch + len(self.slots.live)
 
     def flush(self) -> None:
         """Send everything owed that fits; never blocks. Repeating it is harmless."""
@@ -181,12 +192,12 @@ class Channel:
         if self.shared:
             self._write_control()
             return
-        if not self._enter():
+        if not self._begin_io():
             return
         try:
             while True:
                 allowance = self.allowance()
-                freed = self.freed[: P.MAX_RECORDS]
+                freed = self.slots.freed[: P.MAX_RECORDS]
                 consumed = self.consumed
                 if not (
                     consumed != self.sent_consumed or freed or allowance != self.sent_allowance
@@ -200,12 +211,12 @@ class Channel:
                 except BlockingIOError:
                     return  # still owed; the consumer's wait sends it when there is room
                 except OSError:  # the worker is gone; it needs nothing more from us
-                    self.freed = []
+                    self.slots.freed.clear()
                     return
                 self.sent_consumed, self.sent_allowance = consumed, allowance
-                del self.freed[: len(freed)]  # only those: a callback may append meanwhile
+                del self.slots.freed[: len(freed)]  # only those: collect_dead may append
         finally:
-            self._leave()
+            self._end_io()
 
     def _write_control(self) -> None:
         """Write what is owed into the ring's control area, then wake the worker.
@@ -231,7 +242,7 @@ class Channel:
             word(ring, at + P.ALLOWANCE_AT, allowance)
             self.sent_allowance = allowance
             wrote = True
-        freed = self.freed
+        freed = self.slots.freed
         if freed:
             put = self.put
             room = P.FREED_RECORDS - (put - P.WORD.unpack_from(ring, at + P.TAKEN_AT)[0])
@@ -246,27 +257,27 @@ class Channel:
                 self.put = put
                 del freed[: len(batch)]  # only those: collect_dead may append meanwhile
                 wrote = True
-        if wrote and self._enter():
+        if wrote and self._begin_io():
             try:
                 os.write(self.wake, _ONE)
             except OSError:  # the worker is gone; it needs nothing more from us
                 pass
             finally:
-                self._leave()
+                self._end_io()
 
     def _owes(self) -> bool:
         if self.shared:
             return False  # nothing waits for room on the socket
-        return bool(self.consumed != self.sent_consumed or self.freed)
+        return bool(self.consumed != self.sent_consumed or self.slots.freed)
 
-    def _enter(self) -> bool:
+    def _begin_io(self) -> bool:
         self.busy = True
         if self.closed:
-            self._leave()
+            self._end_io()
             return False
         return True
 
-    def _leave(self) -> None:
+    def _end_io(self) -> None:
         self.busy = False
         if self.closed:
             self.close_fds()
@@ -280,6 +291,15 @@ class Channel:
     def poll(self) -> bool:
         """Receive a message into the inbox if one is there; never blocks."""
         return self._recv(_DONTWAIT)
+
+    def mark(self, entry: int) -> int:
+        """Ring entry ``entry``'s mark: the number of the element posted there last,
+        plus one (0: none yet, or no ring)."""
+        ring = self.ring
+        if ring is None:
+            return 0
+        mark: int = P.read_mark(ring, entry * P.RING_ENTRY)[0]
+        return mark
 
     def posted(self, seq: int) -> bool:
         """Whether the worker's element ``seq`` is in its ring (see ``_protocol``)."""
@@ -303,7 +323,7 @@ class Channel:
             self.flush()
             if self._ring_moved(seq):
                 return
-            if not self._enter():
+            if not self._begin_io():
                 self._mark_end()
                 return
             moved = False
@@ -326,7 +346,7 @@ class Channel:
                         watch.append(self.pidfd)
                     readable, _, _ = select.select(watch, owes, [], POLL)
             finally:
-                self._leave()
+                self._end_io()
             if moved:
                 continue  # _ring_moved() says what it found
             if self.sock in readable:
@@ -362,7 +382,7 @@ class Channel:
         P.HEAD.pack_into(self.inbox, 0, END, -1, -1, 0, 0, 0)
 
     def _recv(self, flags: int) -> bool:
-        if not self._enter():
+        if not self._begin_io():
             self._mark_end()
             return True
         msg = self.msg
@@ -391,13 +411,13 @@ class Channel:
                 n = 0  # shut down under us by stop(): the end
                 break
         finally:
-            self._leave()
+            self._end_io()
         if self.cmsg.len:
             self.take_descriptor()
         if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
             self._close_inbox_fd()
             self._mark_end()
-            raise P.WorkerError(f"{self.describe()} sent a malformed message")
+            raise P.WorkerError(f"{self.name} sent a malformed message")
         if n == 0:
             self._mark_end()
         return True
@@ -446,17 +466,38 @@ class Channel:
         fd = self.inbox_fd
         if fd < 0:
             return False
-        mapping = mmap.mmap(fd, capacity)
-        segment = Segment(mapping, capacity, f"ProcessPrefetch {self.describe()} slot {slot}")
+        mapping = map_fd(fd, capacity)
+        segment = Segment(mapping, capacity, f"ProcessPrefetch {self.name} slot {slot}")
         watch_segment(segment)
-        self.slots[slot] = segment
+        self.slots.segments[slot] = segment
         self.attached = seq
         self.inbox_fd = -1
         os.close(fd)
         return True
 
+    # -- stopping ---------------------------------------------------------------
+
+    def shut(self) -> None:
+        """No more talking: the worker is being stopped. Never blocks; any thread; idempotent.
+
+        Shuts the socket down, which wakes a consumer waiting on it (it reads
+        the end); the descriptors are closed now if the consumer is in no
+        socket call, else by the consumer as it leaves it. The ring's view is
+        dropped; the mapping goes with the last reference to it.
+        """
+        with self.lock:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # shut down already, or closed: nothing to wake
+                pass
+            self.consumed = self.sent_consumed = 0
+            self.ring = None
+        if not self.busy:
+            self.close_fds()
+
     def close_fds(self) -> None:
-        # Once closed and the consumer is out of its socket calls; idempotent.
+        # Once shut and the consumer is out of its socket calls; idempotent.
         with self.lock:
             if self.fds_closed:
                 return
@@ -472,3 +513,30 @@ class Channel:
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
             os.close(fd)
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: let go of our copies, touch nothing shared.
+
+        Closes this process's copies of the descriptors (never a
+        ``shutdown()``, which would cut the owner's connection too) and
+        unmaps the ring unless something here views it. Only the forking
+        thread exists here: no lock is taken.
+        """
+        self.closed = self.fds_closed = True
+        self.lock = threading.Lock()
+        try:
+            self.sock.close()  # this process's descriptor only: the owner's socket lives on
+        except OSError:  # never let one descriptor keep the others open
+            pass
+        self.take_descriptor()
+        for name in ("inbox_fd", "bell", "wake", "pidfd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                try:
+                    os.close(fd)
+                except OSError:  # closed already (a close cut short by the fork)
+                    pass
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            unmap_view(ring)

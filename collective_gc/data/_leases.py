@@ -1,33 +1,32 @@
-"""The leases of a loader's slots: which elements still view which segment.
+"""A worker's slots, and the leases elements hold on them.
 
 Every array of an element views one ``base`` array over its slot. A
 :class:`Lease`, a weak reference to ``base`` kept alive by a module-level
 set (as ``weakref.finalize`` keeps its finalizers, so a lease is never part
 of a user's garbage cycle), pins the slot's :class:`Segment`. Its callback,
-on whatever thread ``base`` dies and inside the cyclic collector too, is a
-C-level list append (no Python code runs, so no interrupt can strike there);
-the consumer looks at the dead leases when it next talks to a worker
-(:func:`collect_dead`) and sends their slots back, and the worker may only
-then write into them. A lease of an element that was built but never
-delivered (an interrupt struck first) frees nothing: the element is rebuilt
-from the same slot by the next call. When a loader closes, its leases are let
-go (:func:`let_go`): an element that outlives the loader releases its memory
-with its last array.
+on whatever thread ``base`` dies, is a C-level list append (NOTE [ Loader
+shutdown and interrupts ] in ``_loader``, rule 5); the consumer looks at the
+dead leases when it next talks to a worker (:func:`collect_dead`) and sends
+their slots back, and the worker may only then write into them. A lease of
+an element that was built but never delivered (an interrupt struck first)
+frees nothing: the element is rebuilt from the same slot by the next call.
+When a worker stops, the leases on its slots are let go (:meth:`SlotTable.close`):
+an element that outlives the loader releases its memory with its last array.
 
 Segment release is bounded: when the rank-local reaper falls behind (a slow
 or blocked destroy ahead of ours), the consumer unmaps dead segments itself
 once more than ``BACKLOG`` wait (:func:`release_backlog`).
 
-Part of a worker's handle (``_pool.WorkerHandle``): :class:`SlotTable`, its
-slots and the leases on them. Nothing here refers to a loader, an element or
-an exception.
+:class:`SlotTable` is the slots part of a worker's handle (``_pool``); its
+channel (``_channel``) maps segments into it and sends back what it frees.
+Nothing here refers to a loader, an element or an exception.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +38,9 @@ __all__ = [
     "DEAD",
     "LEASES",
     "Lease",
-    "Owner",
     "SlotTable",
     "collect_dead",
     "forget_in_child",
-    "let_go",
     "release_backlog",
     "watch_segment",
 ]
@@ -52,19 +49,11 @@ __all__ = [
 BACKLOG = 32
 
 
-class Owner(Protocol):
-    """What a lease needs of the handle whose slot it pins."""
-
-    closed: bool
-    freed: list[tuple[int, int]]
-    live: set[int]
-
-
 class Lease(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to an element's ``base`` that pins its slot's segment."""
 
-    __slots__ = ("delivered", "handle", "segment", "seq", "slot")
-    handle: Owner
+    __slots__ = ("delivered", "segment", "seq", "slot", "table")
+    table: SlotTable
     slot: int
     seq: int
     segment: Segment
@@ -80,68 +69,73 @@ class Lease(weakref.ref):  # type: ignore[type-arg]
 # and never trash itself: its callback runs even when the element dies in a
 # garbage cycle together with its loader.
 LEASES: set[Lease] = set()
-# Leases whose element died, not yet looked at. The callback of every lease is
-# this list's C-level append: no Python frame runs when an element dies, so
-# no interrupt (KeyboardInterrupt) can strike, and be swallowed, there.
+# Leases whose element died, not yet looked at: the callback of every lease
+# is this list's C-level append (NOTE [ Loader shutdown and interrupts ] in
+# _loader, rule 5).
 DEAD: list[Lease] = []
 
 
 def collect_dead() -> None:
-    """Hand the slots of dead elements back to their handles (consumer thread)."""
+    """Hand the slots of dead elements back to their tables (consumer thread)."""
     dead, leases = DEAD, LEASES
     while dead:
         # Taken with bytecodes that call nothing, then recorded before it is let go.
         lease = dead[-1]
         del dead[-1]
         if lease.delivered:
-            handle = lease.handle
+            table = lease.table
             # The slot first: an interrupt after that call (the only place one
             # can strike here) must not lose it, or the worker's ring shrinks
             # for good and it may end up waiting for ever.
-            if not handle.closed:
-                handle.freed.append((lease.slot, lease.seq))
-            handle.live.discard(lease.slot)
+            if not table.closed:
+                table.freed.append((lease.slot, lease.seq))
+            table.live.discard(lease.slot)
         # Unpins the segment; if that was its last holder, the segment's own
         # finalizer queues the unmap on the reaper.
         leases.discard(lease)
 
 
-def let_go(handle: Owner) -> None:
-    """Forget the leases on ``handle``'s slots (its worker is stopped).
-
-    Nobody will hand those slots back any more: a segment viewed by an
-    element that outlives the loader is then unmapped with that element's
-    last array (mmap's own release), not pinned.
-    """
-    for lease in [x for x in list(LEASES) if x.handle is handle]:
-        LEASES.discard(lease)
-
-
 class SlotTable:
-    """A handle's slots (mapped segments, by slot number) and the leases on them."""
+    """A worker's slots (mapped segments, by slot number) and the leases on them."""
 
-    slots: dict[int, Segment]
-    live: set[int]  # slots an element not yet dead views
-    freed: list[tuple[int, int]]  # (slot, element) of dead elements, owed to the worker
-    attached: int
-    closed: bool
+    __slots__ = ("closed", "freed", "live", "segments")
 
-    def init_slots(self) -> None:
-        self.attached = -1  # the element whose new segment was mapped last
-        # `freed` and `live` are also touched by lease callbacks, on any
-        # thread: appends and discards only.
-        self.freed = []
-        self.live = set()
-        self.slots = {}
+    def __init__(self) -> None:
+        self.segments: dict[int, Segment] = {}
+        # `freed` and `live` are also touched by collect_dead, on whatever
+        # thread talks to a worker or stops a pool: appends and discards only.
+        self.live: set[int] = set()  # slots an element not yet dead views
+        self.freed: list[tuple[int, int]] = []  # (slot, element) of dead elements, owed
+        self.closed = False  # the worker is stopped: nothing is owed to it any more
 
     def lease(self, slot: int, seq: int, base: np.ndarray[Any, Any]) -> Lease:
         """Pin ``slot`` until ``base`` (which every array of the element views) dies."""
         lease = Lease(base, DEAD.append)
-        lease.handle, lease.slot, lease.seq, lease.segment = self, slot, seq, self.slots[slot]
+        lease.table, lease.slot, lease.seq, lease.segment = self, slot, seq, self.segments[slot]
         lease.delivered = False
         self.live.add(slot)
         LEASES.add(lease)
         return lease
+
+    def close(self) -> None:
+        """The worker is stopped: forget the slots and let their leases go. Idempotent.
+
+        Segments no lease holds are unmapped now (on the reaper); a segment
+        viewed by an element that outlives the loader is unmapped with that
+        element's last array (mmap's own release), not pinned: nobody will
+        hand its slot back any more.
+        """
+        self.closed = True
+        self.segments.clear()
+        for lease in [x for x in list(LEASES) if x.table is self]:
+            LEASES.discard(lease)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: unmap this process's copies of the slots nothing here views."""
+        self.closed = True
+        for segment in self.segments.values():
+            segment.unmap_if_unused()
+        self.segments.clear()
 
 
 # -- bounded segment release ------------------------------------------------------------

@@ -1,25 +1,25 @@
-"""Parent side of the workers: start them and stop them; one handle per worker.
+"""The parent side of the workers: one handle per worker, a pool per loader, starting and stopping.
 
-A :class:`WorkerHandle` is one worker process and all the parent keeps of
-it, in three parts, each in a file of its own:
+A :class:`WorkerHandle` is one worker and all the parent keeps of it, in
+three parts, each in a file of its own and owning its state:
 
-* the worker process (``_process``): spawning it, its boot data, its pidfd,
-  stopping it and waiting for it, with deadlines kept across calls;
-* the channel (``_channel``): its socket, inbox, ring and doorbells,
-  receiving, waiting, and sending what the worker is owed;
-* the leases (``_leases``): its slots, the segments mapped for them, the
-  leases elements hold on them, and the bounded release of dead segments.
+* ``handle.process`` (``_process``): spawning the worker, its boot data and
+  parent-watch pipe, stopping it and waiting for it;
+* ``handle.slots`` (``_leases``): its slots, the segments mapped for them,
+  the leases elements hold on them;
+* ``handle.channel`` (``_channel``): its socket, inbox, ring and doorbells,
+  receiving, waiting, and sending what the worker is owed; it maps new
+  segments into the slot table and sends back the slots it frees.
 
-This module starts workers (on the spawner thread, below), groups the
-handles of one loader in a :class:`Pool`, stops pools (:func:`shutdown`,
-and at exit), and makes them inert in a forked child.
+A :class:`Pool` is the handles of one loader's running part and their
+start-up, which runs on the spawner thread (below); :func:`shutdown` stops a
+pool, at the loader's request or at exit, and a fork handler makes pools
+inert in a forked child (NOTE [ Loader shutdown and interrupts ] in
+``_loader``).
 
-Workers are started from one thread that lives as long as the process, so
-``PR_SET_PDEATHSIG`` means the parent's death whichever thread made the
-loader.
-
-Nothing here refers to a ProcessPrefetch, an element or an exception, so the
-pool can join no reference cycle with them.
+Nothing here refers to a ProcessPrefetch, an element or an exception (but a
+start-up's error, until its loader takes it), so a pool joins no reference
+cycle with them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import resource
 import threading
 from collections.abc import Callable
 
-from . import _leases, _process
+from . import _leases, _process, _shm
 from ._channel import Channel
 from ._leases import SlotTable
 from ._process import WorkerProcess
@@ -42,19 +42,30 @@ from ._worker import STRIP_PREFIXES
 
 __all__ = [
     "RING",
-    "Launch",
     "Pool",
     "WorkerHandle",
     "child_environment",
     "shutdown",
     "submit",
-    "track",
+    "use_ring",
 ]
 
 # The ring's reads without a system call rely on stores becoming visible in
 # program order (the mark after the message): x86's memory model. Elsewhere
-# every message takes the socket. Read when a pool starts its workers.
+# every message takes the socket.
 RING = platform.machine().lower() in ("x86_64", "amd64")
+_USE_RING = [RING]  # read when a pool is made (see use_ring)
+
+
+def use_ring(on: bool) -> bool:
+    """Whether pools made from now on use the ring, where this machine has one.
+
+    Returns the previous setting. For the test hook (``testing.socket_only``):
+    the socket alone is what other machines use.
+    """
+    previous = _USE_RING[0]
+    _USE_RING[0] = on and RING
+    return previous
 
 
 def child_environment() -> dict[str, str]:
@@ -62,23 +73,58 @@ def child_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(STRIP_PREFIXES)}
 
 
-class WorkerHandle(WorkerProcess, Channel, SlotTable):
-    """One worker process, its channel, its slots and their leases."""
+class WorkerHandle:
+    """One worker: its process, its slots and its channel (see the module's docs)."""
+
+    __slots__ = ("channel", "process", "slots")
 
     def __init__(self, wid: int, spawned: _process.Spawned, window: int) -> None:
-        self.window = window
-        self.lock = threading.Lock()
-        self.closed = False
-        self.init_process(wid, spawned.proc, spawned.sentinel, spawned.boot)
-        self.init_channel(spawned.sock, window, spawned.ring, spawned.bell, spawned.wake)
-        self.init_slots()
+        self.process = WorkerProcess(wid, spawned.proc, spawned.sentinel, spawned.boot)
+        self.slots = SlotTable()
+        self.channel = Channel(
+            spawned.sock,
+            window,
+            spawned.ring,
+            spawned.bell,
+            spawned.wake,
+            spawned.proc,
+            self.slots,
+            self.process.name,
+        )
 
     @classmethod
     def spawn(
         cls, wid: int, window: int, pdeathsig: bool, env: dict[str, str], ring: bool = False
     ) -> WorkerHandle:
-        """Start worker ``wid``; it waits for :meth:`send_boot`."""
+        """Start worker ``wid``; it waits for its boot data (``process.send_boot``)."""
         return cls(wid, _process.spawn(wid, window, pdeathsig, env, ring), window)
+
+    @property
+    def closed(self) -> bool:
+        """Stopped (or inert in a forked child): its channel talks no more."""
+        return self.channel.closed
+
+    def stop(self) -> None:
+        """Tell the worker to exit now and let go of its slots. Never blocks; any thread.
+
+        Idempotent and resumable (each part's step checks whether it was
+        done). Does nothing in a forked child (see :meth:`forget_in_child`).
+        """
+        if self.process.forked:
+            return
+        self.process.stop()
+        self.channel.shut()
+        self.slots.close()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the worker (after :meth:`stop`); SIGKILL it after ``timeout``."""
+        self.process.join(timeout)
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: close our copies, unmap what nothing views."""
+        self.process.forget_in_child()
+        self.channel.forget_in_child()
+        self.slots.forget_in_child()
 
 
 # -- the spawner thread ---------------------------------------------------------------
@@ -93,18 +139,18 @@ class _Spawner:
     """
 
     def __init__(self) -> None:
-        self.requests: queue.SimpleQueue[Launch] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[Pool] = queue.SimpleQueue()
         self.launched = False
 
     def _run(self) -> None:
         while True:
-            self.requests.get().run()
+            self.requests.get().start()
 
-    def submit(self, launch: Launch) -> None:
-        self.requests.put(launch)
+    def submit(self, pool: Pool) -> None:
+        self.requests.put(pool)
         if not self.launched:
-            # A store, then one C call: no interrupt can fall between them, so
-            # the thread exists exactly when `launched` says so.
+            # A store, then one C call (rule 2 of the NOTE in _loader): the
+            # thread exists exactly when `launched` says so.
             self.launched = True
             _thread.start_new_thread(self._run, ())
 
@@ -112,33 +158,62 @@ class _Spawner:
 _SPAWNER = [_Spawner()]
 
 
-class Launch:
-    """Starting the workers of one pool, on the spawner thread.
+class Pool:
+    """The workers of one ProcessPrefetch's running part, from their start-up to their end.
 
-    All of the start-up's work runs there, the boot data too (``prepare``:
-    it imports ``multiprocessing`` and pickles ``fn`` and each worker's
-    share), where no signal handler runs: an interrupt every few hundred
-    microseconds in the loader's thread cannot cut it short. The loader keeps
-    the Launch until ``done`` is set, so a ``next()`` interrupted while it
-    submits or waits resumes the same start-up instead of beginning another;
-    a Launch submitted twice (an interrupt after the submit) runs once.
+    The start-up (:meth:`start`) runs on the spawner thread, all of it, the
+    boot data too (``prepare``: it imports ``multiprocessing`` and pickles
+    ``fn`` and each worker's share), where no signal handler runs (NOTE
+    [ Loader shutdown and interrupts ] in ``_loader``, rule 6). The loader
+    keeps the pool from before it is submitted, so a ``next()`` interrupted
+    while it submits or waits resumes the same start-up instead of beginning
+    another; a pool submitted twice (an interrupt after the submit) starts
+    once. Refers to no loader or element.
     """
 
-    def __init__(
-        self, pool: Pool, count: int, window: int, prepare: Callable[[], list[bytes]]
-    ) -> None:
-        self.pool, self.count, self.window, self.prepare = pool, count, window, prepare
-        self.ring = RING
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.started = False  # on the spawner thread: run() began
-        self.submitted = False  # by the loader, once submit() returned
+    __slots__ = (
+        "__weakref__",
+        "close_timeout",
+        "closed",
+        "count",
+        "done",
+        "error",
+        "forked",
+        "lock",
+        "owner",
+        "prepare",
+        "ready",
+        "ring",
+        "started",
+        "submitted",
+        "window",
+        "workers",
+    )
 
-    def run(self) -> None:
+    def __init__(
+        self, count: int, window: int, prepare: Callable[[], list[bytes]], close_timeout: float
+    ) -> None:
+        self.workers: list[WorkerHandle] = []
+        self.count, self.window, self.prepare = count, window, prepare
+        self.close_timeout = close_timeout
+        self.ring = _USE_RING[0]
+        self.closed = False
+        # True in a process forked from the owner: there the pool is inert
+        # (see _after_fork_in_child), closed for good, and touches nothing.
+        self.forked = False
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
+        self.done = threading.Event()  # start() has returned, well or not
+        self.error: BaseException | None = None  # why it failed, until the loader takes it
+        self.started = False  # on the spawner thread: start() began
+        self.submitted = False  # by the loader, once submit() returned
+        self.ready = False  # by the loader: started without an error, in use
+
+    def start(self) -> None:
+        """Spawn the workers and send them their boot data (the spawner thread)."""
         if self.started:
             return
         self.started = True
-        pool = self.pool
         doing = "preparing the workers' boot data"
         try:
             boots = self.prepare()
@@ -146,19 +221,19 @@ class Launch:
             for w in range(self.count):
                 doing = f"starting worker {w} of {self.count}"
                 handle = WorkerHandle.spawn(w, self.window, True, env, self.ring)
-                with pool.lock:
-                    if not pool.closed:
-                        pool.workers.append(handle)
+                with self.lock:
+                    if not self.closed:
+                        self.workers.append(handle)
                         continue
                 # The loader gave up on this pool: never leave a worker behind.
                 handle.stop()
-                handle.join(pool.close_timeout)
+                handle.join(self.close_timeout)
                 return
             doing = "sending the workers their boot data"
-            for handle, boot in zip(pool.workers, boots):
-                handle.send_boot(boot)
+            for handle, boot in zip(self.workers, boots):
+                handle.process.send_boot(boot)
         except BaseException as exc:  # noqa: BLE001 (handed to the loader)
-            if pool.workers or isinstance(exc, OSError):
+            if self.workers or isinstance(exc, OSError):
                 exc.add_note(_start_failure(doing, exc))
             self.error = exc
         finally:
@@ -195,46 +270,28 @@ def _start_failure(doing: str, exc: BaseException) -> str:
     return note
 
 
-def submit(launch: Launch) -> None:
-    """Start the workers of ``launch`` into its pool on the spawner thread (wait on ``done``).
+def submit(pool: Pool) -> None:
+    """Start the workers of ``pool`` on the spawner thread (wait on its ``done``).
 
-    Repeating it is harmless (for a call an interrupt cut short).
+    Repeating it is harmless (for a call an interrupt cut short). From now
+    on the pool is stopped at interpreter exit if it is still open.
     """
-    track(launch.pool)
-    _SPAWNER[0].submit(launch)
+    _LIVE.add(pool)
+    _SPAWNER[0].submit(pool)
 
 
-class Pool:
-    """The workers of one ProcessPrefetch. Refers to no loader, element or error."""
-
-    __slots__ = ("__weakref__", "close_timeout", "closed", "forked", "lock", "owner", "workers")
-
-    def __init__(self, workers: list[WorkerHandle], close_timeout: float) -> None:
-        self.workers = workers
-        self.close_timeout = close_timeout
-        self.closed = False
-        # True in a process forked from the owner: there the pool is inert
-        # (see _after_fork_in_child), closed for good, and touches nothing.
-        self.forked = False
-        self.owner = os.getpid()
-        self.lock = threading.Lock()
-
-
+# The pools submitted and not yet shut down: stopped at exit, made inert in a forked child.
 _LIVE: set[Pool] = set()
 
 
-def track(pool: Pool) -> None:
-    """Remember ``pool`` so that it is stopped at interpreter exit if still open."""
-    _LIVE.add(pool)
+def shutdown(pool: Pool, timeout: float | None = None) -> None:
+    """Stop every worker of ``pool`` and wait for them (each ``close_timeout`` at most,
+    then SIGKILL; ``timeout`` is not used: a Holder's stopper). Any thread.
 
-
-def shutdown(pool: Pool) -> None:
-    """Stop every worker of ``pool`` and wait for them. Any thread.
-
-    Idempotent and resumable (an interrupt may cut it short; the next call
-    finishes it): every step is repeated at no cost once done. In a process
-    forked from the pool's owner it does nothing: the workers, their sockets
-    and rings are the owner's, and its loader goes on using them.
+    Idempotent and resumable (NOTE [ Loader shutdown and interrupts ] in
+    ``_loader``, rule 3). In a process forked from the pool's owner it does
+    nothing: the workers, their sockets and rings are the owner's, and its
+    loader goes on using them.
     """
     if pool.forked:
         return
@@ -258,11 +315,8 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # A forked child shares the parent's descriptors but not its workers: it
-    # must never stop (or wait for) them, nor write to their rings; nor has it
-    # the spawner thread. Only this thread exists here, so nothing else reads
-    # the handles while they are taken apart, and no lock is taken (another
-    # thread may have held one at the fork: it stays held here for ever).
+    # NOTE [ Loader shutdown and interrupts ] in _loader, "What a forked child
+    # sees": the parent's pools are inert here, and nothing of them is kept.
     for pool in list(_LIVE):
         pool.forked = pool.closed = True
         pool.lock = threading.Lock()
@@ -270,6 +324,7 @@ def _after_fork_in_child() -> None:
             handle.forget_in_child()
     _LIVE.clear()
     _leases.forget_in_child()
+    _shm.detach_in_child()  # after the handles let go of their views
     _SPAWNER[0] = _Spawner()
 
 

@@ -1,32 +1,25 @@
 """ProcessPrefetch: ``fn(index)`` in worker processes, arrays through a reusable slot ring.
 
 Worker ``w`` of ``W`` makes the elements at positions ``start + w, start + w +
-W, ...`` (``start``: where the loader resumes, 0 unless :meth:`set_state` said
-otherwise) and the consumer reads them round-robin, so elements come in the
-order of ``indices``. A plain numpy array goes straight into one of the
-worker's slots, a shared-memory segment it reuses; any other element is
-pickled (protocol 5) with its large contiguous buffers out of band, copied
-into a slot. Only a small header crosses the socket; the parent rebuilds the
-element with arrays that *view* the slot (no copy).
+W, ...`` (``start``: where the running pool started, 0 unless
+:meth:`set_state` said otherwise) and the consumer reads them round-robin,
+so elements come in the order of ``indices``. A plain numpy array goes
+straight into one of the worker's slots, a shared-memory segment it reuses;
+any other element is pickled (protocol 5) with its large contiguous buffers
+out of band, copied into a slot. Only a small header crosses (the ring or
+the socket, see ``_channel``); the parent rebuilds the element with arrays
+that *view* the slot (no copy).
 
 A slot is reused only after every array built on it is dead: all arrays of an
 element view one ``base`` array over the slot, and a weak reference to
-``base`` (a lease, see ``_pool``) hands the slot back when it dies; the
+``base`` (a lease, see ``_leases``) hands the slot back when it dies; the
 mapping itself is unmapped by the rank-local reaper once no slot table and no
 lease hold it. ``buffer_size`` bounds how far a worker runs ahead; the slot
 allowance lets a worker grow its ring when the consumer keeps elements alive
 (``list(loader)`` works), never for freed slots on their way.
 
-Interrupts: KeyboardInterrupt or SystemExit can strike at almost any bytecode
-of ``__next__``. Everything it needs to go on lives on the loader and its
-handles, never only in a local: the received message stays in the worker's
-inbox until its element is handed out, an element made but not returned is
-kept in ``_ready``, an error found but not raised in ``_raise_next``. The
-moves from one to the next are plain stores (no call, so no interrupt between
-them). A message that comes by socket is received, with its descriptor,
-into buffers of the handle (see ``_pool``), so no interrupt loses it either;
-should the element numbers ever disagree, every later call raises
-:class:`LoaderError`.
+Interrupts, ``close()`` and forks: NOTE [ Loader shutdown and interrupts ]
+in ``_loader``.
 """
 
 from __future__ import annotations
@@ -36,13 +29,13 @@ import pickle
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from ..local import register
 from . import _channel, _leases, _pool
 from . import _protocol as P
+from ._loader import NOTHING, STATE_VERSION, Loader
 from ._shm import supported
 from ._worker import bootstrapping, preparation
 
@@ -51,37 +44,11 @@ __all__ = ["ProcessPrefetch"]
 K = TypeVar("K")
 T = TypeVar("T")
 
-_NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
 _unpack_head = P.HEAD.unpack_from
 _read_mark = P.read_mark
-_STATE_VERSION = 1
 
 
-class _Holder:
-    """What the loader's finalizer stops: the pool, once started, and one that
-    set_state() retired and not yet stopped. Refers to no loader."""
-
-    __slots__ = ("pool", "retired")
-
-    def __init__(self) -> None:
-        self.pool: _pool.Pool | None = None
-        self.retired: _pool.Pool | None = None
-
-
-def _stop(holder: _Holder) -> None:
-    _retire(holder)
-    if holder.pool is not None:
-        _pool.shutdown(holder.pool)
-
-
-def _retire(holder: _Holder) -> None:
-    # Resumable: the pool is forgotten only once its shutdown has returned.
-    if holder.retired is not None:
-        _pool.shutdown(holder.retired)
-        holder.retired = None
-
-
-class ProcessPrefetch(Generic[T]):
+class ProcessPrefetch(Loader[T, _pool.Pool]):
     """Iterate ``fn(i) for i in indices``, computed ahead by ``num_workers`` processes.
 
     ``fn`` and the items of ``indices`` must be picklable (a module-level
@@ -116,8 +83,8 @@ class ProcessPrefetch(Generic[T]):
     In a process forked from this one (a checkpoint writer), a started
     loader is inert: its ``next()`` raises :class:`LoaderError`, and closing
     or dropping it touches nothing this process's loader uses; the child
-    holds none of its descriptors or memory, but that of elements it has
-    copies of. A loader made in the child works.
+    holds none of its descriptors or shared memory (its copies of elements
+    are private copies). A loader made in the child works.
 
     :meth:`get_state` after ``k`` elements, passed to :meth:`set_state` of a
     new loader over the same ``indices``, or of this one between two
@@ -132,9 +99,12 @@ class ProcessPrefetch(Generic[T]):
     Args:
         fn: called as ``fn(index)`` in a worker, once per index.
         indices: a sequence (list, range, array) of picklable keys.
-        num_workers: worker processes (at most one per element); 0: in-process.
+        num_workers: worker processes (at most one per element); 0: none,
+            ``fn`` runs on the thread that calls ``next()``, inside it, one
+            element per call (and need not pickle), as PyTorch's
+            ``num_workers=0``.
         buffer_size: elements made but not yet consumed, over all workers
-            (default: 4 per worker).
+            (default: 4 per worker); nothing is made ahead in-process.
         close_timeout: seconds to wait for a worker to exit before SIGKILL.
         worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker
             before its first element (not in-process, as in PyTorch).
@@ -167,17 +137,12 @@ class ProcessPrefetch(Generic[T]):
         self._fn = fn
         self._indices = indices
         self._n = len(indices)
-        self._pos = 0  # elements delivered (or kept in _ready to be)
-        self._start = 0  # the position the workers started from
+        self._extra_state = {"length": self._n}
         self._num_workers = num_workers
         self._buffer_size = buffer_size
         self._close_timeout = close_timeout
-        self._ready: Any = _NOTHING
-        self._raise_next: BaseException | None = None
-        self._fault: str | None = None
-        self._started = False
-        self._launching: _pool.Launch | None = None
-        self._closed = False
+        self._raise_next: BaseException | None = None  # an error found, not yet raised
+        self._fault: str | None = None  # why every next() raises LoaderError
         self._blob = b""
         if num_workers:
             try:
@@ -188,17 +153,8 @@ class ProcessPrefetch(Generic[T]):
                 raise TypeError(
                     f"ProcessPrefetch needs a picklable fn, worker_init_fn and indices: {exc}"
                 ) from exc
-        self._holder = _Holder()
-        self._reg = register(self, _stop, self._holder, name="ProcessPrefetch")
-
-    def __iter__(self) -> ProcessPrefetch[T]:
-        return self
-
-    def __enter__(self) -> ProcessPrefetch[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        # The running part is a _pool.Pool (None until the first next()).
+        self._setup(_pool.shutdown, "ProcessPrefetch")
 
     def close(self) -> None:
         """Stop the workers and wait for them (SIGKILL after ``close_timeout``). Idempotent.
@@ -211,95 +167,54 @@ class ProcessPrefetch(Generic[T]):
         self._reg.destroy()
         # Again, directly: if an interrupt cut an earlier close short, the
         # registration has run (it runs once) but the shutdown is unfinished.
-        _stop(self._holder)
+        self._holder.stop(None)
 
-    @property
-    def closed(self) -> bool:
-        """True once the loader is done: end, error, :meth:`close`."""
-        return self._closed
-
-    def get_state(self) -> dict[str, int]:
-        """The loader's position, for :meth:`set_state` of a new loader: a dict of ints.
-
-        ``{"version": 1, "position": k, "length": len(indices)}`` after ``k``
-        elements were delivered.
-        """
-        position = self._pos - (self._ready is not _NOTHING)
-        return {"version": _STATE_VERSION, "position": position, "length": self._n}
-
-    def set_state(self, state: Mapping[str, int]) -> None:
-        """Go to the position saved by :meth:`get_state`: the next ``next()`` delivers it.
-
-        Before the first ``next()`` (resuming a checkpoint in a new loader) or
-        between two ``next()`` calls of a live loader, to rewind or skip ahead.
-        At the current position nothing changes. Skipping at most
-        ``buffer_size`` elements ahead keeps the workers: the elements in
-        between, which they make already, are taken and dropped here (an error
-        among them is raised here and ends the iteration, as ``next()``
-        would). Otherwise the workers are stopped (elements already handed
-        out stay valid) and the next ``next()`` starts new ones at the
-        position. An interrupt inside it is harmless: call it again.
-
-        Raises RuntimeError if the loader is closed (its end, an error,
-        :meth:`close`), ValueError for a state of another version or of
-        indices of another length.
-        """
-        if self._closed:
-            raise RuntimeError(f"set_state() on {self!r}: the loader is closed")
-        if state.get("version") != _STATE_VERSION or state.get("length") != self._n:
+    def _position_in(self, state: Mapping[str, int]) -> int:
+        if state.get("version") != STATE_VERSION or state.get("length") != self._n:
             raise ValueError(
                 f"{self!r} cannot resume from state {dict(state)!r}: it needs version "
-                f"{_STATE_VERSION} and length {self._n}"
+                f"{STATE_VERSION} and length {self._n}"
             )
         position = int(state["position"])
         if not 0 <= position <= self._n:
             raise ValueError(f"position {position} is outside 0..{self._n} in {dict(state)!r}")
-        holder = self._holder
+        return position
+
+    def _move_to(self, position: int) -> None:
+        # At the position, or at most a buffer ahead: keep the workers (they
+        # make those elements already) and take the ones in between, an error
+        # among them raised as next() would. Otherwise a new pool, started by
+        # the next next() at the position.
         current = self.get_state()["position"]
         if position == current and self._fault is None:
             return  # already there: keep the workers and what they made
-        pool = holder.pool
+        pool = self._holder.running
         if (
             current < position <= current + self._buffer_size
-            and self._started
             and pool is not None
+            and pool.ready
             and not pool.closed
             and self._fault is None
             and self._raise_next is None
         ):
-            # Within a buffer ahead: the workers make (or made) these already.
-            # Keep them, and take and drop the elements in between; a position
-            # is absolute, so a call an interrupt cut short is simply repeated.
-            while self.get_state()["position"] < position:
-                try:
-                    next(self)
-                except StopIteration:  # closed meanwhile from another thread
-                    return
+            self._take_up_to(position)
             return
-        _retire(holder)  # one an earlier, interrupted call left
-        # Stores only from here to the shutdown (no call, so no interrupt
-        # between them): the running pool becomes the retired one, which the
-        # next call, next() or the finalizer stops if an interrupt stops us.
-        holder.retired = holder.pool
-        holder.pool = None
-        self._launching = None
-        self._started = False
-        self._ready = _NOTHING
+        # Both are about the running pool, which goes: harmless to clear
+        # before it does (a next() meanwhile finds the same again).
         self._raise_next = None
         self._fault = None
-        self._pos = self._start = position
-        _retire(holder)
+        self._restart(position)
 
     def __repr__(self) -> str:
+        pool = self._holder.running
         if self._closed:
             state = "closed"
         elif not self._num_workers:
             state = "in-process"
-        elif self._started:
+        elif pool is not None and pool.ready:
             state = "running"
         else:
             state = "not started"
-        pool = self._holder.pool
         workers = len(pool.workers) if pool is not None else 0
         return (
             f"<ProcessPrefetch {self._name} {self._pos}/{self._n} elements, "
@@ -308,60 +223,56 @@ class ProcessPrefetch(Generic[T]):
 
     # -- starting -----------------------------------------------------------------------
 
-    def _launch(self) -> None:
+    def _launch(self) -> _pool.Pool:
         """Spawn the workers for positions ``_start`` onwards (the first ``next()``).
 
-        Resumable: an interrupt while waiting leaves ``_launching`` for the
-        next call to wait on, so start-up is never begun twice. Its work (the
-        boot pickles, ``import multiprocessing``, spawning) runs on the
-        spawner thread, where no interrupt strikes: here only a few objects
-        are made and a request queued, so even interrupts every 50 us let it
-        finish.
+        Resumable: the holder keeps the pool from before it is submitted, so
+        a call an interrupt stopped while it waits is resumed by the next
+        one, never begun twice. Its work (the boot pickles, ``import
+        multiprocessing``, spawning) runs on the spawner thread: here only a
+        few objects are made and a request queued, so even interrupts every
+        50 us let it finish (NOTE [ Loader shutdown and interrupts ] in
+        ``_loader``, rules 1, 4 and 6).
         """
-        launch = self._launching
-        if launch is None:
-            _retire(self._holder)  # the pool set_state() left, if it was cut short
+        holder = self._holder
+        pool = holder.running
+        if pool is None:
+            holder.retire()  # the pool set_state() left, if it was cut short
             remaining = self._n - self._start
             count = max(1, min(self._num_workers, remaining))
             window = -(-self._buffer_size // count)
             prepare = functools.partial(
                 _boots, self._blob, self._indices, self._start, count, window
             )
-            pool = _pool.Pool([], self._close_timeout)
-            launch = _pool.Launch(pool, count, window, prepare)
-            # Two stores: an interrupt before them only drops objects that
-            # started nothing; after them, the next call resumes this launch.
-            self._holder.pool = pool
-            self._launching = launch
-        if not launch.submitted:
-            _pool.submit(launch)  # again after an interrupt: it still runs once
-            launch.submitted = True
-        # Polled, never Event.wait(): an interrupt that lands inside
-        # Event.wait can leave the event's own lock held by this thread; the
-        # spawner's set() and every later wait would then block for ever.
+            pool = _pool.Pool(count, window, prepare, self._close_timeout)
+            holder.running = pool  # one store: from here the next call resumes this start-up
+        if not pool.submitted:
+            _pool.submit(pool)  # again after an interrupt: it still starts once
+            pool.submitted = True
+        # Polled, never Event.wait() (rule 4).
         delay = 1e-4
-        while not launch.done.is_set():
-            if launch.pool.forked:  # the spawner thread is the parent's, not ours
-                self._forked(launch.pool)
+        while not pool.done.is_set():
+            if pool.forked:  # the spawner thread is the parent's, not ours
+                self._forked(pool)
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
-        self._launching = None
-        if launch.error is not None:
-            self._holder.pool = None
-            _pool.shutdown(launch.pool)
-            error, launch.error = launch.error, None
+        if pool.error is not None:
+            # The failed pool is stopped; the next next() starts another.
+            self._restart(self._start)
+            error, pool.error = pool.error, None
             try:
                 raise error
             finally:
                 del error
-        self._started = True
+        pool.ready = True
+        return pool
 
     # -- iterating ----------------------------------------------------------------------
 
     def __next__(self) -> T:
         ready = self._ready
-        if ready is not _NOTHING:  # made by a call an interrupt cut short
-            self._ready = _NOTHING
+        if ready is not NOTHING:  # made by a call an interrupt cut short
+            self._ready = NOTHING
             return ready  # type: ignore[no-any-return]
         if self._raise_next is not None:
             error, self._raise_next = self._raise_next, None
@@ -377,12 +288,21 @@ class ProcessPrefetch(Generic[T]):
             self.close()
             raise StopIteration
         if not self._num_workers:
-            return self._next_in_process(pos)
-        if not self._started:
-            self._launch()
-        pool = self._holder.pool
-        if pool is None or pool.closed:  # closed from another thread as it started
-            if pool is not None and pool.forked:
+            # In-process. An interrupt anywhere here leaves _pos alone: the
+            # next call makes the same element again.
+            try:
+                element = self._fn(self._indices[pos])
+            except Exception:  # as with workers, an error of fn ends the iteration
+                self.close()
+                del self  # the traceback keeps this frame: not the loader
+                raise
+            self._pos = pos + 1
+            return element
+        pool = self._holder.running
+        if pool is None or not pool.ready:
+            pool = self._launch()
+        if pool.closed:  # closed from another thread as it started
+            if pool.forked:
                 self._forked(pool)
             self._closed = True
             raise StopIteration
@@ -390,37 +310,41 @@ class ProcessPrefetch(Generic[T]):
         count = len(workers)
         offset = pos - self._start
         worker = workers[offset % count]
+        # The per-element path talks to the channel: one more attribute load
+        # than a handle that was its own channel, a few ns of the microseconds
+        # an element costs.
+        channel = worker.channel
         mine = offset // count  # the element's number in its worker's share
-        # One load: close() from another thread may drop the handle's view, and
+        # One load: close() from another thread may drop the channel's view, and
         # this local keeps the mapping until we are done with it.
-        ring = worker.ring
-        entry = (mine % worker.entries) * P.RING_ENTRY
+        ring = channel.ring
+        entry = (mine % channel.entries) * P.RING_ENTRY
         src: Any
         # Posted in the ring (see _protocol): read in place, no system call.
         if ring is not None and _read_mark(ring, entry)[0] == mine + 1:
             src, at = ring, entry + 8
         else:
-            inbox = worker.inbox
-            if not (inbox[0] or inbox[1]) and not worker.poll():
+            inbox = channel.inbox
+            if not (inbox[0] or inbox[1]) and not channel.poll():
                 # About to wait: every worker gets what it is owed first, so none
                 # idles for want of a credit or a slot while we wait.
                 for w in workers:
-                    w.flush()
+                    w.channel.flush()
                 _leases.release_backlog()
-                worker.wait(mine)
+                channel.wait(mine)
             # The ring first: a message on the socket may be the element after it.
             if ring is not None and _read_mark(ring, entry)[0] == mine + 1:
                 src, at = ring, entry + 8
             else:
-                src, at = worker.inview, 0
+                src, at = channel.inview, 0
         kind, slot, seq, capacity, size, nbuf = _unpack_head(src, at)
-        if not kind:  # nothing came, yet the worker is past it (see WorkerHandle.wait)
+        if not kind:  # nothing came, yet the worker is past it (see Channel.wait)
             self._lost(worker, pos)
         if kind == P.ITEM or kind == P.ARRAY:
             if seq != mine:
                 self._lost(worker, pos)
             try:
-                element, lease = _build(worker, src, at, kind, slot, seq, capacity, size, nbuf)
+                element, lease = _build(channel, src, at, kind, slot, seq, capacity, size, nbuf)
             except KeyError:  # its slot table emptied: closed meanwhile from another thread
                 if not pool.closed:
                     raise
@@ -428,19 +352,19 @@ class ProcessPrefetch(Generic[T]):
                 raise StopIteration from None
             if lease is None and slot >= 0:
                 self._lost(worker, pos)
-            # Delivered: no call from here to the return, so no interrupt between
-            # these stores; an interrupt in flush() leaves the element in _ready.
+            # Delivered: plain stores to the return (rule 2 of the NOTE in
+            # _loader); an interrupt in flush() leaves the element in _ready.
             if lease is not None:
                 lease.delivered = True
             if not at:  # from the inbox (a ring entry stays until the worker rewrites it)
-                worker.inview[:4] = _channel.EMPTY
+                channel.inview[:4] = _channel.EMPTY
             self._pos = pos + 1
-            consumed = worker.consumed = mine + 1
-            if consumed - worker.sent_consumed >= worker.batch:
+            consumed = channel.consumed = mine + 1
+            if consumed - channel.sent_consumed >= channel.batch:
                 self._ready = element
-                worker.flush()
-                self._ready = _NOTHING
-            return element  # type: ignore[no-any-return]
+                channel.flush()
+                self._ready = NOTHING
+            return element
         if pool.closed or self._closed:  # closed meanwhile, maybe from another thread
             self._closed = True
             raise StopIteration
@@ -450,23 +374,11 @@ class ProcessPrefetch(Generic[T]):
         error, self._raise_next = self._raise_next, None
         # The traceback keeps this frame: let it keep neither the loader nor
         # the error itself (that would be a cycle).
-        del self, pool, workers, worker
+        del self, pool, workers, worker, channel
         try:
             raise error
         finally:
             del error
-
-    def _next_in_process(self, pos: int) -> T:
-        # An interrupt anywhere here leaves _pos alone: the next call makes the
-        # same element again.
-        self._started = True
-        try:
-            element = self._fn(self._indices[pos])
-        except Exception:  # as with workers, an error of fn ends the iteration
-            self.close()
-            raise
-        self._pos = pos + 1
-        return element
 
     def _forked(self, pool: _pool.Pool) -> NoReturn:
         self._fault = (
@@ -477,13 +389,13 @@ class ProcessPrefetch(Generic[T]):
         raise P.LoaderError(self._fault)
 
     def _lost(self, worker: _pool.WorkerHandle, pos: int) -> NoReturn:
-        if worker.closed and not worker.forked:
+        if worker.closed and not worker.process.forked:
             # close() from another thread took the descriptor or the slot table
             # as we built the element: the end, as for any close meanwhile.
             self._closed = True
             raise StopIteration
         self._fault = (
-            f"{self!r} lost element {pos}: the message from {worker.describe()} that "
+            f"{self!r} lost element {pos}: the message from {worker.process.name} that "
             "carries it, or its slot's descriptor, is missing; the loader cannot go on "
             "in order"
         )
@@ -493,12 +405,12 @@ class ProcessPrefetch(Generic[T]):
     def _error(
         self, worker: _pool.WorkerHandle, src: memoryview, at: int, kind: int, size: int
     ) -> BaseException:
-        where = f"{worker.describe()} of {self!r}"
+        where = f"{worker.process.name} of {self!r}"
         if kind == P.ERROR:
             start = at + P.HEAD.size
             return P.rebuild_error(bytes(src[start : start + size]), where)
         if kind == _channel.END:  # the worker's end: it died
-            text, code = worker.exit_status()
+            text, code = worker.process.exit_status()
             return P.WorkerError(
                 f"{where} {text} before sending element {self._pos}", exitcode=code
             )
@@ -509,7 +421,7 @@ def _boots(blob: bytes, indices: Sequence[Any], start: int, count: int, window: 
     """Each worker's boot data: what it needs to look like this process, then
     ``fn``, ``worker_init_fn``, its share of ``indices`` from ``start``.
 
-    Run on the spawner thread (see ``_pool.Launch``), never in the loader's.
+    Run on the spawner thread (see ``_pool.Pool``), never in the loader's.
     """
     fn, init_fn = pickle.loads(blob)
     try:
@@ -523,7 +435,7 @@ def _boots(blob: bytes, indices: Sequence[Any], start: int, count: int, window: 
 
 
 def _build(
-    worker: _pool.WorkerHandle,
+    channel: _channel.Channel,
     src: memoryview,
     at: int,
     kind: int,
@@ -542,9 +454,10 @@ def _build(
     start = at + P.HEAD.size
     if slot < 0:
         return pickle.loads(inview[start : start + size]), None
-    if capacity and worker.attached != seq and not worker.attach(slot, capacity, seq):
+    if capacity and channel.attached != seq and not channel.attach(slot, capacity, seq):
         return None, None
-    view = worker.slots[slot].view
+    slots = channel.slots
+    view = slots.segments[slot].view
     if kind == P.ARRAY:
         end = start + P.ARRAY_META.size + 8 * nbuf
         meta = bytes(inview[start:end])
@@ -554,14 +467,14 @@ def _build(
         dtype, shape, order = described
         # The element's only array views `base`, which views the slot.
         base: np.ndarray[Any, Any] = np.frombuffer(view, dtype, size // dtype.itemsize)
-        lease = worker.lease(slot, seq, base)
+        lease = slots.lease(slot, seq, base)
         return base.reshape(shape, order=order), lease  # type: ignore[call-overload]
     lengths = struct.unpack_from(f"<{nbuf}q", view, P.lengths_offset(size))
     _, offsets, total = P.layout(size, lengths)
     # Every array of the element views `base` (numpy keeps the first non-owning
     # ndarray as the base of views), so `base` dies with the element's last array.
     base = np.frombuffer(view, np.uint8, total)
-    lease = worker.lease(slot, seq, base)
+    lease = slots.lease(slot, seq, base)
     buffers = [base[o : o + n] for o, n in zip(offsets, lengths)]
     return pickle.loads(view[:size], buffers=buffers), lease
 

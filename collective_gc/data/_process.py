@@ -1,19 +1,16 @@
-"""The worker process of one handle: spawning it, its boot data, its end, stopping it.
+"""A worker's process: spawning it, its boot data, stopping it and reaping it.
 
 Workers are started from one thread that lives as long as the process (the
 spawner, see ``_pool``), so ``PR_SET_PDEATHSIG`` means the parent's death
 whichever thread made the loader. Each worker leads its own process group
-(whatever its function starts is killed with it), and the parent watches the
-worker process itself (a pidfd), not only the socket: a child the function
-forked may hold the socket open after the worker died.
+(whatever its function starts is killed with it).
 
-Stopping is resumable (every step checks whether it was done, so a call an
-interrupt cut short is finished by the next one), and waiting for the
-process keeps its deadlines across calls, so that interrupts arriving faster
-than the timeout still reach the SIGKILL. In a process forked from the
-owner, the handle is inert (:meth:`WorkerProcess.forget_in_child`).
+Stopping closes the worker's parent-watch pipe (its watch thread then ends
+the process group at once); waiting for it keeps its deadlines across calls
+(NOTE [ Loader shutdown and interrupts ] in ``_loader``, rule 3). In a
+process forked from the owner the part is inert (:meth:`WorkerProcess.forget_in_child`).
 
-Part of a worker's handle (``_pool.WorkerHandle``): :class:`WorkerProcess`.
+:class:`WorkerProcess` is the process part of a worker's handle (``_pool``).
 """
 
 from __future__ import annotations
@@ -27,12 +24,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from . import _protocol as P
 from . import _shm
-from ._leases import let_go
-from ._shm import Segment
 from ._worker import BOOT
 
 __all__ = ["Spawned", "WorkerProcess", "spawn"]
@@ -110,40 +105,16 @@ def spawn(
 
 
 class WorkerProcess:
-    """The worker process of a handle: its boot data, its end, stopping and reaping it."""
+    """A worker's process: its boot data, its parent-watch pipe, stopping and reaping it."""
 
-    # Of the other parts of the handle.
-    lock: threading.Lock
-    closed: bool
-    sock: socket.socket
-    busy: bool
-    fds_closed: bool
-    inbox_fd: int
-    bell: int
-    wake: int
-    ring: memoryview | None
-    consumed: int
-    sent_consumed: int
-    slots: dict[int, Segment]
-    live: set[int]
-    freed: list[tuple[int, int]]
+    __slots__ = ("boot", "forked", "join_at", "kill_at", "lock", "name", "proc", "sentinel")
 
-    if TYPE_CHECKING:
-
-        def take_descriptor(self) -> None: ...
-        def close_fds(self) -> None: ...
-
-    def init_process(
-        self, wid: int, proc: subprocess.Popen[bytes], sentinel: int, boot: int
-    ) -> None:
-        self.wid = wid
+    def __init__(self, wid: int, proc: subprocess.Popen[bytes], sentinel: int, boot: int) -> None:
         self.proc = proc
+        self.name = f"worker {wid} (pid {proc.pid})"
         self.sentinel = sentinel  # write end of the worker's parent-watch pipe; never written
         self.boot = boot  # write end of the boot pipe, until the boot data is sent
-        try:
-            self.pidfd = os.pidfd_open(proc.pid)  # readable once the worker has exited
-        except (AttributeError, OSError):  # no pidfd here: poll the process every POLL
-            self.pidfd = -1
+        self.lock = threading.Lock()  # the two descriptors: send_boot() and stop() race
         self.forked = False  # this process was forked from the owner (see forget_in_child)
         # When join gives up waiting, then waiting after the SIGKILL: kept
         # across calls (see join).
@@ -159,11 +130,8 @@ class WorkerProcess:
         try:
             with open(fd, "wb") as f:
                 f.write(data)
-        except BrokenPipeError:  # it died starting up: recv() reports how
+        except BrokenPipeError:  # it died starting up: the channel reports how
             pass
-
-    def describe(self) -> str:
-        return f"worker {self.wid} (pid {self.proc.pid})"
 
     def exit_status(self) -> tuple[str, int | None]:
         """How the worker ended, for an error message: ``(text, exit code)``."""
@@ -181,72 +149,18 @@ class WorkerProcess:
 
     # -- stopping ---------------------------------------------------------------
 
-    def forget_in_child(self) -> None:
-        """In a process forked from the owner: let go of our copies, touch nothing shared.
-
-        Closes this process's copies of the descriptors (never a
-        ``shutdown()``, which would cut the owner's connection too) and unmaps
-        the ring and every slot no element of this process views, so that a
-        forked helper pins none of the loader's memory. Only the forking
-        thread exists here: no lock is taken.
-        """
-        self.forked = self.closed = self.fds_closed = True
-        self.lock = threading.Lock()
-        try:
-            self.sock.close()  # this process's descriptor only: the owner's socket lives on
-        except OSError:  # never let one descriptor keep the others (and handles) open
-            pass
-        self.take_descriptor()
-        for name in ("sentinel", "boot", "inbox_fd", "bell", "wake", "pidfd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                setattr(self, name, -1)
-                try:
-                    os.close(fd)
-                except OSError:  # closed already (a close cut short by the fork)
-                    pass
-        ring, self.ring = self.ring, None
-        if ring is not None:
-            _shm.unmap_view(ring)
-        for segment in self.slots.values():
-            segment.unmap_if_unused()
-        self.slots.clear()
-
     def stop(self) -> None:
-        """Tell the worker to exit now; drop our mappings. Never blocks; any thread.
+        """Tell the worker to exit now. Never blocks; any thread; idempotent.
 
-        Idempotent, and resumable: every step checks whether it was done, so a
-        call an interrupt cut short is finished by the next one. Does nothing
-        in a forked child (see :meth:`forget_in_child`).
+        EOF on its parent-watch pipe: the worker's watch thread ends its
+        process group at once, even in the middle of the user's function.
         """
-        if self.forked:
-            return
         with self.lock:
-            self.closed = True
-            # EOF on its watch pipe: the worker's watch thread exits the process at
-            # once, even in the middle of the user's function.
-            fd, self.sentinel = self.sentinel, -1
+            sentinel, self.sentinel = self.sentinel, -1
+            boot, self.boot = self.boot, -1
+        for fd in (sentinel, boot):
             if fd >= 0:
                 os.close(fd)
-            try:
-                # Wakes a consumer waiting on the socket (it reads EOF).
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # shut down already, or closed: nothing to wake
-                pass
-            self.consumed = self.sent_consumed = 0
-            # Segments no lease holds are unmapped now (on the reaper); the others
-            # when their last element dies. The ring with the consumer's last use.
-            self.slots.clear()
-            self.ring = None
-            fd, self.boot = self.boot, -1
-        if fd >= 0:
-            os.close(fd)
-        if not self.busy:
-            self.close_fds()
-        # Nobody will hand our slots back any more: let our leases go, so that
-        # a segment viewed by an element that outlives the loader is unmapped
-        # with that element's last array (mmap's own release), not pinned.
-        let_go(self)
 
     def join(self, timeout: float) -> None:
         """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``.
@@ -257,10 +171,8 @@ class WorkerProcess:
         """
         if self.forked:
             return  # not our child: the owner waits for it
-        # The deadlines are kept across calls: a join cut short by an
-        # interrupt and called again (close is resumable) goes on towards the
-        # same deadline, so that interrupts arriving faster than the timeout
-        # cannot keep it from ever reaching the SIGKILL.
+        # The deadlines are kept across calls (NOTE [ Loader shutdown and
+        # interrupts ] in _loader, rule 3).
         if self.join_at is None:
             self.join_at = time.monotonic() + timeout
         try:
@@ -278,3 +190,20 @@ class WorkerProcess:
             except ChildProcessError:
                 return  # reaped by someone else meanwhile
             self.proc.returncode = os.waitstatus_to_exitcode(status)
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: close our copies of the pipes; inert from now.
+
+        Only the forking thread exists here: no lock is taken (another thread
+        may have held it at the fork).
+        """
+        self.forked = True
+        self.lock = threading.Lock()
+        for name in ("sentinel", "boot"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                try:
+                    os.close(fd)
+                except OSError:  # closed already (a close cut short by the fork)
+                    pass

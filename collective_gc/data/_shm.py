@@ -5,9 +5,16 @@ A segment is a ``memfd`` (Linux): it has no name, so nothing ever appears in
 abrupt, can leak one: the kernel frees the memory when the last mapping and
 the last descriptor are gone. Its descriptor crosses to the parent once, on
 the first message that uses the segment (``SCM_RIGHTS``); both sides close
-their descriptor right after mapping it (``mmap`` keeps a duplicate of its
-own, closed when the mapping is closed). The parent closes its copy only once
+their descriptor right after mapping it. The parent closes its copy only once
 the mapping is stored, so an interrupt in between leaves it there to map again.
+
+The parent's mappings keep no descriptor (:func:`map_fd`: an anonymous
+``mmap`` object whose pages are replaced by the segment's, where
+``mmap.mmap(fd)`` would keep a duplicate of the descriptor for as long as the
+mapping lives), and this module knows every one of them, so that a process
+forked from the parent can take its copies out of the segments
+(:func:`detach_in_child`): see NOTE [ Loader shutdown and interrupts ] in
+``_loader``.
 
 On the parent side each mapping is owned by a :class:`Segment`, registered on
 the rank-local reaper: when the last reference to it goes (the ring dropped
@@ -19,12 +26,123 @@ alive, so even a bookkeeping bug could never unmap memory under a live array.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 
-__all__ = ["Segment", "create", "round_capacity", "supported", "unmap_view"]
+__all__ = [
+    "Segment",
+    "create",
+    "detach_in_child",
+    "map_fd",
+    "round_capacity",
+    "supported",
+    "unmap_view",
+]
 
 PAGE = mmap.PAGESIZE
+
+# -- mappings that keep no descriptor -------------------------------------------------
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MMAP = _LIBC.mmap
+_MMAP.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long]  # fmt: skip
+_MMAP.restype = ctypes.c_void_p
+_MREMAP = _LIBC.mremap
+_MREMAP.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                    ctypes.c_void_p]  # fmt: skip
+_MREMAP.restype = ctypes.c_void_p
+_MUNMAP = _LIBC.munmap
+_MUNMAP.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MUNMAP.restype = ctypes.c_int
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
+# Linux's values on every architecture it runs on (not in the mmap module).
+_MAP_FIXED = 0x10
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapped(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to one of this process's mappings of a segment."""
+
+    __slots__ = ()
+
+    # By identity: weakref.ref's own would compare the mmap objects.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
+# This process's mappings of segments, for a forked child to take its copies
+# out of them. The callback is the list's C-level append (NOTE [ Loader
+# shutdown and interrupts ] in _loader, rule 5); the dead ones are dropped at
+# the next map_fd.
+MAPPED: set[_Mapped] = set()
+_UNMAPPED: list[_Mapped] = []
+
+
+def _address(mapping: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mapping)  # an export, released with `anchor`
+    return ctypes.addressof(anchor)
+
+
+def map_fd(fd: int, capacity: int) -> mmap.mmap:
+    """Map ``capacity`` bytes of the segment ``fd`` shared; the mapping keeps no descriptor.
+
+    An anonymous ``mmap`` object (which keeps none) whose pages are replaced,
+    in place, by the segment's: the object unmaps the segment when it is
+    closed or freed, as one made from ``fd`` would. ``fd`` stays the caller's.
+    """
+    dead = _UNMAPPED
+    while dead:
+        MAPPED.discard(dead.pop())
+    mapping = mmap.mmap(-1, capacity)
+    addr = _address(mapping)
+    got = _MMAP(addr, capacity, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        mapping.close()
+        raise OSError(err, f"cannot map a shared-memory segment: {os.strerror(err)}")
+    MAPPED.add(_Mapped(mapping, dead.append))
+    return mapping
+
+
+def detach_in_child() -> None:
+    """In a forked child: take this process's copies out of the parent's segments.
+
+    A mapping nothing views any more is unmapped; one that an element of this
+    process still views gets private memory holding the same bytes, at the
+    same address (the element never notices), so that the child keeps
+    neither the parent's memory nor a window onto it: what the parent or its
+    workers write there later is not seen here. Only the forking thread
+    exists here: nothing else reads these mappings meanwhile.
+    """
+    for ref in list(MAPPED):
+        mapping = ref()
+        if mapping is None:
+            continue
+        try:
+            mapping.close()
+            continue
+        except BufferError:  # viewed by an element this process holds
+            pass
+        _privatize(mapping)
+    MAPPED.clear()
+    _UNMAPPED.clear()
+
+
+def _privatize(mapping: mmap.mmap) -> None:
+    size = len(mapping)
+    addr = _address(mapping)
+    copy = _MMAP(None, size, _RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if copy in (None, _MAP_FAILED):
+        return  # no memory for a copy: the child keeps the shared mapping, as it was
+    ctypes.memmove(copy, addr, size)
+    # One call moves the copy over the shared pages: the address is never unmapped.
+    if _MREMAP(copy, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, addr) != addr:
+        _MUNMAP(copy, size)
 
 
 def supported() -> bool:
@@ -42,7 +160,7 @@ def create(capacity: int, name: str) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
-        return fd, mmap.mmap(fd, capacity)
+        return fd, map_fd(fd, capacity)
     except BaseException:
         os.close(fd)
         raise

@@ -7,14 +7,12 @@ iterable crosses as the object itself, with the locals of its frames cleared
 (``traceback.clear_frames``) so that a caller who keeps the error keeps no
 element alive through it.
 
-Interrupts (KeyboardInterrupt, SystemExit) in the consumer's ``next()``: the
-consumer takes an element with ``items[0]`` and ``del items[0]`` (bytecodes
-that call nothing, so no signal handler can run between them), and keeps it
-in ``_ready`` while it wakes the producer (a call, which an interrupt can
-follow); the next call returns it. The two sides signal each other through
-plain locks used as binary semaphores, whose C-level ``acquire`` and
-``release`` leave nothing half-done when interrupted, and the consumer never
-holds a lock across a Python-level call.
+The consumer takes an element with ``items[0]`` and ``del items[0]`` (no
+call between them) and keeps it in ``_ready`` while it wakes the producer;
+the two sides signal each other through plain locks used as binary
+semaphores, whose C-level ``acquire`` and ``release`` leave nothing
+half-done when interrupted, and the consumer never holds a lock across a
+Python-level call: NOTE [ Loader shutdown and interrupts ] in ``_loader``.
 """
 
 from __future__ import annotations
@@ -30,15 +28,12 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
-from ..local import register
+from ._loader import NOTHING, STATE_VERSION, Loader
 from ._protocol import LoaderError
 
 __all__ = ["ThreadPrefetch"]
 
 T = TypeVar("T")
-
-_NOTHING: Any = object()  # no element kept in _ready (None is a valid element)
-_STATE_VERSION = 1
 
 
 def _signal(gate: threading.Lock) -> None:
@@ -50,7 +45,13 @@ def _signal(gate: threading.Lock) -> None:
         pass
 
 
-class _State(Generic[T]):
+class State(Generic[T]):
+    """A ThreadPrefetch's running part: what its producer thread and its consumer share.
+
+    Refers to no loader. With ``buffer_size=0`` it is never launched, and
+    ``next()`` reads ``source`` itself.
+    """
+
     __slots__ = (
         "__weakref__",
         "done",
@@ -87,23 +88,50 @@ class _State(Generic[T]):
         self.forked = False
 
 
-# The states of started loaders, for the fork handler.
-_STARTED: weakref.WeakSet[_State[Any]] = weakref.WeakSet()
+class _Started(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a launched State, for the fork handler."""
+
+    __slots__ = ()
+
+    # By identity: weakref.ref's own would compare the states.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
+# The states of launched producers, for the fork handler. Not a WeakSet: its
+# callback is Python code, and the callback here is the list's C-level
+# append (NOTE [ Loader shutdown and interrupts ] in _loader, rule 5); the
+# dead ones are dropped at the next launch.
+_STARTED: set[_Started] = set()
+_ENDED: list[_Started] = []
+
+
+def _remember(state: State[Any]) -> None:
+    ended = _ENDED
+    while ended:
+        _STARTED.discard(ended.pop())
+    _STARTED.add(_Started(state, ended.append))
 
 
 def _after_fork_in_child() -> None:
-    # Only the forking thread exists here: a producer of the parent does not,
-    # and a lock it held at the fork stays held for ever. Its loader is done
-    # here (next() raises, close() returns at once); the parent's goes on.
-    for state in list(_STARTED):
-        state.forked = state.stop = state.done = True
-        state.items.clear()  # the parent's elements: the parent delivers them
+    # NOTE [ Loader shutdown and interrupts ] in _loader, "What a forked child
+    # sees": a producer of the parent does not exist here (a lock it held at
+    # the fork stays held for ever); its loader is done here, the parent's
+    # goes on.
+    for ref in list(_STARTED):
+        state = ref()
+        if state is not None:
+            state.forked = state.stop = state.done = True
+            state.items.clear()  # the parent's elements: the parent delivers them
+    _STARTED.clear()
+    _ENDED.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _produce(state: _State[T]) -> None:
+def _produce(state: State[T]) -> None:
     state.ident = threading.get_ident()
     it, state.source = state.source, None
     assert it is not None
@@ -133,7 +161,7 @@ def _produce(state: _State[T]) -> None:
         state.finished.release()
 
 
-def _stop(state: _State[T], timeout: float | None) -> None:
+def _stop(state: State[Any], timeout: float | None) -> None:
     state.stop = True
     state.items.clear()
     _signal(state.room)
@@ -148,31 +176,7 @@ def _stop(state: _State[T], timeout: float | None) -> None:
             state.finished.release()
 
 
-class _Holder:
-    """What the finalizer stops; refers to no loader."""
-
-    __slots__ = ("retired", "state")
-
-    def __init__(self) -> None:
-        self.state: _State[Any] | None = None
-        self.retired: _State[Any] | None = None  # left by set_state(), not yet told to stop
-
-
-def _stop_holder(holder: _Holder, timeout: float | None) -> None:
-    _retire(holder)
-    if holder.state is not None:
-        _stop(holder.state, timeout)
-
-
-def _retire(holder: _Holder) -> None:
-    # The producer set_state() left: told to stop, not waited for (it
-    # finishes the iterable's current next(), then returns).
-    if holder.retired is not None:
-        _stop(holder.retired, 0)
-        holder.retired = None
-
-
-class ThreadPrefetch(Generic[T]):
+class ThreadPrefetch(Loader[T, State[T]]):
     """Iterate ``iterable`` with up to ``buffer_size`` elements made ahead by a thread.
 
     Same contract as :class:`ProcessPrefetch`: elements in order; an exception
@@ -203,6 +207,12 @@ class ThreadPrefetch(Generic[T]):
 
     Raises ValueError if ``buffer_size`` < 0, TypeError if ``iterable`` is
     not iterable (has neither ``__iter__`` nor ``__getitem__``).
+
+    Args:
+        iterable: what to iterate (``iter()`` is called at the first ``next()``).
+        buffer_size: elements made ahead by the thread; 0: no thread, the
+            iterable runs on the thread that calls ``next()``, inside it,
+            one element per call.
     """
 
     def __init__(self, iterable: Iterable[T], *, buffer_size: int = 2) -> None:
@@ -216,27 +226,15 @@ class ThreadPrefetch(Generic[T]):
             raise TypeError(
                 f"ThreadPrefetch needs an iterable, got {kind.__qualname__} object {iterable!r:.80}"
             )
+        # What the next start iterates (None: started, or closed).
         self._iterable: Iterable[T] | None = iterable
         # The iterable once started, if iter() can start it again (set_state rewinds).
         self._source: Iterable[T] | None = None
         self._size = buffer_size
-        self._it: Iterator[T] | None = None  # in-process mode only
-        self._holder = _Holder()
-        self._count = 0  # elements delivered (or kept in _ready to be)
-        self._skip = 0
-        self._ready: Any = _NOTHING
-        self._closed = False
-        # Dropped without close(): the reaper tells the thread to stop (no join there).
-        self._reg = register(self, _stop_holder, self._holder, 0, name="ThreadPrefetch")
-
-    def __iter__(self) -> ThreadPrefetch[T]:
-        return self
-
-    def __enter__(self) -> ThreadPrefetch[T]:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._extra_state: dict[str, int] = {}
+        # The running part is a State: a producer thread's, or with
+        # buffer_size=0 one that is never launched, whose source next() reads.
+        self._setup(_stop, "ThreadPrefetch")
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the thread, drop buffered elements, and wait for the thread.
@@ -244,52 +242,33 @@ class ThreadPrefetch(Generic[T]):
         The thread stops at once if it waits for room; if it is inside the
         iterable's ``next()``, after that returns (the wait is bounded by
         ``timeout`` seconds if given). Then a generator is closed on that
-        thread. Idempotent; any thread.
+        thread (with ``buffer_size=0``, on this one). Idempotent; any thread.
         """
         self._closed = True
         self._reg.detach()
-        _stop_holder(self._holder, timeout)
-        self._iterable = self._source = None
-        it, self._it = self._it, None
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-    def get_state(self) -> dict[str, int]:
-        """The loader's position, for :meth:`set_state` of a new loader: a dict of ints."""
-        return {"version": _STATE_VERSION, "position": self._count - (self._ready is not _NOTHING)}
-
-    def set_state(self, state: Mapping[str, int]) -> None:
-        """Go to the position saved by :meth:`get_state`: the next ``next()`` delivers it.
-
-        Before the first ``next()``, the first ``position`` elements will be
-        skipped. Between two ``next()`` calls: skipping ahead makes the
-        elements in between and drops them here (an error of the iterable
-        among them is raised here, and ends the iteration; past the end, the
-        loader ends); rewinding stops the thread (after the iterable's
-        current ``next()``) and iterates the iterable again from its start,
-        skipping to the position. An interrupt inside it is harmless: call it
-        again.
-
-        Raises RuntimeError if the loader is closed, ValueError for a state of
-        another version, or to rewind a loader of an iterator (it cannot start
-        again).
-        """
-        if self._closed:
-            raise RuntimeError(f"set_state() on {self!r}: the loader is closed")
-        if state.get("version") != _STATE_VERSION or int(state.get("position", -1)) < 0:
-            raise ValueError(f"{self!r} cannot resume from state {dict(state)!r}")
-        position = int(state["position"])
         holder = self._holder
-        if holder.state is None and self._it is None:  # not started
-            self._count = self._skip = position
+        holder.stop(timeout)
+        self._iterable = self._source = None
+        state = holder.running
+        if state is not None and not state.launched:  # in-process: the iterator is ours
+            it, state.source = state.source, None
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def _position_in(self, state: Mapping[str, int]) -> int:
+        if state.get("version") != STATE_VERSION or int(state.get("position", -1)) < 0:
+            raise ValueError(f"{self!r} cannot resume from state {dict(state)!r}")
+        return int(state["position"])
+
+    def _move_to(self, position: int) -> None:
+        # Not started: the start skips to the position. Ahead: made and
+        # dropped (past the end, the loader ends). Behind: the iterable again
+        # from its start, if it can start again.
+        if self._holder.running is None:
+            self._pos = self._start = position
             return
-        while self.get_state()["position"] < position:  # ahead: made and dropped
-            try:
-                next(self)
-            except StopIteration:
-                return
-        if self.get_state()["position"] == position:
+        if not self._take_up_to(position) or self.get_state()["position"] == position:
             return
         source = self._source
         if source is None:
@@ -298,20 +277,11 @@ class ThreadPrefetch(Generic[T]):
                 "which cannot start again; give ThreadPrefetch a list, a range or another "
                 "iterable that iter() starts afresh"
             )
-        _retire(holder)
-        # Stores only from here to the retirement (no call, so no interrupt
-        # between them); the finalizer or the next start stops the producer
-        # if an interrupt strikes first.
-        holder.retired = holder.state
-        holder.state = None
-        self._it = None
-        self._iterable = source
-        self._ready = _NOTHING
-        self._count = self._skip = position
-        _retire(holder)
+        self._iterable = source  # read only by the next start, which _restart makes due
+        self._restart(position)
 
     def __repr__(self) -> str:
-        s = self._holder.state
+        s = self._holder.running
         if self._closed:
             state = "closed"
         elif not self._size:
@@ -323,43 +293,64 @@ class ThreadPrefetch(Generic[T]):
         buffered = len(s.items) if s is not None else 0
         return f"<ThreadPrefetch {buffered}/{self._size} buffered, {state}>"
 
-    def _start(self) -> _State[T]:
-        _retire(self._holder)  # one set_state() left, if it was cut short
+    def _begin(self) -> State[T]:
+        """Start the running part: iter() the iterable, skip to ``_start``, and the thread."""
+        holder = self._holder
+        holder.retire()  # one set_state() left, if it was cut short
         iterable = self._iterable
         if iterable is None:
             raise StopIteration
         it = iter(iterable)
         self._source = iterable if it is not iterable else None
-        if self._skip:
-            it = itertools.islice(it, self._skip, None)
-        if not self._size:
-            self._it = it
-            self._iterable = None
-            return _State(1)  # unused: in-process mode reads self._it
-        state: _State[T] = _State(self._size)
+        if self._start:
+            it = itertools.islice(it, self._start, None)
+        state: State[T] = State(self._size)
         state.source = it
-        _STARTED.add(state)
-        self._holder.state = state
+        if not self._size:  # in-process: never launched; next() reads the source
+            holder.running = state
+            self._iterable = None
+            return state
+        _remember(state)
+        holder.running = state
         self._iterable = None
-        # `launched` is set and the thread created with no check for an
-        # interrupt between them (a store, then one C call): either both
-        # happened, or neither and the next call launches it.
+        # A store, then one C call (rule 2 of the NOTE in _loader): either
+        # both happened, or neither and the next call launches it.
         state.launched = True
         _thread.start_new_thread(_produce, (state,))
         return state
 
     def __next__(self) -> T:
         ready = self._ready
-        if ready is not _NOTHING:  # taken by a call an interrupt cut short
-            self._ready = _NOTHING
+        if ready is not NOTHING:  # taken by a call an interrupt cut short
+            self._ready = NOTHING
             return ready  # type: ignore[no-any-return]
         if self._closed:
             raise StopIteration
         if not self._size:
-            return self._next_in_process()
-        s = self._holder.state
+            # In-process: the running part is never launched; its source is
+            # the iterator (None once closed).
+            state = self._holder.running
+            if state is None:
+                state = self._begin()
+            it = state.source
+            if it is None:
+                raise StopIteration
+            # An interrupt inside the iterable's next() is the iterable's
+            # business (a generator is finished by it); one after it returns
+            # loses its value. The end and an error end the iteration, as
+            # with the thread (which does not close the iterator then either).
+            try:
+                item = next(it)
+            except Exception:  # StopIteration among them
+                self._closed = True
+                state.source = None
+                del self, state, it  # the traceback keeps this frame: not the loader
+                raise
+            self._pos += 1
+            return item
+        s = self._holder.running
         if s is None:
-            s = self._start()
+            s = self._begin()
         elif not s.launched:  # an interrupt struck between publishing and launching
             s.launched = True
             _thread.start_new_thread(_produce, (s,))
@@ -389,22 +380,8 @@ class ThreadPrefetch(Generic[T]):
         # No call between taking the element and keeping it in _ready.
         item = items[0]
         del items[0]
-        self._count += 1
+        self._pos += 1
         self._ready = item
         _signal(s.room)
-        self._ready = _NOTHING
-        return item
-
-    def _next_in_process(self) -> T:
-        it = self._it
-        if it is None:
-            if self._iterable is None:
-                raise StopIteration
-            self._start()
-            it = self._it
-            assert it is not None
-        # An interrupt inside the iterable's next() is the iterable's business
-        # (a generator is finished by it); one after it returns loses its value.
-        item = next(it)
-        self._count += 1
+        self._ready = NOTHING
         return item

@@ -5,8 +5,11 @@ Usage: forker.py KIND HOW [probe], KIND ``process`` or ``thread``, HOW one of:
   close  the child calls loader.close(), then os._exit(0);
   new    the child drops its copy and iterates a loader of its own;
   helper (process only) the child is a helper that does not use the loader:
-         it must hold no descriptor of the loader's and map no segment but
-         that of the one element the parent kept (exit code 7 if not); and
+         it must hold no descriptor and no mapping of the loader's memory,
+         although it has copies of elements the parent keeps (of the open
+         loader, and of one closed already), and those copies must be its
+         own: whole, and unchanged when the parent then writes into its
+         elements (exit code 7 if not); and
          a helper that lives on does not slow the parent's close() down
          (exit code 8 if it does).
 With ``probe``, the child first checks that its copy's next() raises a clear
@@ -92,29 +95,59 @@ def memfds() -> tuple[list[str], list[str]]:
     return fds, maps
 
 
+def fork_a_helper(held: list[Any], keys: list[int]) -> int:
+    """Fork a helper while this process holds ``held`` (elements of keys
+    ``keys``); the helper checks it maps none of the loader's memory and
+    that its copies are its own. Returns the helper's exit code."""
+    ready_r, ready_w = os.pipe()
+    wrote_r, wrote_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(wrote_w)
+        fds, maps = memfds()
+        if fds or maps:
+            print("the helper holds", fds, maps, file=sys.stderr, flush=True)
+            os._exit(7)
+        whole = all((x == k).all() for x, k in zip(held, keys))
+        os.write(ready_w, b"x")
+        os.read(wrote_r, 1)  # the parent has written into its elements
+        if not whole or not all((x == k).all() for x, k in zip(held, keys)):
+            print("the helper's copies are not its own", file=sys.stderr, flush=True)
+            os._exit(7)
+        os._exit(0)
+    os.close(ready_w)
+    os.close(wrote_r)
+    if os.read(ready_r, 1):  # else the helper failed already
+        for x in held:
+            x[:] = -1  # the parent's own elements: ours to write while we hold them
+        os.write(wrote_w, b"x")
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    for x, k in zip(held, keys):
+        x[:] = k
+    os.close(ready_r)
+    os.close(wrote_w)
+    return code
+
+
 def helper() -> int:
+    # An element of a loader closed already (it outlives its loader), then
+    # four of an open one, kept while the loop goes on.
+    with make("process", 3) as first:
+        old = next(first)
     with make("process", TOTAL) as loader:
-        kept = None
+        kept: list[Any] = []
         i = -1
         for e in loader:  # not enumerate(): its cached tuple would keep the last element
             i += 1
-            if i == 5:
-                kept = e
+            if i in (5, 6, 7, 8):
+                kept.append(e)
             if i == 10:
                 del e  # dead: its slot waits to be handed back
-                pid = os.fork()
-                if pid == 0:
-                    fds, maps = memfds()
-                    # The kept element's segment only: its mapping, and the
-                    # descriptor Python's mmap keeps of its own.
-                    if len(maps) != 1 or [f.split()[0] for f in fds] not in ([], maps):
-                        print("the helper holds", fds, maps, file=sys.stderr, flush=True)
-                        os._exit(7)
-                    os._exit(0)
-                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                code = fork_a_helper([old, *kept], [0, 5, 6, 7, 8])
                 if code:
                     return code
-        assert kept is not None and int(kept[0]) == 5
+        assert [int(x[0]) for x in kept] == [5, 6, 7, 8] and int(old[0]) == 0
     # And a helper that lives on does not hold the workers' parent-watch pipes:
     # close() ends them at once, not after close_timeout's SIGKILL.
     loader = ProcessPrefetch(element, range(TOTAL), num_workers=2, close_timeout=5.0)

@@ -23,7 +23,7 @@ mpi4py.rc.initialize = False  # no MPI singleton: this test is about processes o
 
 import numpy as np  # noqa: E402
 
-from collective_gc.data import ProcessPrefetch  # noqa: E402
+from collective_gc.data import ProcessPrefetch, testing  # noqa: E402
 
 
 def element(i: int) -> np.ndarray:
@@ -55,6 +55,6 @@ if __name__ == "__main__":
     else:
         start()
     time.sleep(0.3)  # let the workers fill their buffers, or enter fn
-    pids = [w.proc.pid for w in loaders[0]._holder.pool.workers]
+    pids = [p.pid for p in testing.workers(loaders[0])]
     print("ready", *pids, flush=True)
     time.sleep(600)
