@@ -117,9 +117,10 @@ def test_a_resurrected_owners_resources_wait_for_its_real_death(comm: MPI.Intrac
         gc.collect()
         scope.sync()
         dropped_after = list(log)
-    assert everyone(comm, (dropped_while_alive, alive, dropped_after)) == [
-        ([], True, ["file"])
-    ] * comm.Get_size()
+    assert (
+        everyone(comm, (dropped_while_alive, alive, dropped_after))
+        == [([], True, ["file"])] * comm.Get_size()
+    )
 
 
 @pytest.mark.mpi(min_size=2)
