@@ -39,9 +39,21 @@ from ._registration import Registration
 __all__ = ["manage", "close"]
 
 
+# Files whose close failed, held for the rest of the process: HDF5 1.10.8
+# crashes (SIGSEGV, in H5F__close_cb) when the last reference to such a file
+# goes, which would be inside the sync point, on that rank alone, before its
+# DestroyError could reach any rank. It crashes at exit all the same.
+_UNCLOSED: list[Any] = []
+
+
 def _close_one(f: Any) -> None:
-    if f.id.valid:  # closed already (by the user, or as another object's file)
+    if not f.id.valid:  # closed already (by the user, or as another object's file)
+        return
+    try:
         f.close()
+    except BaseException:
+        _UNCLOSED.append(f)
+        raise
 
 
 def close(*files: Any) -> None:
@@ -49,7 +61,10 @@ def close(*files: Any) -> None:
     each with what is still open in it first (h5py's ``File.close``).
 
     A file closed already is skipped. Every file is tried even if one fails;
-    the first exception is then raised (the others as its notes). An error
+    the first exception is then raised (the others as its notes). A file
+    whose close failed is held until the process ends: with HDF5 1.10.8,
+    releasing it crashes the process (and so does the exit, when HDF5 closes
+    what is left). An error
     that a destructor could only print meanwhile, on this thread, raises
     RuntimeError. Every process that opened a file must call it: a rank that
     skips it leaves the others blocked in ``H5Fclose``.
