@@ -130,8 +130,8 @@ def check_resources(owner: object, resources: tuple[Any, ...], what: str) -> Non
             check_destroy(owner, _clear, (resource,), {})
         except RegistrationError:
             raise RegistrationError(
-                f"resource {i} given to {what} refers to the owner, a "
-                f"{type(owner).__name__!r} object ({type(resource).__name__} {resource!r}): "
+                f"resource {i} given to {what} (a {type(resource).__name__}) refers to "
+                f"the owner, a {type(owner).__name__!r} object: "
                 "the registration holds its resources until the owner dies, so the owner "
                 "would never die; pass what the owner holds instead"
             ) from None
