@@ -56,15 +56,25 @@ test-pure: install
 	$(PURE_ENV) $(PY) -m pytest $(PYTEST_FLAGS) -m "not mpi" $(PURE_TESTS)
 	$(PURE_ENV) $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi -m "not launcher" $(PURE_TESTS)
 
-# Real clients (issue 22): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
-# packages), installed only here so that `make test` does not need it; its tests and the example loop
-# (200 steps, XDMF output, RSS <= 40 KiB/step from step 20, nothing left) on 4 ranks.
-# The example sets SCOTCH_PTHREAD_NUMBER=1 (its tests import it): PT-Scotch's
-# threads hang DOLFINx's mesh partitioning now and then (docs/guides/fenicsx.rst).
+# Real clients (issues 22, 33): Debian 12's DOLFINx 0.5.2 (python3-dolfinx, ~118
+# packages), h5py 3.7 with HDF5 1.10.8's MPI build (python3-h5py-mpi) and
+# slepc4py 3.18 (python3-slepc4py), installed only here so that `make test`
+# does not need them; their tests and example loops on 4 ranks, 200 steps
+# each: DOLFINx with XDMF output (RSS <= 40 KiB/step from step 20, nothing
+# left), SLEPc eigensolves (RSS <= 20 KiB/step, no PETSc object left by
+# PETSc's log) and a parallel HDF5 file per step (every file read back, RSS <=
+# 20 KiB/step, none left open). Debian's slepc4py is found only with SLEPC_DIR
+# set. The DOLFINx example sets SCOTCH_PTHREAD_NUMBER=1 (its tests import it):
+# PT-Scotch's threads hang DOLFINx's mesh partitioning now and then
+# (docs/guides/fenicsx.rst).
+CLIENTS_ENV := SLEPC_DIR=$(or $(SLEPC_DIR),/usr/lib/slepcdir/slepc3.18/x86_64-linux-gnu-real)
 test-clients: install test-plugin-mpipytest
-	bash tools/install-system-deps.sh python3-dolfinx
-	CGC_REQUIRE_DOLFINX=1 $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
+	bash tools/install-system-deps.sh python3-dolfinx python3-h5py-mpi python3-slepc4py
+	$(CLIENTS_ENV) CGC_REQUIRE_DOLFINX=1 CGC_REQUIRE_H5PY=1 CGC_REQUIRE_SLEPC=1 \
+	    $(MPIRUN) -m pytest $(PYTEST_FLAGS) --with-mpi tests/clients
 	$(MPIRUN) examples/dolfinx_loop.py --steps 200 --check
+	$(CLIENTS_ENV) $(MPIRUN) examples/slepc_loop.py --steps 200 --check
+	$(MPIRUN) examples/h5py_loop.py --steps 200 --check
 
 # Issue 22's figures: every mode of the DOLFINx loop in one 4-rank job, and
 # where collective_gc's sync points spend their time (not in `make bench`,

@@ -90,6 +90,36 @@ def petsc() -> Any:
     return import_petsc()
 
 
+# -- real client libraries (tests/clients/): optional, except where required --------
+
+#: ``make test-clients`` sets ``CGC_REQUIRE_DOLFINX=1``, ``CGC_REQUIRE_H5PY=1``
+#: and ``CGC_REQUIRE_SLEPC=1``: there a client that is missing, or unusable
+#: (h5py without MPI), fails the run instead of skipping its tests.
+
+
+def client_required(env: str) -> bool:
+    return os.environ.get(env, "") not in ("", "0")
+
+
+def import_client(module: str, env: str) -> Any:
+    """``module``, for a test module of a real client library: a missing one
+    skips the test module with a reason, unless ``env`` is set (then the
+    ImportError fails the run)."""
+    if client_required(env):
+        return importlib.import_module(module)
+    return pytest.importorskip(
+        module, reason=f"{module} is not installed ({env}=1 makes this an error)"
+    )
+
+
+def client_unusable(env: str, reason: str) -> None:
+    """A client library that is installed but cannot be tested here: skip the
+    test module, or fail the run where ``env`` is set."""
+    if client_required(env):
+        pytest.fail(f"{env}=1, but {reason}", pytrace=False)
+    pytest.skip(f"{reason} ({env}=1 makes this an error)", allow_module_level=True)
+
+
 # One C/Python decision per process, as CPython's test_heapq runs one suite
 # against heapq with and without _heapq: `make test` runs the files that go
 # through the C/Python paths once as they are and once more with

@@ -1,5 +1,6 @@
-"""What real libraries make: their own communicators, PETSc's inner duplicates,
-collective resources that are not PETSc objects (issue 22).
+"""What real libraries make: their own communicators and PETSc's inner
+duplicates (issue 22; ``keep``, for collective resources that are not PETSc
+objects, is tested in test_keep.py).
 
 DOLFINx (tests/clients/, ``make test-clients``) duplicates the communicator of
 each mesh and of each IndexMap, and PETSc keeps every object on its own inner
@@ -139,47 +140,6 @@ def test_a_subset_library_communicator_is_reached(comm: MPI.Intracomm) -> None:
         half.Free()
         scope.sync()
     assert derived(comm) == []
-
-
-class Collective:
-    """A resource whose destructor is a collective (as an XDMFFile's HDF5
-    close): a barrier on its communicator, and a log of the order."""
-
-    def __init__(self, comm: MPI.Intracomm, name: str, log: list[str]) -> None:
-        self.comm, self.name, self.log = comm, name, log
-
-    def __del__(self) -> None:
-        self.log.append(self.name)
-        self.comm.Barrier()  # what the C++ destructor does: a collective, here
-
-
-@pytest.mark.mpi(min_size=2)
-def test_keep_drops_collective_resources_at_the_sync_point(comm: MPI.Intracomm) -> None:
-    """Issue 22, item 3: an XDMFFile-like resource (collective destructor) in
-    a step that dies in a cycle. Under plain GC the ranks run the destructor
-    at different moments (the loop hung at step 2-3); with cgc.keep the last
-    references are dropped at the sync point, on every rank, last first."""
-    lib = comm.Dup()  # the resources' own communicator, not ours to sync
-    log: list[str] = []
-    with cgc.collective_scope(comm, timeout=60) as scope:
-        for i in range(3):
-
-            class StepOwner:
-                pass
-
-            step: Any = StepOwner()
-            step.me = step
-            step.file = Collective(lib, f"file{i}", log)
-            step.mesh = Collective(lib, f"mesh{i}", log)
-            cgc.keep(step, step.mesh, step.file, comm=comm)
-            del step
-            if comm.Get_rank() == 0:
-                gc.collect()  # one rank alone: with keep, nothing collective runs here
-            assert log == [f"{n}{j}" for j in range(i) for n in ("file", "mesh")]
-            gc.collect()
-            scope.sync()
-        assert log == [f"{n}{j}" for j in range(3) for n in ("file", "mesh")]
-    lib.Free()
 
 
 @pytest.mark.launcher

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/install-system-deps.sh [PKG...]: make sure Debian's packages are present,
 # by default the MPI/PETSc stack `make test` needs (OpenMPI, mpi4py, petsc4py,
-# numpy); `make test-clients` names DOLFINx, the debian13 leg its host tools.
+# numpy); `make test-clients` names DOLFINx, h5py's MPI build and slepc4py,
+# the debian13 leg its host tools.
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail

@@ -11,14 +11,11 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
+from conftest import import_client
+
 # make test-clients sets CGC_REQUIRE_DOLFINX=1: there a missing DOLFINx fails the
 # run instead of skipping it.
-if os.environ.get("CGC_REQUIRE_DOLFINX", "") not in ("", "0"):
-    import dolfinx
-else:
-    dolfinx = pytest.importorskip(
-        "dolfinx", reason="DOLFINx is not installed (CGC_REQUIRE_DOLFINX=1 makes this an error)"
-    )
+dolfinx = import_client("dolfinx", "CGC_REQUIRE_DOLFINX")
 from petsc4py import PETSc  # noqa: E402
 
 import collective_gc as cgc  # noqa: E402
