@@ -368,7 +368,10 @@ class Agreement:
         self.size = comm.Get_size()
         self.window = Window()
         self.watch = Watch(comm)
-        self._lo = self._nbits = -1  # the window the buffers are shaped for
+        # The window of the last exchange, and the number of bits the buffer
+        # (and the persistent request bound to it) is shaped for: a window
+        # that only moves (lo) keeps both.
+        self._lo = self._nbits = -1
         self._arr = array.array("q")
         self._dirty = False  # the bitmap may hold bits from the last sync point
         # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
@@ -417,6 +420,22 @@ class Agreement:
         self._dirty = False
         self._lo, self._nbits = lo, nbits
 
+    def ready(self) -> bool:
+        """Whether the buffer (and the persistent request, where one is used)
+        fits the window: the steady state needs nothing made. Local."""
+        return self._nbits == self.window.bits and (
+            self._persistent is None or self._preq is not None
+        )
+
+    def buffer(self) -> array.array[int]:
+        """The message buffer, reduced once an exchange completed."""
+        return self._arr
+
+    def window_keys(self) -> np.ndarray[Any, Any]:
+        """The keys whose bits survived the last exchange, ascending (its
+        window is the one the exchange packed: window.advance comes after)."""
+        return _WINDOW_KEYS(self._arr, _WORDS, self._nbits, self._lo)
+
     def _forget_buffers(self) -> None:
         """After an abandoned collective: MPI may still use the buffer, so never again."""
         self._lo = self._nbits = -1
@@ -435,12 +454,27 @@ class Agreement:
         everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
         when a rank gave up (see :class:`Watch`).
         """
+        first, last = self.exchange(head, pending, deadline, what)
+        return self.resolve(pending, first, last, deadline, what)
+
+    def exchange(
+        self,
+        head: Header,
+        pending: np.ndarray[Any, Any],
+        deadline: Deadline,
+        what: Callable[[], str],
+    ) -> tuple[int, int]:
+        """Collective: pack the message and complete its allreduce (the first
+        half of :meth:`agree`; the C steady state does the same in
+        ``_speedups.steady``). Returns the index range of the keys of
+        ``pending`` that are inside the window."""
         deadline.watch = self.watch  # this sync point's later waits too
         self.watch.seq = head.seq
         window = self.window
         lo, nbits = window.lo, window.bits
-        if lo != self._lo or nbits != self._nbits:
+        if nbits != self._nbits:
             self._reshape(lo, nbits)
+        self._lo = lo
         buf = self._arr  # same length as before: the memory MPI may be bound to stays
         # Equality of the sync-point number and kind (exit or not), of the
         # next key and of the participants: each word and its complement.
@@ -474,10 +508,32 @@ class Agreement:
             # active: neither is used again, and both are kept for ever (wait
             # keeps what it abandons; an interrupt may also land between the
             # start and the wait).
-            keep_alive(self._preq, buf)
-            self._forget_buffers()
+            self.abandoned(None)
             raise
-        red = buf
+        return first, last
+
+    def abandoned(self, req: MPI.Request | None) -> None:
+        """The exchange was left before its allreduce completed (``req``, if
+        not the persistent one): MPI may still write into the buffer and the
+        request may still be active: neither is used again, and both are kept
+        for ever."""
+        keep_alive(self._preq if req is None else req, self._arr)
+        self._forget_buffers()
+
+    def resolve(
+        self,
+        pending: np.ndarray[Any, Any],
+        first: int,
+        last: int,
+        deadline: Deadline,
+        what: Callable[[], str],
+    ) -> Agreed:
+        """What the completed allreduce says (the second half of :meth:`agree`):
+        the flags, whether the ranks disagree, the keys pending everywhere
+        (with the fallback round for keys outside the window, collective)."""
+        deadline.watch = self.watch
+        red = self._arr
+        lo, nbits = self._lo, self._nbits
         agreed_flags = ~red[6]
         if agreed_flags & FLAG_DEADLINE:
             # A rank that had a deadline may have given up after sending its

@@ -40,18 +40,21 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 from mpi4py import MPI
 
 from . import _agree, _interrupts
 from ._destroy import Failure
+from ._destroy import run as destroy_run
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ExitLeakWarning,
 )
-from ._registry import Registry
-from ._syncpoint import CollectStats, Participant, SyncPoint, identities
+from ._registry import NO_KEYS, Registry, keys_of
+from ._switch import STEADY
+from ._syncpoint import UNREACHED, CollectStats, Participant, SyncPoint, identities, keep_failures
 from ._transport import Deadline, dup
 
 if TYPE_CHECKING:
@@ -374,10 +377,32 @@ class Collective:
             # collectives are done on this rank (see _interrupts).
             entered = _interrupts.enter()
             try:
+                exchanged = None
+                if (
+                    deadline is None
+                    and not participants
+                    and not at_exit
+                    and not final
+                    and sink is None
+                    and self.size > 1
+                ):
+                    # The steady state, in one call (in C where the extension
+                    # was built with MPI): see steady_py.
+                    got = _STEADY(self, t0, collected)
+                    if got is not None:
+                        if type(got) is CollectStats:
+                            return got
+                        if got[0] == "failed":
+                            # Its destroys ran and some raised: kept for the
+                            # next agreement (an interrupt is raised here).
+                            stats = got[1]
+                            keep_failures(self.unreported, got[2], stats.sync, self.rank)
+                            return stats
+                        exchanged = self._after_steady(got)
                 point = SyncPoint(
                     self, Deadline(deadline), participants, owner, at_exit, final, sink
                 )
-                return point.run(collected, t0)
+                return point.run(collected, t0, exchanged)
             except CollectiveTimeoutError:
                 # An abandoned collective could match a later one: never again.
                 self.become(State.UNUSABLE, f"sync point {self.seq} timed out on this rank")
@@ -402,6 +427,18 @@ class Collective:
                 if not self.members:
                     self.maybe_free()
                 _interrupts.leave(entered)
+
+    def _after_steady(self, got: tuple[Any, ...]) -> tuple[int, int]:
+        """What the steady state handed back that is not a finished sync
+        point (see steady_py): where the rest of the sync point's steps go
+        on from its agreement, or a notice that a rank gave up."""
+        if got[0] == "resume":
+            return got[1], got[2]
+        # "watch": a rank gave up while this one waited in the allreduce.
+        agreement = self.agreement
+        assert agreement is not None
+        agreement.abandoned(got[1])
+        raise agreement.watch.error(self.what("its agreement"))
 
     def _idle(self, extra: Sequence[Participant]) -> bool:
         """Whether a sync point of a family of size 1 would have nothing to do."""
@@ -564,6 +601,113 @@ class Collective:
         self.registry.after_fork()
 
 
+# -- the steady state ------------------------------------------------------------
+
+
+def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
+    """A sync point of ``fam`` in its steady state, in one call: what
+    ``_speedups.steady`` does in C (where the extension was built with MPI,
+    through mpi4py's C API), step for step; this is its twin.
+
+    Called by :meth:`Collective.sync` with the family's lock held, inside a
+    protected region, for a sync point without a deadline or participants of
+    its own, on a family of size > 1 that is usable. It returns:
+
+    - None, having changed nothing: the sync point is not steady (a failure
+      to report, a derived family to visit, a member to let go, keys pending
+      from before, a cyclic death, a participant that votes or must finish,
+      the agreement's buffer to reshape): :class:`SyncPoint` runs it all;
+    - the :class:`CollectStats` of the sync point it ran: votes all 0, the
+      inbox drained, one allreduce that agreed on every drained key and on
+      nothing else, and their destroys, which all succeeded;
+    - ``("failed", stats, failures)``: the same, but some destroys raised;
+    - ``("resume", first, last)``: its allreduce found something else (a
+      flag, a mismatch, keys not pending everywhere, a derived family to
+      visit): the drained keys are now the pending ones, and the sync point's
+      steps go on from its agreement (``SyncPoint.run(exchanged=...)``);
+    - ``("watch", request)``: a rank gave up while this one waited: the
+      allreduce's request (None: the persistent one) is abandoned.
+    """
+    r = fam.registry
+    agreement = fam.agreement
+    if (
+        fam.destroying
+        or fam.unreported
+        or fam.leaving
+        or fam.children
+        or UNREACHED
+        or agreement is None
+        or r.stale
+        or r.last_cyclic
+        or r.pend.size
+        or not agreement.ready()
+    ):
+        return None
+    # Votes: only participants that a quiet sync point needs nothing of, all 0.
+    for p, owner in zip(fam.participants, fam.owners):
+        if not p.quiet_finish or (p.field is not None and p.vote(owner) != 0):
+            return None
+    inbox = r.inbox
+    n = len(inbox)
+    keys = NO_KEYS
+    if n:
+        batch = inbox[:n]
+        keys, cyclic = keys_of(batch)
+        if cyclic:
+            return None
+        del inbox[:n]  # one C call: appends racing with it land after the slice
+        del batch
+    seq = fam.seq
+    head = _agree.Header(seq, r.next_key, False, 0, fam.fingerprint ^ _agree.as_int64(r.order))
+    dl = Deadline(None)
+    fam.inside = True
+    try:
+        first, last = agreement.exchange(head, keys, dl, fam.what("its agreement"))
+    except CollectiveTimeoutError:
+        # Without a deadline, only the watch ends a wait: a rank gave up.
+        if keys.size:
+            r.pend, r.pend_seq = keys, np.full(keys.size, seq)
+        raise
+    red = agreement.buffer()
+    if (
+        red[6] != -1  # ~flags: some flag set somewhere
+        or red[7] != 0  # keys outside the window may be pending everywhere
+        or red[8] != -1  # ~children: a derived family to visit
+        or red[0] != ~red[1]
+        or red[2] != ~red[3]
+        or red[4] != ~red[5]
+    ):
+        agreed = None
+    else:
+        agreed = agreement.window_keys() if last > first else NO_KEYS
+    if agreed is None or agreed.size != keys.size:
+        # Unusual: the drained keys become the pending ones, as a drain makes
+        # them, and the sync point goes on from its agreement.
+        if keys.size:
+            r.pend, r.pend_seq = keys, np.full(keys.size, seq)
+        return ("resume", first, last)
+    agreement.window.advance(r.next_key)
+    r.new_interval()
+    fam.seq = seq + 1
+    fam.inside = False
+    count = 0
+    failures: list[Failure] = []
+    if keys.size:
+        fam.destroying = threading.get_ident()
+        try:
+            count, failures, interrupt = destroy_run(r, keys)
+        finally:
+            fam.destroying = 0
+            fam.destroyed += count
+        if interrupt is not None:  # (only from Python's own steps between runs)
+            failures.append((-1, "the sync point's own steps between its destroys", interrupt))
+        del interrupt
+    stats = CollectStats(count, len(inbox), 0, time.perf_counter() - t0, seq, collected, 0)
+    if failures:
+        return ("failed", stats, failures)
+    return stats
+
+
 def leak_text(regs: Sequence[Any], label: str) -> str:
     """``regs`` (registrations), named for a leak message."""
     names = ", ".join(f"key {r.key} ({r.name!r})" for r in regs[:10])
@@ -647,3 +791,10 @@ def add_reacher(reach: Callable[[Collective], None]) -> None:
 
 def reachers() -> Iterable[Callable[[Collective], None]]:
     return _REACHERS
+
+
+# The steady state: C where the extension was built with MPI (the one
+# decision, collective_gc._switch), else its Python twin.
+_STEADY: Callable[[Collective, float, int | None], Any] = (
+    steady_py if STEADY is None else STEADY.steady
+)

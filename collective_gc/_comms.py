@@ -53,7 +53,7 @@ from ._errors import (
 from ._lookup import lookup, manager
 from ._manager import Manager, set_first_collective
 from ._scope import current_scope
-from ._syncpoint import add_reacher
+from ._syncpoint import UNREACHED, add_reacher
 
 __all__ = ["dup", "split", "derived", "contains", "relation", "unreached", "adopt"]
 
@@ -428,7 +428,7 @@ def adopt(parent: Manager, child: Manager) -> bool:
 # order of their first collective (the same on every rank that shares them):
 # the next sync point of a family whose group contains theirs adopts them
 # (see _reach); until then unreached() names them.
-_UNREACHED: list[tuple[weakref.ref[Collective], weakref.ref[Manager]]] = []
+_UNREACHED: list[tuple[weakref.ref[Collective], weakref.ref[Manager]]] = UNREACHED
 _WARNED: weakref.WeakSet[Collective] = weakref.WeakSet()
 
 

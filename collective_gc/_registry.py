@@ -42,7 +42,7 @@ from ._registration import (
 )
 from ._switch import SPEEDUPS
 
-__all__ = ["Registry", "NO_KEYS", "add_plain", "add_plain_py", "order_step"]
+__all__ = ["Registry", "NO_KEYS", "add_plain", "add_plain_py", "order_step", "keys_of"]
 
 NO_KEYS = np.empty(0, dtype=np.int64)
 _KEY_OF = operator.attrgetter("key")
@@ -52,7 +52,7 @@ _getweakrefs = weakref.getweakrefs
 _CYCLIC_OF = operator.attrgetter("cyclic")
 
 
-def _keys_of(batch: list[Registration]) -> tuple[np.ndarray[Any, Any], bool]:
+def keys_of(batch: list[Registration]) -> tuple[np.ndarray[Any, Any], bool]:
     """The keys of ``batch``, ascending, and whether any of them died in the
     cyclic collector."""
     if SPEEDUPS is not None:
@@ -302,7 +302,7 @@ class Registry(Ledger):
         batch = inbox[:n]
         del inbox[:n]  # one C call: appends racing with it land after the slice
         cyclic = 0
-        new, any_cyclic = _keys_of(batch)
+        new, any_cyclic = keys_of(batch)
         if any_cyclic:
             for reg in batch:
                 if reg.cyclic and reg.alive:
@@ -317,7 +317,7 @@ class Registry(Ledger):
             # drain. Drop their keys, wherever they are.
             self.stale = False
             batch = [r for r in batch if r.alive]
-            new = _keys_of(batch)[0]
+            new = keys_of(batch)[0]
             live = self.live
             keep = np.fromiter((k in live for k in self.pend.tolist()), bool, self.pend.size)
             self.pend, self.pend_seq = self.pend[keep], self.pend_seq[keep]
@@ -334,6 +334,8 @@ class Registry(Ledger):
     def remove_pending(self, keys: np.ndarray[Any, Any]) -> None:
         """Agreed keys leave the pending keys (before any destroy runs)."""
         pend = self.pend
+        if not pend.size:
+            return  # the C steady state's: drained and agreed at once, never stored
         if keys.size == pend.size:  # agreed keys are a subset of the pending ones
             self.pend = self.pend_seq = NO_KEYS
         else:

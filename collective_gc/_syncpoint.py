@@ -195,6 +195,9 @@ def what_raised(exc: BaseException) -> str:
 # family (collective_gc._comms: a communicator a library made, first used
 # before any family containing it existed, is adopted there).
 _REACHERS: list[Callable[[Collective], None]] = []
+# What they look for (collective_gc._comms keeps it): while it is empty a
+# sync point has nothing to reach, and the steady state may run.
+UNREACHED: list[Any] = []
 
 
 def add_reacher(reach: Callable[[Collective], None]) -> None:
@@ -281,13 +284,21 @@ class SyncPoint:
         # collectives are done.
         self.caught: list[BaseException] = []
 
-    def run(self, collected: int | None, t0: float) -> CollectStats:
+    def run(
+        self, collected: int | None, t0: float, exchanged: tuple[int, int] | None = None
+    ) -> CollectStats:
         """The steps, in order. Collective: from the agreement on, whether a
         step runs depends on agreed values only (the keys, the flags, the
-        participants), so every rank runs the same steps."""
+        participants), so every rank runs the same steps. ``exchanged``: the
+        C steady state prepared this sync point (its votes were all 0, the
+        inbox drained with nothing cyclic) and made its allreduce, which
+        found something unusual: the steps go on from there."""
         try:
-            self.prepare()
-            self.agree()
+            if exchanged is None:
+                self.prepare()
+            else:
+                self.fam.inside = True
+            self.agree(exchanged)
             if not self.flags & FLAG_FAILED:
                 if self.keys.size:
                     self.destroy()
@@ -344,8 +355,10 @@ class SyncPoint:
 
     # -- 2. agree ----------------------------------------------------------------
 
-    def agree(self) -> None:
-        """The keys pending on every rank, and the agreed flags. Collective."""
+    def agree(self, exchanged: tuple[int, int] | None = None) -> None:
+        """The keys pending on every rank, and the agreed flags. Collective.
+        ``exchanged``: the allreduce was made already (the C steady state's:
+        ``_speedups.steady``), this is what it found of the pending keys."""
         fam = self.fam
         r = fam.registry
         if fam.size == 1:
@@ -356,15 +369,18 @@ class SyncPoint:
             fam.inside = True
             agreement = fam.agreement
             assert agreement is not None, "a family of size > 1 is opened when made"
-            head = _agree.Header(
-                self.seq,
-                r.next_key,
-                self.at_exit,
-                self.flags,
-                self.fingerprint ^ _agree.as_int64(r.order),
-                self.wanted,
-            )
-            agreed = agreement.agree(head, r.pend, self.dl, fam.what("its agreement"))
+            what = fam.what("its agreement")
+            if exchanged is None:
+                head = _agree.Header(
+                    self.seq,
+                    r.next_key,
+                    self.at_exit,
+                    self.flags,
+                    self.fingerprint ^ _agree.as_int64(r.order),
+                    self.wanted,
+                )
+                exchanged = agreement.exchange(head, r.pend, self.dl, what)
+            agreed = agreement.resolve(r.pend, *exchanged, self.dl, what)
             if agreed.mismatch:
                 raise self._mismatch(agreement.comm)
             agreement.window.advance(r.next_key)
@@ -657,6 +673,24 @@ def _participants_differ(ids: list[str]) -> str:
         "collective_scope's gc= or strict= differs between the ranks, or two threads ran "
         "sync points on this communicator at once and the ranks paired them differently"
     )
+
+
+def keep_failures(
+    sink: list[tuple[int, _destroy.Failure]],
+    failures: list[_destroy.Failure],
+    seq: int,
+    rank: int,
+) -> None:
+    """Keep ``failures`` of sync point ``seq`` (known on this rank only) in
+    ``sink`` for the family's next agreement to report on every rank; an
+    interrupt among them is raised now, on this rank (with a note)."""
+    kept = [(seq, f) for f in failures]
+    failures.clear()  # the caller's frame must not hold what the traceback will
+    sink.extend(kept)
+    caught = _interrupts_among(kept, seq, rank)
+    del kept
+    if caught:
+        _raise_own(caught)
 
 
 def _interrupts_among(
