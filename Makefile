@@ -11,6 +11,10 @@ NP ?= 4
 # PETSc tests must run, not skip (tests/conftest.py: import_petsc).
 export PETSC_DIR ?= /usr/lib/petscdir/petsc3.18/x86_64-linux-gnu-real
 export CGC_REQUIRE_PETSC := 1
+# The extension is built with mpicc and mpi4py's headers here (tools/
+# install-system-deps.sh; --no-build-isolation): the tests check that the
+# sync point's steady state runs in C (tests/test_steady.py).
+export CGC_REQUIRE_STEADY := 1
 
 # tools/mpirun NP TIMEOUT: mpiexec spelled for the MPI on PATH (Open MPI 4 or 5,
 # MPICH): 4 ranks on a 2-core machine, possibly as root, yielding when idle, and
@@ -27,7 +31,7 @@ all: test
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c tools/install-system-deps.sh
 	bash tools/install-system-deps.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e '.[dev]'
 	$(PY) -c "import mpi4py, numpy, pytest_mpi; from petsc4py import PETSc" \
 	    || { echo "collective_gc: the environment in $(VENV) is incomplete" >&2; exit 1; }
 	touch $@
@@ -49,7 +53,8 @@ test-mpi: install
 # (COLLECTIVE_GC_PERSISTENT=0): the other legs run the C versions and the
 # persistent path. Tests of the C functions themselves skip here, saying why.
 PURE_TESTS := tests/test_registration.py tests/test_manager.py tests/test_agreement.py \
-    tests/test_destroys.py tests/test_interrupts.py tests/test_error_cycles.py tests/test_petsc.py
+    tests/test_destroys.py tests/test_interrupts.py tests/test_error_cycles.py tests/test_petsc.py \
+    tests/test_steady.py tests/test_keep.py
 PURE_ENV := COLLECTIVE_GC_PURE_PYTHON=1 COLLECTIVE_GC_PERSISTENT=0
 
 test-pure: install
@@ -91,7 +96,7 @@ MPIPYTEST_VENV := .venv-mpipytest
 $(MPIPYTEST_VENV)/.installed: setup.cfg setup.py pyproject.toml collective_gc/_speedups.c | $(VENV)/.installed
 	$(PYTHON) -m venv --system-site-packages $(MPIPYTEST_VENV)
 	$(MPIPYTEST_VENV)/bin/pip install -q --disable-pip-version-check mpi-pytest pytest-timeout
-	$(MPIPYTEST_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	$(MPIPYTEST_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	$(MPIPYTEST_VENV)/bin/python -c "import pytest_mpi.plugin, collective_gc.pytest_plugin" \
 	    || { echo "collective_gc: the environment in $(MPIPYTEST_VENV) is incomplete" >&2; exit 1; }
 	touch $@
@@ -181,11 +186,11 @@ stress: install
 	else echo "naive version (destroy in __del__): deadlocked, caught by the watchdog, as expected"; fi
 
 docs: install
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[docs]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e '.[docs]'
 	$(PY) -m sphinx -W -q -b html docs docs/_build/html
 
 lint: install
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[lint]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e '.[lint]'
 	$(PY) -m ruff check collective_gc tests bench examples
 	$(PY) -m ruff format --check collective_gc tests bench examples
 	$(PY) -m mypy --strict collective_gc

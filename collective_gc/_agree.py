@@ -230,7 +230,8 @@ class Window:
     def advance(self, next_key: int) -> None:
         """After a sync point agreed on ``next_key``: the keys registered since
         the last SPAN - 1 sync points, and room for twice as many new ones as
-        the most registered between two of the last MEMORY sync points."""
+        the most registered between two of the last MEMORY sync points, in
+        a power of two of bits, MIN at least."""
         marks, growths = self.marks, self.growths
         if next_key == marks[-1]:
             if self.idle == self.MEMORY:
@@ -248,11 +249,14 @@ class Window:
         if len(marks) > self.SPAN:
             del marks[0]
         lo = marks[0]
-        hi = next_key + max(2 * max(growths), self.MIN)
+        hi = next_key + max(2 * max(growths), 1)
         if hi - lo > self.LIMIT:
             lo = hi - self.LIMIT
         self.lo = lo
-        self.bits = -(-(hi - lo) // 64) * 64
+        # A power of two: the buffer (and the persistent request bound to it)
+        # is made again only when the window doubles or halves, not at each
+        # change of the registrations' rate (the steady state needs neither).
+        self.bits = max(self.MIN, 1 << (hi - lo - 1).bit_length())
 
 
 class Agreed:

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from . import _gcpolicy, local
 from ._lookup import lookup, manager
+from ._manager import quick_sync
 from ._registration import Registration
 from ._syncpoint import CollectStats
 
@@ -134,13 +135,13 @@ def collect(
     rank instead, after the same collectives). A bad ``timeout`` or
     ``generation`` raises ValueError before any collective.
     """
-    t0 = time.perf_counter()
-    # The common case (no timeout, default generation) without extra calls:
-    # an empty sync point is mostly overhead around one small allreduce.
+    t0 = _perf_counter()
+    # The common case (no timeout) without extra calls: an empty sync point
+    # is mostly overhead around one small allreduce.
     seconds = None if timeout is None else check_timeout(timeout)
     if generation is not None and generation != 2:
         _check_generation(generation)
-    mgr = manager(_comm_of(comm))
+    mgr = manager(comm if type(comm) is _INTRACOMM else _comm_of(comm))
     collected = None
     if generation is not None:
         if generation >= 2:
@@ -148,8 +149,13 @@ def collect(
             # frozen that died is missed (a young collection never walks it).
             _gcpolicy.POLICY.thaw()
         collected = gc.collect(generation)
-    deadline = None if seconds is None else time.monotonic() + seconds
-    return mgr.sync(deadline=deadline, collected=collected, t0=t0)
+    if seconds is None:
+        return quick_sync(mgr, t0, collected)
+    return mgr.sync(deadline=time.monotonic() + seconds, collected=collected, t0=t0)
+
+
+_perf_counter = time.perf_counter
+_INTRACOMM = MPI.Intracomm
 
 
 def pending(comm: MPI.Comm | None) -> list[Registration]:

@@ -55,7 +55,18 @@ from ._errors import (
 from ._registry import NO_KEYS, Registry, keys_of
 from ._switch import STEADY
 from ._syncpoint import UNREACHED, CollectStats, Participant, SyncPoint, identities, keep_failures
-from ._transport import Deadline, dup
+from ._transport import Deadline, Watch, dup
+
+# A protected region's exit, bound once (the hot path's call), and whether a
+# region entered on this thread counts (only the main thread's do: see
+# _interrupts).
+_leave = _interrupts.leave
+_MAIN = threading.main_thread().ident
+
+
+def _on_main() -> bool:
+    return threading.get_ident() == _MAIN
+
 
 if TYPE_CHECKING:
     from ._manager import Manager
@@ -137,6 +148,7 @@ class Collective:
         "ident",
         "unreported",
         "leaving",
+        "gone",
         "__weakref__",
     )
 
@@ -180,6 +192,7 @@ class Collective:
         # once done. Appended to from MPI attribute delete callbacks (a list
         # append: no MPI there).
         self.leaving: list[Callable[[], bool]] = []
+        self.gone = False  # its last member left inside a sync point: free it at its end
 
     # -- making it -----------------------------------------------------------------
 
@@ -217,6 +230,8 @@ class Collective:
         point on every rank (a close, a sync point's step) or once the user
         freed their communicator (collectively)."""
         self.members.pop(tag, None)
+        if not self.members:
+            self.gone = True
         return self.maybe_free()
 
     def maybe_free(self) -> bool:
@@ -225,6 +240,7 @@ class Collective:
         does it). True if done."""
         if self.members or not self.registry.is_empty() or self.inside:
             return False
+        self.gone = False
         if self.comm is None and self.state is not _OPEN:
             return True
         self.free_private()
@@ -377,56 +393,92 @@ class Collective:
             # collectives are done on this rank (see _interrupts).
             entered = _interrupts.enter()
             try:
-                exchanged = None
-                if (
-                    deadline is None
-                    and not participants
-                    and not at_exit
-                    and not final
-                    and sink is None
-                    and self.size > 1
-                ):
-                    # The steady state, in one call (in C where the extension
-                    # was built with MPI): see steady_py.
-                    got = _STEADY(self, t0, collected)
-                    if got is not None:
-                        if type(got) is CollectStats:
-                            return got
-                        if got[0] == "failed":
-                            # Its destroys ran and some raised: kept for the
-                            # next agreement (an interrupt is raised here).
-                            stats = got[1]
-                            keep_failures(self.unreported, got[2], stats.sync, self.rank)
-                            return stats
-                        exchanged = self._after_steady(got)
-                point = SyncPoint(
-                    self, Deadline(deadline), participants, owner, at_exit, final, sink
+                return self._rest(
+                    None, owner, deadline, participants, collected, t0, at_exit, final, sink
                 )
-                return point.run(collected, t0, exchanged)
-            except CollectiveTimeoutError:
-                # An abandoned collective could match a later one: never again.
-                self.become(State.UNUSABLE, f"sync point {self.seq} timed out on this rank")
-                raise
-            except CollectiveMismatchError:
-                # Every rank saw the same agreement, so every rank gets here.
-                if self.inside:
-                    self.become(State.UNUSABLE, f"the ranks disagreed at sync point {self.seq}")
-                raise
             except BaseException as exc:
-                if self.inside:
-                    # Left half-way through its collectives on this rank only
-                    # (a second Ctrl-C, out of memory): the other ranks' next
-                    # collective would match the wrong one.
-                    self.abandon(
-                        f"sync point {self.seq} was left on this rank by "
-                        f"{type(exc).__name__} before its collectives were done"
-                    )
+                self._left(exc)
                 raise
             finally:
                 self.inside = False
-                if not self.members:
+                if self.gone:
                     self.maybe_free()
                 _interrupts.leave(entered)
+
+    def quick(self, owner: Manager, t0: float, collected: int | None) -> CollectStats:
+        """:meth:`sync` without a deadline, participants of its own or a
+        final report: the steady state first. Collective."""
+        with self.lock:
+            if self.state is not _OPEN or self.destroying or self.size == 1:
+                return self.sync(owner, collected=collected, t0=t0)
+            # The steady state enters the protected region itself, and leaves
+            # it when it returns the sync point's stats (see steady_py).
+            left = False
+            try:
+                got = _STEADY(self, t0, collected)
+                if type(got) is CollectStats:
+                    left = True
+                    return got
+                if got is not None and got[0] == "leave":
+                    done: CollectStats = got[1]
+                    return done  # leaving the region below runs the deferred handlers
+                return self._rest(got, owner, None, (), collected, t0, False, False, None)
+            except BaseException as exc:
+                self._left(exc)
+                raise
+            finally:
+                self.inside = False
+                if self.gone:
+                    self.maybe_free()
+                if not left:
+                    _leave(_on_main())
+
+    def _rest(
+        self,
+        got: Any,
+        owner: Manager,
+        deadline: float | None,
+        participants: Sequence[Participant],
+        collected: int | None,
+        t0: float,
+        at_exit: bool,
+        final: bool,
+        sink: list[tuple[int, Failure]] | None,
+    ) -> CollectStats:
+        """What the steady state handed back (None: nothing done), then the
+        sync point's steps (see :class:`SyncPoint`) if it is not done."""
+        exchanged = None
+        if got is None:
+            if MPI.Is_finalized():
+                self.check_usable("run a sync point", owner.describe())
+        elif got[0] == "failed":
+            # Its destroys ran and some raised: kept for the next agreement
+            # (an interrupt among them is raised here).
+            stats: CollectStats = got[1]
+            keep_failures(self.unreported, got[2], stats.sync, self.rank)
+            return stats
+        else:
+            exchanged = self._after_steady(got)
+        point = SyncPoint(self, Deadline(deadline), participants, owner, at_exit, final, sink)
+        return point.run(collected, t0, exchanged)
+
+    def _left(self, exc: BaseException) -> None:
+        """A sync point left by ``exc``: what that makes of the family."""
+        if isinstance(exc, CollectiveTimeoutError):
+            # An abandoned collective could match a later one: never again.
+            self.become(State.UNUSABLE, f"sync point {self.seq} timed out on this rank")
+        elif isinstance(exc, CollectiveMismatchError):
+            # Every rank saw the same agreement, so every rank gets here.
+            if self.inside:
+                self.become(State.UNUSABLE, f"the ranks disagreed at sync point {self.seq}")
+        elif self.inside:
+            # Left half-way through its collectives on this rank only (a
+            # second Ctrl-C, out of memory): the other ranks' next collective
+            # would match the wrong one.
+            self.abandon(
+                f"sync point {self.seq} was left on this rank by "
+                f"{type(exc).__name__} before its collectives were done"
+            )
 
     def _after_steady(self, got: tuple[Any, ...]) -> tuple[int, int]:
         """What the steady state handed back that is not a finished sync
@@ -434,10 +486,12 @@ class Collective:
         on from its agreement, or a notice that a rank gave up."""
         if got[0] == "resume":
             return got[1], got[2]
-        # "watch": a rank gave up while this one waited in the allreduce.
+        # "watch": a rank gave up while this one waited in the allreduce (its
+        # notice completed the watch's receive, which fired() reads).
         agreement = self.agreement
         assert agreement is not None
         agreement.abandoned(got[1])
+        agreement.watch.fired()
         raise agreement.watch.error(self.what("its agreement"))
 
     def _idle(self, extra: Sequence[Participant]) -> bool:
@@ -626,8 +680,15 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
       visit): the drained keys are now the pending ones, and the sync point's
       steps go on from its agreement (``SyncPoint.run(exchanged=...)``);
     - ``("watch", request)``: a rank gave up while this one waited: the
-      allreduce's request (None: the persistent one) is abandoned.
+      allreduce's request (None: the persistent one) is abandoned;
+    - ``("leave", stats)``: done, but signals arrived meanwhile: the
+      caller's leaving the protected region runs their handlers.
+
+    It enters the protected region first (the caller's sync point is one):
+    returning stats, it has left it; anything else (an exception too), and
+    the caller leaves it once the sync point's steps are done.
     """
+    entered = _interrupts.enter()  # see the return values above: the region's part
     r = fam.registry
     agreement = fam.agreement
     if (
@@ -635,7 +696,7 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
         or fam.unreported
         or fam.leaving
         or fam.children
-        or UNREACHED
+        or (UNREACHED and _reach_others(fam))
         or agreement is None
         or r.stale
         or r.last_cyclic
@@ -664,10 +725,11 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
     try:
         first, last = agreement.exchange(head, keys, dl, fam.what("its agreement"))
     except CollectiveTimeoutError:
-        # Without a deadline, only the watch ends a wait: a rank gave up.
+        # Without a deadline, only the watch ends a wait: a rank gave up (the
+        # exchange kept what it abandoned).
         if keys.size:
             r.pend, r.pend_seq = keys, np.full(keys.size, seq)
-        raise
+        return ("watch", None)
     red = agreement.buffer()
     if (
         red[6] != -1  # ~flags: some flag set somewhere
@@ -686,7 +748,7 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
         if keys.size:
             r.pend, r.pend_seq = keys, np.full(keys.size, seq)
         return ("resume", first, last)
-    agreement.window.advance(r.next_key)
+    agreement.window.advance(head.next_key)
     r.new_interval()
     fam.seq = seq + 1
     fam.inside = False
@@ -705,7 +767,17 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
     stats = CollectStats(count, len(inbox), 0, time.perf_counter() - t0, seq, collected, 0)
     if failures:
         return ("failed", stats, failures)
+    if _interrupts.deferred():
+        return ("leave", stats)  # the caller's leave runs their handlers
+    _leave(entered)
     return stats
+
+
+def _reach_others(fam: Collective) -> bool:
+    """Whether a family other than ``fam`` waits to be reached (UNREACHED:
+    ``(family ref, manager ref)`` pairs): ``fam``'s sync point looks whether
+    it contains one. ``fam`` itself, unreached, is not such a one."""
+    return any(ref() is not fam for ref, _ in UNREACHED)
 
 
 def leak_text(regs: Sequence[Any], label: str) -> str:
@@ -793,8 +865,29 @@ def reachers() -> Iterable[Callable[[Collective], None]]:
     return _REACHERS
 
 
+def _as_keys(raw: bytearray) -> np.ndarray[Any, Any]:
+    return np.frombuffer(raw, np.int64)
+
+
+def _ages(n: int, seq: int) -> np.ndarray[Any, Any]:
+    return np.full(n, seq, dtype=np.int64)
+
+
 # The steady state: C where the extension was built with MPI (the one
 # decision, collective_gc._switch), else its Python twin.
-_STEADY: Callable[[Collective, float, int | None], Any] = (
-    steady_py if STEADY is None else STEADY.steady
-)
+_STEADY: Callable[[Collective, float, int | None], Any] = steady_py
+if STEADY is not None:
+    STEADY.steady_setup(
+        Collective,
+        Registry,
+        _agree.Agreement,
+        _agree.Window,
+        Watch,
+        CollectStats,
+        State.OPEN,
+        UNREACHED,
+        destroy_run,
+        _as_keys,
+        _ages,
+    )
+    _STEADY = STEADY.steady

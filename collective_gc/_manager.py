@@ -47,6 +47,7 @@ __all__ = [
     "set_first_collective",
     "family",
     "open_family",
+    "quick_sync",
     "set_label",
     "join",
     "comm_was_freed",
@@ -540,9 +541,18 @@ class Manager:
         (one more word after its destroys) instead of leaving them to the
         family's next agreement.
         """
+        fam = self._fam
+        if (
+            fam is not None
+            and self._state is _OPEN
+            and deadline is None
+            and not participants
+            and not at_exit
+            and not final
+        ):
+            return fam.quick(self, time.perf_counter() if t0 is None else t0, collected)
         if self._state is not _OPEN:
             self._check_own("run a sync point")
-        fam = self._fam
         if fam is None:
             fam = self._family(deadline)
         return fam.sync(
@@ -606,6 +616,15 @@ def _what(mgr: Manager, stage: str) -> Callable[[], str]:
 def family(mgr: Manager) -> Collective | None:
     """The family ``mgr`` joined, or None before its first collective. Local."""
     return mgr._fam
+
+
+def quick_sync(mgr: Manager, t0: float, collected: int | None) -> CollectStats:
+    """``mgr.sync(t0=t0, collected=collected)`` (no deadline, no participants
+    of its own), with as few calls as can be: what ``cgc.collect`` runs."""
+    fam = mgr._fam
+    if fam is not None and mgr._state is _OPEN:
+        return fam.quick(mgr, t0, collected)
+    return mgr.sync(t0=t0, collected=collected)
 
 
 def set_label(mgr: Manager, label: str) -> None:

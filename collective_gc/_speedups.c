@@ -51,6 +51,11 @@
 #include <limits.h> /* LLONG_MAX */
 #include <stdint.h>
 #include <string.h> /* memset, strcmp */
+#ifdef CGC_HAVE_MPI
+#include <time.h> /* clock_gettime */
+#include <mpi.h>
+#include <mpi4py/mpi4py.h>
+#endif
 
 typedef void *PetscObject;
 typedef int (*destroy_fn)(PetscObject *);
@@ -1345,6 +1350,645 @@ region_leave(PyObject *module, PyObject *entered)
     Py_RETURN_NONE;
 }
 
+/* -- the steady state of a sync point (built with MPI only) ------------------ */
+
+#ifdef CGC_HAVE_MPI
+/* collective_gc._collective.steady_py in C, step for step: see its docstring
+ * for what it does and returns. The communicator and the requests are
+ * mpi4py's objects, reached through mpi4py's C API (PyMPIComm_Get,
+ * PyMPIRequest_Get, PyMPIRequest_New), against the MPI library mpi4py uses
+ * (mpi_ready checks that it is the one this module was built with). The
+ * message is the agreement's own buffer, with the datatype mpi4py gives its
+ * typecode 'q' (MPI_LONG_LONG): a rank in the steady state and one in the
+ * Python steps make the same collective. The wait releases the GIL. */
+
+static int mpi_is_ready = 0;
+static PyTypeObject *fam_type = NULL, *agree_type = NULL, *window_type = NULL,
+                    *watch_type = NULL, *stats_type = NULL;
+static Py_ssize_t oc_registry, oc_agreement, oc_seq, oc_destroyed, oc_state, oc_destroying,
+    oc_inside, oc_unreported, oc_leaving, oc_children, oc_participants, oc_owners,
+    oc_fingerprint;
+static Py_ssize_t or_inbox, or_stale, or_last_cyclic, or_pend, or_pend_seq;
+static Py_ssize_t oa_comm, oa_arr, oa_lo, oa_nbits, oa_persistent, oa_preq, oa_window,
+    oa_watch, oa_dirty;
+static Py_ssize_t ow_lo, ow_bits, ow_marks, ow_idle;
+static Py_ssize_t ot_req, ot_gone, ot_seq, ot_closed;
+static long window_memory = 0;
+static PyObject *state_open = NULL, *unreached = NULL, *destroy_run = NULL, *as_keys = NULL,
+                *ages_of = NULL;
+static PyObject *s_quiet_finish = NULL, *s_field = NULL, *s_vote = NULL, *s_advance = NULL;
+
+PyDoc_STRVAR(mpi_ready_doc,
+"mpi_ready() -> bool\n\n"
+"Whether the steady state can run in this process: mpi4py's C API imported,\n"
+"and MPI_Get_library_version the same for this module as for mpi4py (the\n"
+"module was built against the MPI library mpi4py uses).");
+
+static PyObject *
+mpi_ready(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (mpi_is_ready) {
+        Py_RETURN_TRUE;
+    }
+    if (import_mpi4py() < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    char mine[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    if (MPI_Get_library_version(mine, &len) != MPI_SUCCESS) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *mod = PyImport_ImportModule("mpi4py.MPI");
+    PyObject *theirs = mod == NULL ? NULL : PyObject_CallMethod(mod, "Get_library_version", NULL);
+    Py_XDECREF(mod);
+    if (theirs == NULL) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    PyObject *ours = PyUnicode_DecodeLatin1(mine, len, NULL);
+    int same = ours != NULL && PyUnicode_Compare(ours, theirs) == 0;
+    Py_XDECREF(ours);
+    Py_DECREF(theirs);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        same = 0;
+    }
+    mpi_is_ready = same;
+    return PyBool_FromLong(same);
+}
+
+static int
+offsets(PyTypeObject *type, const char *const *names, Py_ssize_t *const *outs)
+{
+    for (; *names != NULL; names++, outs++) {
+        Py_ssize_t off = slot_offset(type, *names);
+        if (off < 0) {
+            return -1;
+        }
+        **outs = off;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(steady_setup_doc,
+"steady_setup(Collective, Registry, Agreement, Window, Watch, CollectStats, OPEN,\n"
+"             unreached, destroy_run, as_keys, ages_of) -> None\n\n"
+"Where steady finds the slots of collective_gc's classes (ImportError naming\n"
+"one they lack), the usable state, the list of unreached families, and the\n"
+"Python functions it calls: _destroy.run, and the two that make the pending\n"
+"keys' arrays when a sync point goes on in Python.");
+
+static PyObject *
+steady_setup(PyObject *module, PyObject *args)
+{
+    PyObject *fam, *reg, *agr, *win, *wat, *st, *open_, *unr, *run, *keys, *ages;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OOO:steady_setup", &PyType_Type, &fam,
+                          &PyType_Type, &reg, &PyType_Type, &agr, &PyType_Type, &win,
+                          &PyType_Type, &wat, &PyType_Type, &st, &open_, &PyList_Type, &unr,
+                          &run, &keys, &ages)) {
+        return NULL;
+    }
+    static const char *const fnames[] = {"registry", "agreement", "seq", "destroyed", "state",
+        "destroying", "inside", "unreported", "leaving", "children", "participants", "owners",
+        "fingerprint", NULL};
+    Py_ssize_t *const fouts[] = {&oc_registry, &oc_agreement, &oc_seq, &oc_destroyed, &oc_state,
+        &oc_destroying, &oc_inside, &oc_unreported, &oc_leaving, &oc_children,
+        &oc_participants, &oc_owners, &oc_fingerprint};
+    static const char *const rnames[] = {"inbox", "stale", "last_cyclic", "pend", "pend_seq",
+        NULL};
+    Py_ssize_t *const routs[] = {&or_inbox, &or_stale, &or_last_cyclic, &or_pend, &or_pend_seq};
+    static const char *const anames[] = {"comm", "_arr", "_lo", "_nbits", "_persistent",
+        "_preq", "window", "watch", "_dirty", NULL};
+    Py_ssize_t *const aouts[] = {&oa_comm, &oa_arr, &oa_lo, &oa_nbits, &oa_persistent, &oa_preq,
+        &oa_window, &oa_watch, &oa_dirty};
+    static const char *const wnames[] = {"lo", "bits", "marks", "idle", NULL};
+    Py_ssize_t *const wouts[] = {&ow_lo, &ow_bits, &ow_marks, &ow_idle};
+    static const char *const tnames[] = {"_req", "gone", "seq", "_closed", NULL};
+    Py_ssize_t *const touts[] = {&ot_req, &ot_gone, &ot_seq, &ot_closed};
+    if (registry_type == NULL || (PyTypeObject *)reg != registry_type) {
+        PyErr_SetString(PyExc_ImportError,
+                        "steady_setup: set_registry_type must be called first, with the same class");
+        return NULL;
+    }
+    if (offsets((PyTypeObject *)fam, fnames, fouts) < 0
+        || offsets((PyTypeObject *)reg, rnames, routs) < 0
+        || offsets((PyTypeObject *)agr, anames, aouts) < 0
+        || offsets((PyTypeObject *)win, wnames, wouts) < 0
+        || offsets((PyTypeObject *)wat, tnames, touts) < 0) {
+        return NULL;
+    }
+    PyObject *memory = PyObject_GetAttrString(win, "MEMORY");
+    if (memory == NULL) {
+        return NULL;
+    }
+    window_memory = PyLong_AsLong(memory);
+    Py_DECREF(memory);
+    if (window_memory == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!(s_quiet_finish = PyUnicode_InternFromString("quiet_finish"))
+        || !(s_field = PyUnicode_InternFromString("field"))
+        || !(s_vote = PyUnicode_InternFromString("vote"))
+        || !(s_advance = PyUnicode_InternFromString("advance"))) {
+        return NULL;
+    }
+    Py_XSETREF(fam_type, (PyTypeObject *)Py_NewRef(fam));
+    Py_XSETREF(agree_type, (PyTypeObject *)Py_NewRef(agr));
+    Py_XSETREF(window_type, (PyTypeObject *)Py_NewRef(win));
+    Py_XSETREF(watch_type, (PyTypeObject *)Py_NewRef(wat));
+    Py_XSETREF(stats_type, (PyTypeObject *)Py_NewRef(st));
+    Py_XSETREF(state_open, Py_NewRef(open_));
+    Py_XSETREF(unreached, Py_NewRef(unr));
+    Py_XSETREF(destroy_run, Py_NewRef(run));
+    Py_XSETREF(as_keys, Py_NewRef(keys));
+    Py_XSETREF(ages_of, Py_NewRef(ages));
+    Py_RETURN_NONE;
+}
+
+/* An exact int's value, or -1 with no error set if it is not one (callers
+ * read only non-negative values or compare with small constants). */
+static long long
+int_of(PyObject *o, int *ok)
+{
+    if (o == NULL || !PyLong_CheckExact(o)) {
+        *ok = 0;
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        *ok = 0;
+    }
+    return v;
+}
+
+static int
+set_int(PyObject *obj, Py_ssize_t off, long long value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL) {
+        return -1;
+    }
+    Py_XSETREF(SLOT(obj, off), v);
+    return 0;
+}
+
+/* The drained keys become the registry's pending keys (drained at sync
+ * point seq), as Registry.drain makes them: before the sync point goes on in
+ * Python, and before any error leaves it, so that none is lost. */
+static int
+store_pending(PyObject *registry, const int64_t *keys, Py_ssize_t n, long long seq)
+{
+    if (n == 0) {
+        return 0;
+    }
+    PyObject *raw = PyByteArray_FromStringAndSize((const char *)keys, n * 8);
+    PyObject *arr = raw == NULL ? NULL : PyObject_CallOneArg(as_keys, raw);
+    Py_XDECREF(raw);
+    PyObject *ages = arr == NULL ? NULL : PyObject_CallFunction(ages_of, "nL", n, seq);
+    if (ages == NULL) {
+        Py_XDECREF(arr);
+        return -1;
+    }
+    Py_XSETREF(SLOT(registry, or_pend), arr);
+    Py_XSETREF(SLOT(registry, or_pend_seq), ages);
+    return 0;
+}
+
+static int
+qsort_cmp(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static double
+now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* what time.perf_counter reads on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Leave the protected region region_enter entered (``entered``), when
+ * nothing has to be delivered: 1 if left, 0 if the caller must leave it
+ * (signals are deferred: their handlers run there). */
+static int
+region_leave_quietly(PyObject *entered)
+{
+    if (entered != Py_True) {
+        return 1;
+    }
+    PyObject *d = PyList_GET_ITEM(region_depth, 0);
+    if (d == NULL || !PyLong_CheckExact(d)
+        || (PyLong_AsLong(d) == 1 && PyList_GET_SIZE(region_deferred) > 0)) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (region_add(-1) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(steady_doc,
+"steady(family, t0, collected) -> None | CollectStats | tuple\n\n"
+"collective_gc._collective.steady_py, in C (see there).");
+
+static PyObject *
+steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "steady: expected 3 arguments");
+        return NULL;
+    }
+    PyObject *fam = args[0], *collected = args[2];
+    double t0 = PyFloat_AsDouble(args[1]);
+    if (t0 == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    /* The protected region first, as Collective.sync enters it: from here on
+     * whatever this returns but a CollectStats leaves it entered, for the
+     * caller to leave once the sync point's steps are done (so that no
+     * signal's handler runs between here and there); a CollectStats has left
+     * it, when no signal is deferred (else ("leave", stats): the caller's
+     * leave runs the handlers). */
+    PyObject *entered = region_enter(NULL, NULL);
+    if (entered == NULL) {
+        return NULL;
+    }
+    Py_DECREF(entered); /* True or False: immortal enough, and the caller knows which */
+    int finalized = 1;
+    if (!mpi_is_ready || fam_type == NULL || Py_TYPE(fam) != fam_type
+        || MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) {
+        Py_RETURN_NONE; /* the Python steps refuse after MPI_Finalize */
+    }
+    int ok = 1;
+    PyObject *registry = SLOT(fam, oc_registry), *agreement = SLOT(fam, oc_agreement);
+    PyObject *unreported = SLOT(fam, oc_unreported), *leaving = SLOT(fam, oc_leaving);
+    PyObject *children = SLOT(fam, oc_children);
+    if (registry == NULL || Py_TYPE(registry) != registry_type || agreement == NULL
+        || Py_TYPE(agreement) != agree_type || unreported == NULL || !PyList_Check(unreported)
+        || PyList_GET_SIZE(unreported) || leaving == NULL || !PyList_Check(leaving)
+        || PyList_GET_SIZE(leaving) || children == NULL || !PyList_Check(children)
+        || PyList_GET_SIZE(children) || int_of(SLOT(fam, oc_destroying), &ok) != 0 || !ok) {
+        Py_RETURN_NONE;
+    }
+    /* Families waiting to be reached ((family ref, manager ref) pairs): only
+     * this one itself, which no sync point of its own can adopt. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unreached); i++) {
+        PyObject *pair = PyList_GET_ITEM(unreached, i);
+        PyObject *ref = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2
+                            ? PyTuple_GET_ITEM(pair, 0)
+                            : NULL;
+        if (ref == NULL || !PyWeakref_CheckRef(ref) || PyWeakref_GetObject(ref) != fam) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *inbox = SLOT(registry, or_inbox), *pend = SLOT(registry, or_pend);
+    PyObject *last_cyclic = SLOT(registry, or_last_cyclic);
+    if (inbox == NULL || !PyList_CheckExact(inbox) || SLOT(registry, or_stale) != Py_False
+        || last_cyclic == NULL || !PyList_Check(last_cyclic) || PyList_GET_SIZE(last_cyclic)
+        || pend == NULL) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t npend = PyObject_Length(pend);
+    if (npend != 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *window = SLOT(agreement, oa_window), *watch = SLOT(agreement, oa_watch);
+    PyObject *arr = SLOT(agreement, oa_arr), *persistent = SLOT(agreement, oa_persistent);
+    PyObject *preq_obj = SLOT(agreement, oa_preq), *comm_obj = SLOT(agreement, oa_comm);
+    if (window == NULL || Py_TYPE(window) != window_type || watch == NULL
+        || Py_TYPE(watch) != watch_type || arr == NULL || persistent == NULL
+        || preq_obj == NULL || comm_obj == NULL || SLOT(watch, ot_gone) != Py_None
+        || SLOT(watch, ot_closed) != Py_False || SLOT(watch, ot_req) == NULL) {
+        Py_RETURN_NONE;
+    }
+    long long nbits = int_of(SLOT(window, ow_bits), &ok), lo = int_of(SLOT(window, ow_lo), &ok);
+    long long shaped = int_of(SLOT(agreement, oa_nbits), &ok);
+    if (!ok || nbits != shaped || nbits < 0 || nbits % 64
+        || (persistent != Py_None && preq_obj == Py_None)) {
+        Py_RETURN_NONE;
+    }
+    /* Votes: only participants that a quiet sync point needs nothing of, all 0. */
+    PyObject *parts = SLOT(fam, oc_participants), *owners = SLOT(fam, oc_owners);
+    if (parts == NULL || !PyList_Check(parts) || owners == NULL || !PyList_Check(owners)
+        || PyList_GET_SIZE(owners) != PyList_GET_SIZE(parts)) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
+        PyObject *p = PyList_GET_ITEM(parts, i);
+        Py_INCREF(p);
+        PyObject *quiet = PyObject_GetAttr(p, s_quiet_finish);
+        PyObject *field = quiet == NULL ? NULL : PyObject_GetAttr(p, s_field);
+        long long vote = 0;
+        int voted = 1;
+        if (field != NULL && quiet == Py_True && field != Py_None) {
+            PyObject *owner = PyList_GET_ITEM(owners, i);
+            PyObject *v = PyObject_CallMethodOneArg(p, s_vote, owner);
+            vote = int_of(v, &voted);
+            if (v == NULL) {
+                voted = 0;
+            }
+            Py_XDECREF(v);
+        }
+        int steady_here = quiet == Py_True && field != NULL && voted && vote == 0;
+        Py_XDECREF(quiet);
+        Py_XDECREF(field);
+        Py_DECREF(p);
+        if (PyErr_Occurred()) {
+            /* A vote that raises: the Python steps make the same call and say so. */
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (!steady_here) {
+            Py_RETURN_NONE;
+        }
+    }
+    /* Votes may run Python code (and so let other threads register): the
+     * registry is read from here on, with no Python code run before the
+     * inbox is drained. */
+    inbox = SLOT(registry, or_inbox);
+    Py_ssize_t n = PyList_GET_SIZE(inbox);
+    int64_t *keys = NULL;
+    if (n) {
+        keys = PyMem_Malloc((size_t)n * sizeof(int64_t));
+        if (keys == NULL) {
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *reg = PyList_GET_ITEM(inbox, i);
+            PyObject *key = Py_TYPE(reg) == reg_type ? SLOT(reg, off_key) : NULL;
+            PyObject *flag = key == NULL ? NULL : SLOT(reg, off_cyclic);
+            int kok = 1;
+            long long k = int_of(key, &kok);
+            if (flag != Py_False || !kok) {
+                PyMem_Free(keys); /* a cyclic death (or not ours): the Python steps */
+                Py_RETURN_NONE;
+            }
+            keys[i] = (int64_t)k;
+        }
+        if (!sort_keys(keys, n)) {
+            qsort(keys, (size_t)n, sizeof(int64_t), qsort_cmp);
+        }
+        /* Registrations stay in registry.live: removing them from the inbox
+         * frees nothing, so runs no code. */
+        if (PyList_SetSlice(inbox, 0, n, NULL) < 0) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+    }
+    PyObject *result = NULL;
+    long long seq = int_of(SLOT(fam, oc_seq), &ok);
+    long long next_key = int_of(SLOT(registry, off_next_key), &ok);
+    PyObject *fp_obj = SLOT(fam, oc_fingerprint), *order_obj = SLOT(registry, off_order);
+    long long fp = fp_obj == NULL ? 0 : PyLong_AsLongLong(fp_obj);
+    unsigned long long order = order_obj == NULL ? 0 : PyLong_AsUnsignedLongLong(order_obj);
+    if (!ok || PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_RuntimeError, "steady: a sync point number or key is not an int");
+        goto fail_store;
+    }
+    Py_buffer view;
+    if (int64_buffer(arr, &view, 1, "steady") < 0) {
+        goto fail_store;
+    }
+    int64_t *buf = (int64_t *)view.buf;
+    Py_ssize_t nwords = view.len / 8, wwords = (Py_ssize_t)(nbits / 64);
+    const Py_ssize_t head = 9; /* _agree.WORDS */
+    if (nwords != head + wwords) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, "steady: the buffer does not fit the window");
+        goto fail_store;
+    }
+    long long seqword = seq * 2;
+    long long parts_word = (long long)((uint64_t)fp ^ (uint64_t)order);
+    buf[0] = seqword;
+    buf[1] = ~seqword;
+    buf[2] = next_key;
+    buf[3] = ~next_key;
+    buf[4] = parts_word;
+    buf[5] = ~parts_word;
+    buf[6] = ~0LL; /* ~flags: nothing voted */
+    buf[8] = ~0LL; /* ~children: no derived family here */
+    Py_ssize_t first = 0, last = 0;
+    uint64_t filter = 0;
+    uint64_t *words = (uint64_t *)buf + head;
+    if (n) {
+        memset(words, 0, (size_t)wwords * 8);
+        while (first < n && keys[first] < lo) {
+            first++;
+        }
+        for (Py_ssize_t i = 0; i < first; i++) {
+            filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
+        }
+        for (last = first; last < n && keys[last] - lo < nbits; last++) {
+            uint64_t bit = (uint64_t)(keys[last] - lo);
+            words[bit >> 6] |= 1ULL << (bit & 63);
+        }
+        for (Py_ssize_t i = last; i < n; i++) {
+            filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
+        }
+        Py_XSETREF(SLOT(agreement, oa_dirty), Py_NewRef(Py_True));
+    }
+    else if (SLOT(agreement, oa_dirty) == Py_True) {
+        memset(words, 0, (size_t)wwords * 8); /* the AND of bits this rank sent */
+        Py_XSETREF(SLOT(agreement, oa_dirty), Py_NewRef(Py_False));
+    }
+    buf[7] = (int64_t)filter;
+    if (set_int(agreement, oa_lo, lo) < 0 || set_int(watch, ot_seq, seq) < 0) {
+        PyBuffer_Release(&view);
+        goto fail_store;
+    }
+    /* From the start of the allreduce, leaving by an exception makes the
+     * family unusable (Collective.sync): the other ranks are in it. */
+    Py_XSETREF(SLOT(fam, oc_inside), Py_NewRef(Py_True));
+    MPI_Comm *comm = PyMPIComm_Get(comm_obj);
+    MPI_Request *wreq = PyMPIRequest_Get(SLOT(watch, ot_req));
+    if (comm == NULL || wreq == NULL) {
+        PyBuffer_Release(&view);
+        goto fail_store;
+    }
+    MPI_Request reqs[2], *preq = NULL;
+    int ierr, index = MPI_UNDEFINED;
+    if (persistent != Py_None) {
+        preq = PyMPIRequest_Get(preq_obj);
+        if (preq == NULL) {
+            PyBuffer_Release(&view);
+            goto fail_store;
+        }
+        ierr = MPI_Start(preq);
+        reqs[0] = *preq;
+    }
+    else {
+        ierr = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)nwords, MPI_LONG_LONG, MPI_BAND, *comm,
+                              &reqs[0]);
+    }
+    if (ierr == MPI_SUCCESS) {
+        reqs[1] = *wreq;
+        Py_BEGIN_ALLOW_THREADS
+        ierr = MPI_Waitany(2, reqs, &index, MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
+        *wreq = reqs[1]; /* MPI nulled it if the notice arrived */
+        if (preq != NULL) {
+            *preq = reqs[0];
+        }
+    }
+    PyBuffer_Release(&view); /* the array is not resized while MPI may write: see _agree */
+    if (ierr != MPI_SUCCESS) {
+        char text[MPI_MAX_ERROR_STRING];
+        int tlen = 0;
+        MPI_Error_string(ierr, text, &tlen);
+        PyErr_Format(PyExc_RuntimeError, "steady: the agreement's allreduce failed: %.*s", tlen,
+                     text);
+        goto fail_store;
+    }
+    if (index == 1) {
+        /* A rank gave up (or left) while this one waited: the allreduce is
+         * still active, and is handed back to be kept for ever. */
+        if (store_pending(registry, keys, n, seq) < 0) {
+            goto fail;
+        }
+        PyObject *req = preq != NULL ? Py_NewRef(Py_None) : PyMPIRequest_New(reqs[0]);
+        if (req == NULL) {
+            goto fail;
+        }
+        result = Py_BuildValue("(sN)", "watch", req);
+        goto done;
+    }
+    Py_ssize_t agreed = 0;
+    int unusual = buf[6] != ~0LL || buf[7] != 0 || buf[8] != ~0LL || buf[0] != ~buf[1]
+                  || buf[2] != ~buf[3] || buf[4] != ~buf[5];
+    if (!unusual && last > first) {
+        for (Py_ssize_t w = 0; w < wwords; w++) {
+            agreed += POPCOUNT64(words[w]);
+        }
+    }
+    if (unusual || agreed != n) {
+        /* The Python steps go on from the agreement, with these keys pending. */
+        if (store_pending(registry, keys, n, seq) < 0) {
+            goto fail;
+        }
+        result = Py_BuildValue("(snn)", "resume", first, last);
+        goto done;
+    }
+    /* The steady state: every drained key agreed, nothing else. */
+    PyObject *marks = SLOT(window, ow_marks);
+    long long idle = int_of(SLOT(window, ow_idle), &ok);
+    long long last_mark = -1;
+    if (marks != NULL && PyList_Check(marks) && PyList_GET_SIZE(marks)) {
+        last_mark = int_of(PyList_GET_ITEM(marks, PyList_GET_SIZE(marks) - 1), &ok);
+    }
+    if (!(ok && next_key == last_mark && idle == window_memory)) {
+        PyObject *nk = PyLong_FromLongLong(next_key);
+        PyObject *r = nk == NULL ? NULL : PyObject_CallMethodOneArg(window, s_advance, nk);
+        Py_XDECREF(nk);
+        if (r == NULL) {
+            goto fail;
+        }
+        Py_DECREF(r);
+    }
+    ok = 1;
+    long long thread = int_of(SLOT(registry, off_thread), &ok);
+    if (ok && thread > 0 && set_int(registry, off_thread, 0) < 0) { /* new_interval */
+        goto fail;
+    }
+    if (set_int(fam, oc_seq, seq + 1) < 0) {
+        goto fail;
+    }
+    Py_XSETREF(SLOT(fam, oc_inside), Py_NewRef(Py_False));
+    long long count = 0;
+    PyObject *failures = NULL;
+    if (n) {
+        PyObject *raw = PyByteArray_FromStringAndSize((const char *)keys, n * 8);
+        PyObject *karr = raw == NULL ? NULL : PyObject_CallOneArg(as_keys, raw);
+        Py_XDECREF(raw);
+        if (karr == NULL || set_int(fam, oc_destroying, (long long)PyThread_get_thread_ident()) < 0) {
+            Py_XDECREF(karr);
+            goto fail;
+        }
+        PyObject *ran = PyObject_CallFunctionObjArgs(destroy_run, registry, karr, NULL);
+        Py_DECREF(karr);
+        set_int(fam, oc_destroying, 0);
+        if (ran == NULL) {
+            goto fail;
+        }
+        int cok = 1;
+        count = PyTuple_Check(ran) && PyTuple_GET_SIZE(ran) == 3
+                    ? int_of(PyTuple_GET_ITEM(ran, 0), &cok)
+                    : 0;
+        long long before = int_of(SLOT(fam, oc_destroyed), &cok);
+        if (!cok || set_int(fam, oc_destroyed, before + count) < 0) {
+            Py_DECREF(ran);
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError, "steady: _destroy.run returned no count");
+            }
+            goto fail;
+        }
+        PyObject *fl = PyTuple_GET_ITEM(ran, 1), *interrupt = PyTuple_GET_ITEM(ran, 2);
+        if (PyList_Check(fl) && (PyList_GET_SIZE(fl) || interrupt != Py_None)) {
+            failures = PyList_GetSlice(fl, 0, PyList_GET_SIZE(fl));
+            if (failures != NULL && interrupt != Py_None) {
+                PyObject *own = Py_BuildValue(
+                    "(isO)", -1, "the sync point's own steps between its destroys", interrupt);
+                if (own == NULL || PyList_Append(failures, own) < 0) {
+                    Py_CLEAR(failures);
+                }
+                Py_XDECREF(own);
+            }
+        }
+        Py_DECREF(ran);
+        if (PyErr_Occurred()) {
+            Py_XDECREF(failures);
+            goto fail;
+        }
+    }
+    PyObject *fields = Py_BuildValue("(LnidLOi)", count, PyList_GET_SIZE(inbox), 0,
+                                     now_seconds() - t0, seq, collected, 0);
+    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+    Py_XDECREF(fields);
+    PyObject *stats = targs == NULL ? NULL : PyTuple_Type.tp_new(stats_type, targs, NULL);
+    Py_XDECREF(targs);
+    if (stats == NULL) {
+        Py_XDECREF(failures);
+        goto fail;
+    }
+    if (failures != NULL) {
+        result = Py_BuildValue("(sNN)", "failed", stats, failures);
+    }
+    else if (region_leave_quietly(entered)) {
+        result = stats;
+    }
+    else {
+        result = Py_BuildValue("(sN)", "leave", stats);
+    }
+    goto done;
+fail_store:
+    /* Nothing may be lost: the keys drained here are pending again. */
+    if (n) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (store_pending(registry, keys, n, seq) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, tb);
+    }
+fail:
+    result = NULL;
+done:
+    PyMem_Free(keys);
+    return result;
+}
+#endif /* CGC_HAVE_MPI */
+
 static PyMethodDef methods[] = {
     {"region_setup", region_setup, METH_VARARGS, region_setup_doc},
     {"region_enter", region_enter, METH_NOARGS, region_enter_doc},
@@ -1366,6 +2010,11 @@ static PyMethodDef methods[] = {
     {"window_keys", window_keys, METH_VARARGS, window_keys_doc},
     {"set_registry_type", set_registry_type, METH_VARARGS, set_registry_type_doc},
     {"add_plain", (PyCFunction)(void (*)(void))add_plain, METH_FASTCALL, add_plain_doc},
+#ifdef CGC_HAVE_MPI
+    {"mpi_ready", mpi_ready, METH_NOARGS, mpi_ready_doc},
+    {"steady_setup", steady_setup, METH_VARARGS, steady_setup_doc},
+    {"steady", (PyCFunction)(void (*)(void))steady, METH_FASTCALL, steady_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -1389,5 +2038,15 @@ PyInit__speedups(void)
         || !(s_push = PyUnicode_InternFromString("_push"))) {
         return NULL;
     }
-    return PyModule_Create(&module_def);
+    PyObject *m = PyModule_Create(&module_def);
+#ifdef CGC_HAVE_MPI
+    const int have_mpi = 1;
+#else
+    const int have_mpi = 0;
+#endif
+    if (m != NULL && PyModule_AddObject(m, "HAVE_MPI", PyBool_FromLong(have_mpi)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -39,10 +39,19 @@ def _load() -> types.ModuleType | None:
 # The extension, or None.
 SPEEDUPS = _load()
 
+
+def _steady() -> types.ModuleType | None:
+    if SPEEDUPS is None or not getattr(SPEEDUPS, "HAVE_MPI", False):
+        return None
+    # mpi4py's C API imported, and the MPI library it uses the one the
+    # extension was built against (else its handles would be another MPI's).
+    return SPEEDUPS if SPEEDUPS.mpi_ready() else None
+
+
 # The same module where it was built with MPI (its steady state of a sync
 # point, through mpi4py's C API, against the MPI library mpi4py uses), else
 # None: sync points then run from Python, the reference.
-STEADY = SPEEDUPS if SPEEDUPS is not None and getattr(SPEEDUPS, "HAVE_MPI", False) else None
+STEADY = _steady()
 
 F = TypeVar("F")
 

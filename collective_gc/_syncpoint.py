@@ -383,7 +383,9 @@ class SyncPoint:
             agreed = agreement.resolve(r.pend, *exchanged, self.dl, what)
             if agreed.mismatch:
                 raise self._mismatch(agreement.comm)
-            agreement.window.advance(r.next_key)
+            # The agreed next key (the one every rank sent: a registration on
+            # another thread meanwhile is the next sync point's).
+            agreement.window.advance(int(agreement.buffer()[2]))
             r.new_interval()
             self.keys, self.flags, self.wanted = agreed.keys, agreed.flags, agreed.children
         if self.flags & FLAG_BAD_VOTE:

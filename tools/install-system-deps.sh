@@ -6,9 +6,11 @@
 # Root on Debian/Ubuntu: installs what is missing with apt-get. Elsewhere: says
 # what to install and exits non-zero.
 set -euo pipefail
-# python3-dev and gcc build the optional C extension (collective_gc._speedups).
+# python3-dev, gcc and libopenmpi-dev (mpicc, with mpi4py's headers) build the optional C
+# extension (collective_gc._speedups) with its sync-point steady state; setuptools and
+# wheel build it without build isolation, which would hide mpi4py from the build.
 # procps: pgrep, with which a launcher test checks that no rank outlived SIGTERM.
-DEFAULT_PKGS="procps openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev gcc python3-matplotlib"
+DEFAULT_PKGS="procps openmpi-bin libopenmpi-dev python3-mpi4py python3-petsc4py python3-numpy python3-venv python3-dev python3-setuptools python3-wheel gcc python3-matplotlib"
 PKGS=${*:-$DEFAULT_PKGS}
 missing=""
 for p in $PKGS; do

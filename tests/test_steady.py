@@ -1,0 +1,235 @@
+"""The steady state of a sync point: one call (C where the extension was
+built with MPI, else its Python twin, ``_collective.steady_py``), one
+collective; whatever is unusual goes on in the Python steps from the
+agreement, with the same outcome.
+
+Every test runs on COMM_WORLD's duplicate (the ``comm`` fixture) on 4 ranks,
+and on COMM_SELF serially where it means something there. Each one records
+what the steady state returned, so that a test shows which way each sync
+point went, and asserts the same results on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import collective_gc as cgc
+from collective_gc import _agree, _collective, _switch
+
+from _util import GcDisabled, Obj, everyone, noop
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture
+def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """What the steady state (whichever this process runs) returned, by sync point."""
+    seen: list[str] = []
+    real = _collective._STEADY
+
+    def recording(fam: Any, t0: float, collected: int | None) -> Any:
+        got = real(fam, t0, collected)
+        if got is None:
+            seen.append("steps")
+        elif type(got) is cgc.CollectStats:
+            seen.append("steady")
+        else:
+            seen.append(got[0])
+        return got
+
+    monkeypatch.setattr(_collective, "_STEADY", recording)
+    yield seen
+
+
+def test_the_c_steady_state_runs_where_it_is_required() -> None:
+    """``make test`` builds the extension with MPI (CGC_REQUIRE_STEADY=1): a
+    build that silently fell back to the Python steps would leave the floor
+    unmeasured. The pure-Python leg runs the twin, on purpose."""
+    if _switch.PURE_PYTHON:
+        assert _switch.speedups() == "python"
+        assert _collective._STEADY is _collective.steady_py
+    elif os.environ.get("CGC_REQUIRE_STEADY", "") not in ("", "0"):
+        assert _switch.speedups() == "c+mpi", _switch.speedups()
+        assert _collective._STEADY is not _collective.steady_py
+    else:
+        pytest.skip("the C steady state is not required on this stack")
+
+
+def test_an_empty_sync_point_is_the_steady_state(comm: MPI.Intracomm, outcomes: list[str]) -> None:
+    cgc.collect(comm, generation=None, timeout=30)  # the first: the family, the buffer
+    outcomes.clear()
+    for _ in range(5):
+        stats = cgc.collect(comm, generation=None)
+        assert stats.destroyed == 0 and stats.pending == 0
+    assert everyone(comm, outcomes) == [["steady"] * 5] * comm.Get_size()
+
+
+def test_keys_dropped_everywhere_are_destroyed_in_the_steady_state(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    log: list[int] = []
+    cgc.collect(comm, generation=None, timeout=30)
+    with GcDisabled():
+        for step in range(6):
+            objs = [Obj() for _ in range(50)]
+            for i, o in enumerate(objs):
+                cgc.register(o, log.append, 50 * step + i, comm=comm)
+            del o
+            objs.clear()
+            assert cgc.collect(comm, generation=None).destroyed == 50
+    # Newest first, every step.
+    assert log == [50 * s + i for s in range(6) for i in reversed(range(50))]
+    # The first sync point after registrations reshapes the window's buffer:
+    # the steps; the others, the steady state.
+    got = everyone(comm, outcomes)
+    assert all(g == got[0] for g in got), got
+    assert got[0].count("steady") >= 4, got
+
+
+def test_keys_dropped_on_some_ranks_go_on_from_the_agreement(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """Rank 0 keeps its object one sync point longer: the others drained
+    the key, agreed on nothing, and went on in the Python steps with it
+    pending; the next sync point destroys it everywhere."""
+    rank = comm.Get_rank()
+    log: list[str] = []
+    cgc.collect(comm, generation=None, timeout=30)
+    cgc.collect(comm, generation=None, timeout=30)
+    outcomes.clear()
+    with GcDisabled():
+        o = Obj()
+        cgc.register(o, log.append, "late", comm=comm)
+        cgc.collect(comm, generation=None, timeout=30)  # reshapes for the registration
+        held = [o] if rank == 0 else []
+        del o
+        first = cgc.collect(comm, generation=None)
+        held.clear()
+        second = cgc.collect(comm, generation=None)
+    verdict = everyone(comm, (first.destroyed, second.destroyed, log, outcomes[-2:]))
+    expected_first = "steady" if rank == 0 else "resume"
+    assert verdict[rank][3][0] == expected_first, verdict
+    assert all(v[:3] == (0, 1, ["late"]) for v in verdict), verdict
+
+
+def test_a_failed_destroy_in_the_steady_state_is_kept_and_reported(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    rank = comm.Get_rank()
+
+    def fails_on_0() -> None:
+        if rank == 0:
+            raise RuntimeError("fails on rank 0")
+
+    cgc.collect(comm, generation=None, timeout=30)
+    with GcDisabled():
+        o = Obj()
+        cgc.register(o, fails_on_0, comm=comm, name="fragile")
+        cgc.collect(comm, generation=None, timeout=30)
+        outcomes.clear()
+        del o
+        stats = cgc.collect(comm, generation=None)
+        assert stats.destroyed == 1
+        with pytest.raises(cgc.DestroyError, match="fails on rank 0") as info:
+            cgc.collect(comm, generation=None)
+    assert [(r, n) for r, _, n, _ in info.value.failures] == [(0, "fragile")]
+    got = everyone(comm, outcomes)
+    # Rank 0 kept a failure: its next sync point takes the steps (the report
+    # is theirs to make); the others find it in the agreement, and go on there.
+    assert got == [["failed", "steps"]] + [["steady", "resume"]] * (comm.Get_size() - 1), got
+
+
+def test_a_participant_that_votes_takes_the_steps(comm: MPI.Intracomm, outcomes: list[str]) -> None:
+    class Quiet(cgc.Participant):
+        field = 4
+        quiet_finish = True
+
+        def __init__(self) -> None:
+            self.next = 0
+            self.finished: list[int] = []
+
+        def vote(self, mgr: cgc.Manager) -> int:
+            return self.next
+
+        def finish(self, mgr: cgc.Manager, flags: int) -> None:
+            self.finished.append(self.votes(flags))
+
+    own = comm.Dup()  # the participant leaves with it
+    mgr = cgc.manager(own)
+    try:
+        p = Quiet()
+        mgr.add_participant(p)
+        cgc.collect(own, generation=None, timeout=30)  # (a deadline: the steps, which finish)
+        outcomes.clear()
+        p.finished.clear()
+        cgc.collect(own, generation=None)  # votes 0, quiet: nothing to finish
+        p.next = 1 if own.Get_rank() == 0 else 0
+        cgc.collect(own, generation=None)  # rank 0 votes: every rank finishes
+        p.next = 0
+        cgc.collect(own, generation=None)
+        got = everyone(comm, (outcomes, p.finished))
+        assert got[0] == (["steady", "steps", "steady"], [1]), got
+        assert all(g == (["steady", "resume", "steady"], [1]) for g in got[1:]), got
+    finally:
+        mgr.close(timeout=30)
+        own.Free()
+
+
+def test_a_cyclic_death_takes_the_steps(comm: MPI.Intracomm, outcomes: list[str]) -> None:
+    cgc.collect(comm, generation=None, timeout=30)
+    with GcDisabled():
+        o = Obj()
+        cgc.register(o, noop, comm=comm, name="cyclic")
+        cgc.collect(comm, generation=None, timeout=30)
+        o.peer = o
+        del o
+        gc.collect()
+        outcomes.clear()
+        stats = cgc.collect(comm, generation=None)
+    assert (stats.destroyed, stats.cyclic) == (1, 1)
+    assert everyone(comm, outcomes) == [["steps"]] * comm.Get_size()
+
+
+def test_a_rank_that_gives_up_wakes_one_waiting_in_the_steady_state(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """Rank 0 has a deadline (its sync point takes the steps) and gives up;
+    the others, in the steady state without one, are woken by its notice."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None, timeout=30)
+    outcomes.clear()
+    if rank == 1:
+        time.sleep(1.5)  # late: rank 0 gives up meanwhile
+    t0 = time.monotonic()
+    try:
+        cgc.collect(comm, generation=None, timeout=0.3 if rank == 0 else None)
+        seen = "ok"
+    except cgc.CollectiveTimeoutError:
+        seen = "CollectiveTimeoutError"
+    took = time.monotonic() - t0
+    verdict = everyone(comm, (seen, outcomes))
+    assert all(v[0] == "CollectiveTimeoutError" for v in verdict), verdict
+    assert took < 10
+    # Ranks 2.. waited in the steady state's allreduce and were woken there;
+    # rank 1 arrived after the notice (it completes the allreduce or sees
+    # the notice, whichever MPI finds first: both raise).
+    assert all(v[1] in (["watch"], ["resume"]) for v in verdict[2:]), verdict
+    assert cgc.manager(comm).broken is not None
+
+
+def test_the_message_has_no_word_per_rank(comm: MPI.Intracomm) -> None:
+    """What the steady state sends: the header and the window, whatever the
+    number of ranks or of communicators congruent with this one."""
+    dups = [cgc.dup(comm) for _ in range(20)]
+    cgc.collect(comm, generation=None, timeout=30)
+    words, _, bits = cgc.manager(comm).message or (0, 0, 0)
+    assert words == _agree.WORDS + bits // 64
+    del dups
+    cgc.collect(comm, generation=None, timeout=30)
