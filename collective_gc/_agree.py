@@ -39,6 +39,7 @@ import array
 import functools
 import hashlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -364,6 +365,7 @@ class Agreement:
         "_nbits",
         "_persistent",
         "_preq",
+        "waits",
     )
 
     def __init__(self, comm: MPI.Intracomm) -> None:
@@ -383,6 +385,9 @@ class Agreement:
         init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
         self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT else None
         self._preq: MPI.Prequest | None = None
+        # Where the exchange marks its wait for the other ranks ("wait",
+        # start, end) while a tracer watches (collective_gc._tracing), else None.
+        self.waits: list[tuple[str, float, float]] | None = None
 
     @property
     def words(self) -> int:
@@ -506,7 +511,15 @@ class Agreement:
         # Non-blocking even without one: a blocking collective never matches
         # the non-blocking one of a rank that has a deadline.
         try:
-            wait(self._start(buf), deadline, what, buf, check=False)
+            if self.waits is None:
+                wait(self._start(buf), deadline, what, buf, check=False)
+            else:
+                req = self._start(buf)
+                started = time.perf_counter()
+                try:
+                    wait(req, deadline, what, buf, check=False)
+                finally:
+                    self.waits.append(("wait", started, time.perf_counter()))
         except BaseException:
             # MPI may still write into it, and the request may still be
             # active: neither is used again, and both are kept for ever (wait

@@ -54,6 +54,7 @@ from ._errors import (
 )
 from ._registry import NO_KEYS, Registry, keys_of
 from ._switch import STEADY
+from ._tracing import TRACER
 from ._syncpoint import UNREACHED, CollectStats, Participant, SyncPoint, identities, keep_failures
 from ._transport import Deadline, Watch, dup
 
@@ -409,7 +410,8 @@ class Collective:
         """:meth:`sync` without a deadline, participants of its own or a
         final report: the steady state first. Collective."""
         with self.lock:
-            if self.state is not _OPEN or self.destroying or self.size == 1:
+            if self.state is not _OPEN or self.destroying or self.size == 1 or TRACER[0]:
+                # (Traced, a sync point takes the steps, which mark their phases.)
                 return self.sync(owner, collected=collected, t0=t0)
             # The steady state enters the protected region itself, and leaves
             # it when it returns the sync point's stats (see steady_py).

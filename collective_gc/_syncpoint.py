@@ -53,6 +53,7 @@ from . import _agree, _destroy
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
 from ._errors import CollectiveGCError, CollectiveMismatchError
 from ._registration import where
+from ._tracing import TRACER, Phases, Tracer
 from ._transport import Deadline, allgather
 
 if TYPE_CHECKING:
@@ -293,6 +294,9 @@ class SyncPoint:
         C steady state prepared this sync point (its votes were all 0, the
         inbox drained with nothing cyclic) and made its allreduce, which
         found something unusual: the steps go on from there."""
+        tracer = TRACER[0]
+        if tracer is not None:
+            return self._traced(tracer, collected, t0, exchanged)
         try:
             if exchanged is None:
                 self.prepare()
@@ -317,6 +321,9 @@ class SyncPoint:
                 self.report()
         finally:
             self.failures = self.caught = _NONE  # see the class docs
+        return self._stats(collected, t0)
+
+    def _stats(self, collected: int | None, t0: float) -> CollectStats:
         r = self.fam.registry
         return CollectStats(
             self.count,
@@ -327,6 +334,60 @@ class SyncPoint:
             collected,
             self.wanted.bit_count(),
         )
+
+    def _traced(
+        self,
+        tracer: Tracer,
+        collected: int | None,
+        t0: float,
+        exchanged: tuple[int, int] | None,
+    ) -> CollectStats:
+        """:meth:`run`, with each step's time handed to ``tracer`` (see
+        collective_gc._tracing): the same steps, in the same order."""
+        clock = time.perf_counter
+        phases: Phases = []
+        fam = self.fam
+        if fam.agreement is not None:
+            fam.agreement.waits = phases  # the exchange marks its wait there
+        outcome = "ok"
+
+        def step(name: str, fn: Callable[[], None]) -> None:
+            start = clock()
+            try:
+                fn()
+            finally:
+                phases.append((name, start, clock()))
+
+        try:
+            if exchanged is None:
+                step("prepare", self.prepare)
+            else:
+                fam.inside = True
+            step("agree", lambda: self.agree(exchanged))
+            if not self.flags & FLAG_FAILED:
+                if self.keys.size:
+                    step("destroy", self.destroy)
+                if self.wanted:
+                    step("visit", self.visit)
+                if fam.leaving:
+                    step("release", fam.release)
+                if (self.keys.size or self.visited) and self._checked():
+                    step("check", self.check)
+            if self.parts:
+                step("finish", self.finish)
+            if self.failures or self.caught or self.flags & FLAG_FAILED:
+                step("report", self.report)
+        except BaseException as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self.failures = self.caught = _NONE  # see the class docs
+            if fam.agreement is not None:
+                fam.agreement.waits = None
+            tracer.sync_point(
+                fam.label, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
+            )
+        return self._stats(collected, t0)
 
     # -- 1. prepare ------------------------------------------------------------
 
