@@ -54,8 +54,8 @@ from ._errors import (
 )
 from ._registry import NO_KEYS, Registry, keys_of
 from ._switch import STEADY
-from ._tracing import TRACER
 from ._syncpoint import UNREACHED, CollectStats, Participant, SyncPoint, identities, keep_failures
+from ._tracing import TRACER
 from ._transport import Deadline, Watch, dup
 
 # A protected region's exit, bound once (the hot path's call), and whether a
