@@ -150,6 +150,7 @@ class Collective:
         "unreported",
         "leaving",
         "gone",
+        "extra_prints",
         "__weakref__",
     )
 
@@ -194,6 +195,9 @@ class Collective:
         # append: no MPI there).
         self.leaving: list[Callable[[], bool]] = []
         self.gone = False  # its last member left inside a sync point: free it at its end
+        # fingerprint_with's answers (weak: a scope's participant goes with it);
+        # emptied when the family's own participants change.
+        self.extra_prints: weakref.WeakKeyDictionary[Participant, int] = weakref.WeakKeyDictionary()
 
     # -- making it -----------------------------------------------------------------
 
@@ -322,6 +326,7 @@ class Collective:
         self.owners.append(owner)
         self.identities = identities(self.participants)
         self.fingerprint = _agree.fingerprint(self.identities)
+        self.extra_prints.clear()
 
     def drop_participants(self, owner: Manager) -> None:
         """The participants added on ``owner``, a member that leaves, leave
@@ -333,6 +338,7 @@ class Collective:
         self.owners = [o for _, o in kept]
         self.identities = identities(self.participants)
         self.fingerprint = _agree.fingerprint(self.identities) if self.identities else 0
+        self.extra_prints.clear()
 
     def release(self) -> None:
         """A sync point's step, after its destroys: what was waiting to let go
@@ -406,25 +412,29 @@ class Collective:
                     self.maybe_free()
                 _interrupts.leave(entered)
 
-    def quick(self, owner: Manager, t0: float, collected: int | None) -> CollectStats:
-        """:meth:`sync` without a deadline, participants of its own or a
-        final report: the steady state first. Collective."""
+    def quick(
+        self, owner: Manager, t0: float, collected: int | None, extra: Participant | None
+    ) -> CollectStats:
+        """:meth:`sync` without a deadline or a final report, with ``extra``
+        (or no participant) of its own: the steady state first. Collective."""
+        parts: tuple[Participant, ...] = () if extra is None else (extra,)
         with self.lock:
             if self.state is not _OPEN or self.destroying or self.size == 1 or TRACER[0]:
                 # (Traced, a sync point takes the steps, which mark their phases.)
-                return self.sync(owner, collected=collected, t0=t0)
+                return self.sync(owner, collected=collected, t0=t0, participants=parts)
             # The steady state enters the protected region itself, and leaves
             # it when it returns the sync point's stats (see steady_py).
+            fp = self.fingerprint if extra is None else self.fingerprint_with(extra)
             left = False
             try:
-                got = _STEADY(self, t0, collected)
+                got = _STEADY(self, t0, collected, extra, owner, fp)
                 if type(got) is CollectStats:
                     left = True
                     return got
                 if got is not None and got[0] == "leave":
                     done: CollectStats = got[1]
                     return done  # leaving the region below runs the deferred handlers
-                return self._rest(got, owner, None, (), collected, t0, False, False, None)
+                return self._rest(got, owner, None, parts, collected, t0, False, False, None)
             except BaseException as exc:
                 self._left(exc)
                 raise
@@ -434,6 +444,16 @@ class Collective:
                     self.maybe_free()
                 if not left:
                     _leave(_on_main())
+
+    def fingerprint_with(self, extra: Participant) -> int:
+        """The fingerprint of the family's participants and ``extra`` (a
+        sync point's own: a scope's), as the agreement carries it. Cached:
+        a scope's participant is the same at each of its sync points."""
+        cache = self.extra_prints
+        found = cache.get(extra)
+        if found is None:
+            found = cache[extra] = _agree.fingerprint(identities([*self.participants, extra]))
+        return found
 
     def _rest(
         self,
@@ -660,14 +680,23 @@ class Collective:
 # -- the steady state ------------------------------------------------------------
 
 
-def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
+def steady_py(
+    fam: Collective,
+    t0: float,
+    collected: int | None,
+    extra: Participant | None = None,
+    owner: Manager | None = None,
+    fp: int | None = None,
+) -> Any:
     """A sync point of ``fam`` in its steady state, in one call: what
     ``_speedups.steady`` does in C (where the extension was built with MPI,
     through mpi4py's C API), step for step; this is its twin.
 
-    Called by :meth:`Collective.sync` with the family's lock held, inside a
-    protected region, for a sync point without a deadline or participants of
-    its own, on a family of size > 1 that is usable. It returns:
+    Called by :meth:`Collective.quick` with the family's lock held, for a
+    sync point without a deadline, on a family of size > 1 that is usable;
+    ``extra`` is its own participant (a scope's) or None, with ``owner``,
+    and ``fp`` the participants' fingerprint (the family's, with ``extra``'s).
+    It returns:
 
     - None, having changed nothing: the sync point is not steady (a failure
       to report, a derived family to visit, a member to let go, keys pending
@@ -707,8 +736,12 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
     ):
         return None
     # Votes: only participants that a quiet sync point needs nothing of, all 0.
-    for p, owner in zip(fam.participants, fam.owners):
-        if not p.quiet_finish or (p.field is not None and p.vote(owner) != 0):
+    for p, o in zip(fam.participants, fam.owners):
+        if not p.quiet_finish or (p.field is not None and p.vote(o) != 0):
+            return None
+    if extra is not None:
+        assert owner is not None
+        if not extra.quiet_finish or (extra.field is not None and extra.vote(owner) != 0):
             return None
     inbox = r.inbox
     n = len(inbox)
@@ -721,7 +754,8 @@ def steady_py(fam: Collective, t0: float, collected: int | None) -> Any:
         del inbox[:n]  # one C call: appends racing with it land after the slice
         del batch
     seq = fam.seq
-    head = _agree.Header(seq, r.next_key, False, 0, fam.fingerprint ^ _agree.as_int64(r.order))
+    parts = fam.fingerprint if fp is None else fp
+    head = _agree.Header(seq, r.next_key, False, 0, parts ^ _agree.as_int64(r.order))
     dl = Deadline(None)
     fam.inside = True
     try:
@@ -877,7 +911,7 @@ def _ages(n: int, seq: int) -> np.ndarray[Any, Any]:
 
 # The steady state: C where the extension was built with MPI (the one
 # decision, collective_gc._switch), else its Python twin.
-_STEADY: Callable[[Collective, float, int | None], Any] = steady_py
+_STEADY: Callable[..., Any] = steady_py
 if STEADY is not None:
     STEADY.steady_setup(
         Collective,

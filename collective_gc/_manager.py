@@ -550,7 +550,7 @@ class Manager:
             and not at_exit
             and not final
         ):
-            return fam.quick(self, time.perf_counter() if t0 is None else t0, collected)
+            return fam.quick(self, time.perf_counter() if t0 is None else t0, collected, None)
         if self._state is not _OPEN:
             self._check_own("run a sync point")
         if fam is None:
@@ -618,13 +618,16 @@ def family(mgr: Manager) -> Collective | None:
     return mgr._fam
 
 
-def quick_sync(mgr: Manager, t0: float, collected: int | None) -> CollectStats:
-    """``mgr.sync(t0=t0, collected=collected)`` (no deadline, no participants
-    of its own), with as few calls as can be: what ``cgc.collect`` runs."""
+def quick_sync(
+    mgr: Manager, t0: float, collected: int | None, extra: Participant | None = None
+) -> CollectStats:
+    """``mgr.sync(t0=t0, collected=collected, participants=(extra,))`` (no
+    deadline; ``extra`` None: no participant of its own), with as few calls
+    as can be: what ``cgc.collect`` and a scope's sync run."""
     fam = mgr._fam
     if fam is not None and mgr._state is _OPEN:
-        return fam.quick(mgr, t0, collected)
-    return mgr.sync(t0=t0, collected=collected)
+        return fam.quick(mgr, t0, collected, extra)
+    return mgr.sync(t0=t0, collected=collected, participants=() if extra is None else (extra,))
 
 
 def set_label(mgr: Manager, label: str) -> None:

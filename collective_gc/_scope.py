@@ -30,7 +30,7 @@ from ._errors import (
 )
 from ._exit import exit_timeout
 from ._lookup import lookup, manager
-from ._manager import Manager, set_timeout_source
+from ._manager import Manager, quick_sync, set_timeout_source
 from ._syncpoint import SCOPE_EXIT, CollectStats, Participant
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
@@ -81,11 +81,22 @@ class _Seen(Participant):
     interrupt the sync point holds then cannot make one rank skip a
     collective the others make."""
 
+    # With the agreed flags all 0 its finish would only note them: the
+    # steady state may skip it (the scope resets what it notes first).
+    quiet_finish = True
+
     def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
         self.flags = 0
         self.gather_cyclic = gather_cyclic
         self.timeout = timeout
         self.cyclic_rows: list[tuple[int, str, str, int, str]] = []
+
+    def reset(self) -> None:
+        """Forget what the last sync point noted (one object serves the
+        scope's every sync point)."""
+        self.flags = 0
+        if self.cyclic_rows:
+            self.cyclic_rows = []
 
     def may_raise(self, flags: int) -> bool:
         return False
@@ -121,6 +132,10 @@ class _Policy(_Seen):
 
     def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
         super().__init__(gather_cyclic, timeout)
+        self.collected = False
+
+    def reset(self) -> None:
+        super().reset()
         self.collected = False
 
     def vote(self, mgr: Manager) -> int:
@@ -208,6 +223,10 @@ class collective_scope:
             raise ValueError(f"exit_collect must be 0, 1, 2 or None, not {exit_collect!r}")
         self.exit_collect = exit_collect
         self.manager: Manager = manager(comm)
+        # Its sync points' own participant (strict=True gathers: "warn" only
+        # warns, on each rank alone).
+        gather = strict is True
+        self._seen = _Policy(gather, timeout) if gc == "managed" else _Seen(gather, timeout)
         self.syncs = 0
         self.destroyed = 0
         self.cyclic = 0
@@ -320,21 +339,25 @@ class collective_scope:
             # The exit sync: the same collection on every rank first.
             collected = _gcpolicy.collect(self.exit_collect)
             self.collections += 1
-        gather = self.strict is True  # "warn" only warns, on each rank alone
         seen: _Seen
         if collect:
-            seen = _Exit(gather, self.timeout)
-        elif self.gc == "managed":
-            seen = _Policy(gather, self.timeout)
+            seen = _Exit(self.strict is True, self.timeout)
         else:
-            seen = _Seen(gather, self.timeout)
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            seen = self._seen  # the same participant at each of its sync points
+            seen.reset()
         try:
-            # The exit sync point reports its own failures before the scope
-            # ends (final): nothing is left for a later sync point to say.
-            stats = self.manager.sync(
-                deadline=deadline, participants=(seen,), collected=collected, t0=t0, final=collect
-            )
+            if deadline_s is None and not collect:
+                stats = quick_sync(self.manager, t0, None, seen)
+            else:
+                # The exit sync point reports its own failures before the
+                # scope ends (final): nothing is left for a later one to say.
+                stats = self.manager.sync(
+                    deadline=None if deadline_s is None else time.monotonic() + deadline_s,
+                    participants=(seen,),
+                    collected=collected,
+                    t0=t0,
+                    final=collect,
+                )
         finally:
             if isinstance(seen, _Policy) and seen.collected:
                 self.collections += 1

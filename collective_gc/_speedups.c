@@ -1597,18 +1597,19 @@ region_leave_quietly(PyObject *entered)
 }
 
 PyDoc_STRVAR(steady_doc,
-"steady(family, t0, collected) -> None | CollectStats | tuple\n\n"
+"steady(family, t0, collected, extra, owner, fingerprint) -> None | CollectStats | tuple\n\n"
 "collective_gc._collective.steady_py, in C (see there).");
 
 static PyObject *
 steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "steady: expected 3 arguments");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "steady: expected 6 arguments");
         return NULL;
     }
-    PyObject *fam = args[0], *collected = args[2];
+    PyObject *fam = args[0], *collected = args[2], *extra = args[3], *extra_owner = args[4];
+    PyObject *fp_obj = args[5];
     double t0 = PyFloat_AsDouble(args[1]);
     if (t0 == -1.0 && PyErr_Occurred()) {
         return NULL;
@@ -1684,15 +1685,20 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || PyList_GET_SIZE(owners) != PyList_GET_SIZE(parts)) {
         Py_RETURN_NONE;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
-        PyObject *p = PyList_GET_ITEM(parts, i);
+    Py_ssize_t nparts = PyList_GET_SIZE(parts);
+    for (Py_ssize_t i = 0; i <= nparts; i++) {
+        PyObject *p = i < nparts ? PyList_GET_ITEM(parts, i) : extra;
+        if (p == Py_None) {
+            break; /* no participant of its own */
+        }
+        PyObject *owner = i < nparts ? PyList_GET_ITEM(owners, i) : extra_owner;
         Py_INCREF(p);
+        Py_INCREF(owner);
         PyObject *quiet = PyObject_GetAttr(p, s_quiet_finish);
         PyObject *field = quiet == NULL ? NULL : PyObject_GetAttr(p, s_field);
         long long vote = 0;
         int voted = 1;
         if (field != NULL && quiet == Py_True && field != Py_None) {
-            PyObject *owner = PyList_GET_ITEM(owners, i);
             PyObject *v = PyObject_CallMethodOneArg(p, s_vote, owner);
             vote = int_of(v, &voted);
             if (v == NULL) {
@@ -1703,6 +1709,7 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int steady_here = quiet == Py_True && field != NULL && voted && vote == 0;
         Py_XDECREF(quiet);
         Py_XDECREF(field);
+        Py_DECREF(owner);
         Py_DECREF(p);
         if (PyErr_Occurred()) {
             /* A vote that raises: the Python steps make the same call and say so. */
@@ -1749,7 +1756,10 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     long long seq = int_of(SLOT(fam, oc_seq), &ok);
     long long next_key = int_of(SLOT(registry, off_next_key), &ok);
-    PyObject *fp_obj = SLOT(fam, oc_fingerprint), *order_obj = SLOT(registry, off_order);
+    if (fp_obj == Py_None) {
+        fp_obj = SLOT(fam, oc_fingerprint);
+    }
+    PyObject *order_obj = SLOT(registry, off_order);
     long long fp = fp_obj == NULL ? 0 : PyLong_AsLongLong(fp_obj);
     unsigned long long order = order_obj == NULL ? 0 : PyLong_AsUnsignedLongLong(order_obj);
     if (!ok || PyErr_Occurred()) {

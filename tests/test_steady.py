@@ -34,8 +34,8 @@ def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     seen: list[str] = []
     real = _collective._STEADY
 
-    def recording(fam: Any, t0: float, collected: int | None) -> Any:
-        got = real(fam, t0, collected)
+    def recording(fam: Any, t0: float, collected: int | None, *more: Any) -> Any:
+        got = real(fam, t0, collected, *more)
         if got is None:
             seen.append("steps")
         elif type(got) is cgc.CollectStats:
