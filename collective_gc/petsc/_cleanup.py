@@ -34,12 +34,15 @@ SERIAL = CommState()  # registrations of serial objects: a serial wreck disagree
 _INSTALLING = threading.Lock()
 
 
-# The bits of PETSc's vote (ORed over the ranks).
+# The bits of PETSc's vote (ORed over the ranks): all 0 when there is nothing
+# to do, so that a quiet sync point stays in the steady state.
 _HAS_GARBAGE = 1  # this rank holds PETSc garbage on an installed communicator
-_HAS_INNER = 2  # this rank has PETSc's inner communicator for one
-_LACKS_INNER = 4  # this rank does not, for one
 _FAILED = 8  # a managed PETSc destroy raised on this rank
 _SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
+# What each rank says of one installed communicator once some rank holds
+# garbage (one more word per communicator, see _Cleanup._clean).
+_HAS_INNER = 2  # this rank has PETSc's inner communicator for it
+_LACKS_INNER = 4  # this rank does not
 
 
 class _Cleanup(Participant):
@@ -48,7 +51,12 @@ class _Cleanup(Participant):
     communicator: a family's members each have theirs)."""
 
     field = FIELD_PETSC
-    quiet_finish = True  # with nothing voted (no garbage anywhere), nothing to do
+
+    @property
+    def quiet_finish(self) -> bool:  # type: ignore[override]
+        """With nothing voted (no garbage anywhere, no failure), nothing to do;
+        unless PETSc's garbage cannot be read here: then every sync point cleans."""
+        return _internals.READER is not None
 
     def __init__(self) -> None:
         self.state = CommState()
@@ -56,11 +64,14 @@ class _Cleanup(Participant):
         # every rank: install is collective); weak, so that the family's
         # participants never keep a manager alive.
         self.comms: list[weakref.ref[Manager]] = []
+        # Their communicators' handles, read at install (the vote's reads).
+        self.handles: list[int] = []
 
     def add(self, mgr: Manager) -> None:
         """Clean ``mgr``'s communicator too. Collective (install)."""
         if all(ref() is not mgr for ref in self.comms):
             self.comms.append(weakref.ref(mgr))
+            self.handles.append(MPI._handleof(mgr.comm))
 
     def members(self) -> list[Manager]:
         """The installed communicators still in use (not freed: collectively,
@@ -82,8 +93,13 @@ class _Cleanup(Participant):
             return mine
         if _self_garbage():
             mine |= _SELF_GARBAGE
-        for member in self.members():
-            mine |= _look(reader, member)
+        garbage = reader.garbage
+        for ref, handle in zip(self.comms, self.handles):
+            member = ref()
+            # (A freed one's handle is dead: no look; freed collectively, so
+            # on every rank alike.)
+            if member is not None and not member.comm_freed and garbage(handle) not in (0, -1):
+                mine |= _HAS_GARBAGE  # (unreadable, -2: say there is: a cleanup is harmless)
         return mine
 
     def revote(self, flags: int) -> bool:
@@ -143,13 +159,13 @@ class _Cleanup(Participant):
             raise
 
     def _clean(self, mgr: Manager, members: list[Manager], votes: int) -> None:
+        # Some rank holds garbage on some installed communicator: one word per
+        # communicator (ORed) says which, and whether a rank lacks PETSc's
+        # inner communicator there (a cleanup would make one on some ranks
+        # only: a hang).
         reader = _internals.READER
         assert reader is not None
-        if len(members) == 1:
-            looked = [votes]  # the vote is this one communicator's
-        else:
-            mine = [_look(reader, m) for m in members]
-            looked = mgr.reduce_or(mine)
+        looked = mgr.reduce_or([_look(reader, m) for m in members])
         for member, seen in zip(members, looked):
             if seen & _HAS_GARBAGE and not seen & _LACKS_INNER:
                 PETSc.garbage_cleanup(member.comm)
