@@ -52,13 +52,10 @@ class _Cleanup(Participant):
 
     field = FIELD_PETSC
 
-    @property
-    def quiet_finish(self) -> bool:  # type: ignore[override]
-        """With nothing voted (no garbage anywhere, no failure), nothing to do;
-        unless PETSc's garbage cannot be read here: then every sync point cleans."""
-        return _internals.READER is not None
-
     def __init__(self) -> None:
+        # With nothing voted (no garbage anywhere, no failure), nothing to do;
+        # unless PETSc's garbage cannot be read here: then every sync point cleans.
+        self.quiet_finish = _internals.READER is not None
         self.state = CommState()
         # The installed members, in the order install ran on them (the same on
         # every rank: install is collective); weak, so that the family's
@@ -91,9 +88,9 @@ class _Cleanup(Participant):
         mine = _FAILED if self.state.failed > 0 else 0
         if reader is None:
             return mine
-        if _self_garbage():
-            mine |= _SELF_GARBAGE
         garbage = reader.garbage
+        if _internals.SERIAL_DELAYED and garbage(_SELF_HANDLE) not in (-1, 0):
+            mine |= _SELF_GARBAGE  # (as _self_garbage: every sync point asks)
         for ref, handle in zip(self.comms, self.handles):
             member = ref()
             # (A freed one's handle is dead: no look; freed collectively, so
@@ -195,6 +192,9 @@ def cleanup_of(mgr: Manager) -> _Cleanup | None:
     return found if isinstance(found, _Cleanup) else None
 
 
+_SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
+
+
 def _self_garbage() -> bool:
     """Whether this rank holds PETSc garbage on COMM_SELF. Local."""
     reader = _internals.READER
@@ -203,7 +203,7 @@ def _self_garbage() -> bool:
     # Look first: an empty cleanup of COMM_SELF is not free (PETSc
     # duplicates and frees an inner communicator to find nothing). No inner
     # communicator (-1), or an empty map: none; unreadable (-2): say there is.
-    return reader.garbage(MPI._handleof(MPI.COMM_SELF)) not in (-1, 0)
+    return reader.garbage(_SELF_HANDLE) not in (-1, 0)
 
 
 def _refuse(mgr: Manager) -> None:
