@@ -10,7 +10,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc._comms import derived
 
-from _util import CheckedLog, Obj
+from _util import CheckedLog, Obj, make_cycle
 
 
 class CommsTests:
@@ -153,3 +153,47 @@ def test_a_dup_refused_inside_a_destroy_leaves_nothing_behind(comm: MPI.Intracom
     assert derived(comm) == []
     assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
     assert derived(comm) == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_nested_scopes_on_congruent_communicators(comm: MPI.Intracomm, first: str) -> None:
+    """A scope on a library's own duplicate inside the user's scope on its
+    parent (a solver library scoping its communicator inside the user's
+    loop): objects on both die inside both scopes, the inner scope ends,
+    more die, the outer goes on. Each destroy runs once, in step, and
+    neither scope's communicator is taken for freed.
+
+    From the fourth hostile round (issue 32, case 1): with one manager per
+    communicator, whichever adopted the other let go of it while the other
+    scope still held it, and the outer scope's next sync point raised
+    "unusable since its communicator was freed" on every rank (seen failing
+    at 94e03ca, in both orders)."""
+    log = CheckedLog(MPI.Intracomm(comm))  # not a managed communicator
+    lib: MPI.Intracomm
+    if first == "outer":  # the user's communicator is known before the library's exists
+        make_cycle(comm, log, "u0")
+        lib = comm.Dup()
+    else:  # the library's first, then the user's scope around it
+        lib = comm.Dup()
+        make_cycle(lib, log, "l0")
+    with cgc.collective_scope(comm) as outer:
+        make_cycle(comm, log, "u1")
+        with cgc.collective_scope(lib) as inner:
+            make_cycle(lib, log, "l1")
+            make_cycle(comm, log, "u2")
+            inner.sync()
+            make_cycle(lib, log, "l2")
+            outer.sync()
+        make_cycle(lib, log, "l3")
+        make_cycle(comm, log, "u3")
+        outer.sync()
+        make_cycle(comm, log, "u4")
+        outer.sync()
+    cgc.collect(comm)
+    first_tag = "u0" if first == "outer" else "l0"
+    expected = {first_tag, "u1", "u2", "u3", "u4", "l1", "l2", "l3"}
+    assert sorted(log.keys) == sorted(expected)  # each once (CheckedLog: in step)
+    assert cgc.collect(lib).destroyed == 0  # nothing left, the library's still usable
+    lib.Free()
+    cgc.collect(comm)  # and the family goes on without it
