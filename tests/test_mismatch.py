@@ -233,3 +233,36 @@ def test_mismatch_in_a_derived_communicator_raises_on_every_rank_of_the_parent()
         assert cgc.collect(parent, timeout=30).destroyed == 1  # and frees the split
     finally:
         parent.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_scope_left_early_on_one_rank_is_named_in_the_mismatch(comm: MPI.Intracomm) -> None:
+    """An exception that escapes the block on rank 0 only: rank 0 runs the
+    scope's exit sync point while the others are at an ordinary one. The
+    others get a CollectiveMismatchError, and rank 0's exception a note with
+    the same message (the body's exception is the one that propagates): the
+    scope ended on rank 0 while the others were still inside it.
+
+    From the fourth hostile round (issue 32, case 7): the message blamed
+    gc= or strict= differing between the ranks, or two threads (seen at
+    94e03ca)."""
+    rank = comm.Get_rank()
+    messages: list[str] = []
+    try:
+        with cgc.collective_scope(comm, exit_collect=None, timeout=TIMEOUT) as scope:
+            scope.sync()
+            if rank == 0:
+                raise RuntimeError("escapes on rank 0 only")
+            scope.sync()
+    except cgc.CollectiveMismatchError as exc:
+        messages.append(str(exc))
+    except RuntimeError as exc:
+        messages.extend(getattr(exc, "__notes__", []))
+    except BaseException as exc:  # noqa: BLE001 (what it must not be)
+        messages.append(f"{type(exc).__name__}: {exc}")
+    ended = [("ended on rank(s) [0]" in m and "still inside" in m) for m in messages]
+    assert everyone(comm, ended) == [[True]] * comm.Get_size(), messages
+    assert "gc= or strict=" not in messages[0]
+    mgr = cgc.manager(comm)
+    for reg in mgr.alive() + mgr.pending():
+        reg.detach()
