@@ -733,6 +733,7 @@ def steady_py(
         or r.last_cyclic
         or r.pend.size
         or not agreement.ready()
+        or MPI.Is_finalized()  # (the Python steps refuse after MPI_Finalize)
     ):
         return None
     # Votes: only participants that a quiet sync point needs nothing of, all 0.
