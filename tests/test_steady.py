@@ -21,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _agree, _collective, _switch
+from collective_gc import _agree, _collective, _comms, _switch
 
 from _util import GcDisabled, Obj, everyone, noop
 
@@ -233,3 +233,71 @@ def test_the_message_has_no_word_per_rank(comm: MPI.Intracomm) -> None:
     assert words == _agree.WORDS + bits // 64
     del dups
     cgc.collect(comm, generation=None, timeout=30)
+
+
+def test_idle_derived_families_keep_the_steady_state(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """A family with a live split under it (one registration in each half)
+    stays in the steady state while nothing is dropped there; the ranks of
+    the half that drops its object take the steps, the others go on from
+    the agreement, and the half's sync point destroys it.
+
+    From the live-communicators benchmark (issue 31): a family with any
+    derived family took the Python steps at every sync point (4x the
+    empty sync point)."""
+    rank = comm.Get_rank()
+    color = rank % 2
+    log: list[str] = []
+    with GcDisabled():
+        sub = cgc.split(comm, color)
+        held = Obj()
+        cgc.register(held, log.append, f"half{color}", comm=sub)
+        cgc.collect(comm, generation=None, timeout=30)  # the half's first sync point
+        cgc.collect(comm, generation=None, timeout=30)
+        outcomes.clear()
+        for _ in range(5):
+            cgc.collect(comm, generation=None)
+        quiet = list(outcomes)
+        outcomes.clear()
+        if color == 0:
+            held = None
+        cgc.collect(comm, generation=None)
+        dropped = list(outcomes)
+    verdict = everyone(comm, (quiet, dropped, log))
+    assert all(v[0] == ["steady"] * 5 for v in verdict), verdict
+    for r, (_, went, destroyed) in enumerate(verdict):
+        assert went == (["steps"] if r % 2 == 0 else ["resume"]), verdict
+        assert destroyed == (["half0"] if r % 2 == 0 else []), verdict
+    del held, sub
+    cgc.collect(comm, generation=None, timeout=30)
+    cgc.collect(comm, generation=None, timeout=30)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_an_unreachable_family_costs_one_look(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """A communicator first used inside a scope whose communicator does not
+    contain it waits to be reached (``_comms.unreached``); the scope's family
+    looks once whether it can reach it, and its later sync points are
+    steady again. From the live-communicators benchmark (issue 31)."""
+    rank = comm.Get_rank()
+    half = comm.Split(rank % 2, rank)
+    across = comm.Split(rank // 2, rank)  # shares one rank with each half
+    with GcDisabled():
+        with cgc.collective_scope(half) as scope:
+            scope.sync()
+            held = Obj()
+            cgc.register(held, noop, comm=across)  # its first collective: unreached
+            outcomes.clear()
+            for _ in range(4):
+                scope.sync()
+            went = list(outcomes)
+            unreached = [m.size for m in _comms.unreached(warn=False)]
+        del held
+        cgc.collect(across, generation=None, timeout=30)
+    verdict = everyone(comm, (went, unreached))
+    assert all(v == (["steps", "steady", "steady", "steady"], [2]) for v in verdict), verdict
+    half.Free()
+    across.Free()
