@@ -54,7 +54,15 @@ from ._errors import (
 )
 from ._registry import NO_KEYS, Registry, keys_of
 from ._switch import STEADY
-from ._syncpoint import UNREACHED, CollectStats, Participant, SyncPoint, identities, keep_failures
+from ._syncpoint import (
+    REACH_EPOCH,
+    UNREACHED,
+    CollectStats,
+    Participant,
+    SyncPoint,
+    identities,
+    keep_failures,
+)
 from ._tracing import TRACER
 from ._transport import Deadline, Watch, dup
 
@@ -119,6 +127,13 @@ class Child(Protocol):
         """Whether it is gone (freed, or let go of) on this rank."""
         ...
 
+    def idle(self) -> bool:
+        """Whether this rank has nothing for the parent's sync point to do
+        with it: not done, and not a member that wants its sync point (the
+        steady state asks; a rank that finds a child not idle takes the
+        sync point's steps). Local."""
+        ...
+
 
 class Collective:
     """The collective state of one family of congruent communicators (see
@@ -146,6 +161,7 @@ class Collective:
         "fingerprint",
         "children",
         "parent",
+        "reached",
         "ident",
         "unreported",
         "leaving",
@@ -183,6 +199,7 @@ class Collective:
         self.fingerprint = 0  # _agree.fingerprint of identities (0: none)
         self.children: list[Child] = []
         self.parent: Collective | None = None  # whose sync points reach this one, if any
+        self.reached: object = None  # the REACH_EPOCH its last sync point looked at
         self.ident = 0  # as a child: its bit's source (see _agree.child_bit)
         # This rank's failures no sync point has reported yet, with the sync
         # point of each (see collective_gc._syncpoint: the next agreement
@@ -726,8 +743,8 @@ def steady_py(
         fam.destroying
         or fam.unreported
         or fam.leaving
-        or fam.children
-        or (UNREACHED and _reach_others(fam))
+        or (fam.children and not all(c.idle() for c in fam.children))
+        or (UNREACHED and fam.reached is not REACH_EPOCH[0])
         or agreement is None
         or r.stale
         or r.last_cyclic
@@ -808,13 +825,6 @@ def steady_py(
         return ("leave", stats)  # the caller's leave runs their handlers
     _leave(entered)
     return stats
-
-
-def _reach_others(fam: Collective) -> bool:
-    """Whether a family other than ``fam`` waits to be reached (UNREACHED:
-    ``(family ref, manager ref)`` pairs): ``fam``'s sync point looks whether
-    it contains one. ``fam`` itself, unreached, is not such a one."""
-    return any(ref() is not fam for ref, _ in UNREACHED)
 
 
 def leak_text(regs: Sequence[Any], label: str) -> str:
@@ -923,6 +933,7 @@ if STEADY is not None:
         CollectStats,
         State.OPEN,
         UNREACHED,
+        REACH_EPOCH,
         destroy_run,
         _as_keys,
         _ages,

@@ -53,7 +53,7 @@ from ._errors import (
 from ._lookup import lookup, manager
 from ._manager import Manager, set_first_collective
 from ._scope import current_scope
-from ._syncpoint import UNREACHED, add_reacher
+from ._syncpoint import UNREACHED, add_reacher, add_unreached
 
 __all__ = ["dup", "split", "derived", "contains", "relation", "unreached", "adopt"]
 
@@ -223,6 +223,9 @@ class _Child:
 
     def done(self) -> bool:
         return not self.fam.members or self.fam.state is not _OPEN and not self.fam.members
+
+    def idle(self) -> bool:
+        return not self.done() and not self.wants()
 
     def __repr__(self) -> str:
         return f"<collective_gc derived family {self.label}>"
@@ -504,7 +507,7 @@ def _first_collective(mgr: Manager, new: bool) -> None:
         if _link(parent, fam, comm, label, mgr):
             return
     if comm != MPI.COMM_WORLD:
-        _UNREACHED.append((weakref.ref(fam), weakref.ref(mgr)))
+        add_unreached((weakref.ref(fam), weakref.ref(mgr)))
 
 
 set_first_collective(_first_collective)

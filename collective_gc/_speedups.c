@@ -1367,16 +1367,17 @@ static PyTypeObject *fam_type = NULL, *agree_type = NULL, *window_type = NULL,
                     *watch_type = NULL, *stats_type = NULL;
 static Py_ssize_t oc_registry, oc_agreement, oc_seq, oc_destroyed, oc_state, oc_destroying,
     oc_inside, oc_unreported, oc_leaving, oc_children, oc_participants, oc_owners,
-    oc_fingerprint;
+    oc_fingerprint, oc_reached;
 static Py_ssize_t or_inbox, or_stale, or_last_cyclic, or_pend, or_pend_seq;
 static Py_ssize_t oa_comm, oa_arr, oa_lo, oa_nbits, oa_persistent, oa_preq, oa_window,
     oa_watch, oa_dirty;
 static Py_ssize_t ow_lo, ow_bits, ow_marks, ow_idle;
 static Py_ssize_t ot_req, ot_gone, ot_seq, ot_closed;
 static long window_memory = 0;
-static PyObject *state_open = NULL, *unreached = NULL, *destroy_run = NULL, *as_keys = NULL,
-                *ages_of = NULL;
-static PyObject *s_quiet_finish = NULL, *s_field = NULL, *s_vote = NULL, *s_advance = NULL;
+static PyObject *state_open = NULL, *unreached = NULL, *reach_epoch = NULL, *destroy_run = NULL,
+                *as_keys = NULL, *ages_of = NULL;
+static PyObject *s_quiet_finish = NULL, *s_field = NULL, *s_vote = NULL, *s_advance = NULL,
+                *s_idle = NULL;
 
 PyDoc_STRVAR(mpi_ready_doc,
 "mpi_ready() -> bool\n\n"
@@ -1435,29 +1436,34 @@ offsets(PyTypeObject *type, const char *const *names, Py_ssize_t *const *outs)
 
 PyDoc_STRVAR(steady_setup_doc,
 "steady_setup(Collective, Registry, Agreement, Window, Watch, CollectStats, OPEN,\n"
-"             unreached, destroy_run, as_keys, ages_of) -> None\n\n"
+"             unreached, reach_epoch, destroy_run, as_keys, ages_of) -> None\n\n"
 "Where steady finds the slots of collective_gc's classes (ImportError naming\n"
-"one they lack), the usable state, the list of unreached families, and the\n"
+"one they lack), the usable state, the list of unreached families and its\n"
+"epoch (a one-item list), and the\n"
 "Python functions it calls: _destroy.run, and the two that make the pending\n"
 "keys' arrays when a sync point goes on in Python.");
 
 static PyObject *
 steady_setup(PyObject *module, PyObject *args)
 {
-    PyObject *fam, *reg, *agr, *win, *wat, *st, *open_, *unr, *run, *keys, *ages;
+    PyObject *fam, *reg, *agr, *win, *wat, *st, *open_, *unr, *epoch, *run, *keys, *ages;
     (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OOO:steady_setup", &PyType_Type, &fam,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!O!OOO:steady_setup", &PyType_Type, &fam,
                           &PyType_Type, &reg, &PyType_Type, &agr, &PyType_Type, &win,
                           &PyType_Type, &wat, &PyType_Type, &st, &open_, &PyList_Type, &unr,
-                          &run, &keys, &ages)) {
+                          &PyList_Type, &epoch, &run, &keys, &ages)) {
+        return NULL;
+    }
+    if (PyList_GET_SIZE(epoch) != 1) {
+        PyErr_SetString(PyExc_ValueError, "steady_setup: reach_epoch must hold one item");
         return NULL;
     }
     static const char *const fnames[] = {"registry", "agreement", "seq", "destroyed", "state",
         "destroying", "inside", "unreported", "leaving", "children", "participants", "owners",
-        "fingerprint", NULL};
+        "fingerprint", "reached", NULL};
     Py_ssize_t *const fouts[] = {&oc_registry, &oc_agreement, &oc_seq, &oc_destroyed, &oc_state,
         &oc_destroying, &oc_inside, &oc_unreported, &oc_leaving, &oc_children,
-        &oc_participants, &oc_owners, &oc_fingerprint};
+        &oc_participants, &oc_owners, &oc_fingerprint, &oc_reached};
     static const char *const rnames[] = {"inbox", "stale", "last_cyclic", "pend", "pend_seq",
         NULL};
     Py_ssize_t *const routs[] = {&or_inbox, &or_stale, &or_last_cyclic, &or_pend, &or_pend_seq};
@@ -1493,7 +1499,8 @@ steady_setup(PyObject *module, PyObject *args)
     if (!(s_quiet_finish = PyUnicode_InternFromString("quiet_finish"))
         || !(s_field = PyUnicode_InternFromString("field"))
         || !(s_vote = PyUnicode_InternFromString("vote"))
-        || !(s_advance = PyUnicode_InternFromString("advance"))) {
+        || !(s_advance = PyUnicode_InternFromString("advance"))
+        || !(s_idle = PyUnicode_InternFromString("idle"))) {
         return NULL;
     }
     Py_XSETREF(fam_type, (PyTypeObject *)Py_NewRef(fam));
@@ -1503,6 +1510,7 @@ steady_setup(PyObject *module, PyObject *args)
     Py_XSETREF(stats_type, (PyTypeObject *)Py_NewRef(st));
     Py_XSETREF(state_open, Py_NewRef(open_));
     Py_XSETREF(unreached, Py_NewRef(unr));
+    Py_XSETREF(reach_epoch, Py_NewRef(epoch));
     Py_XSETREF(destroy_run, Py_NewRef(run));
     Py_XSETREF(as_keys, Py_NewRef(keys));
     Py_XSETREF(ages_of, Py_NewRef(ages));
@@ -1638,17 +1646,33 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         || Py_TYPE(agreement) != agree_type || unreported == NULL || !PyList_Check(unreported)
         || PyList_GET_SIZE(unreported) || leaving == NULL || !PyList_Check(leaving)
         || PyList_GET_SIZE(leaving) || children == NULL || !PyList_Check(children)
-        || PyList_GET_SIZE(children) || int_of(SLOT(fam, oc_destroying), &ok) != 0 || !ok) {
+        || int_of(SLOT(fam, oc_destroying), &ok) != 0 || !ok) {
         Py_RETURN_NONE;
     }
-    /* Families waiting to be reached ((family ref, manager ref) pairs): only
-     * this one itself, which no sync point of its own can adopt. */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(unreached); i++) {
-        PyObject *pair = PyList_GET_ITEM(unreached, i);
-        PyObject *ref = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2
-                            ? PyTuple_GET_ITEM(pair, 0)
-                            : NULL;
-        if (ref == NULL || !PyWeakref_CheckRef(ref) || PyWeakref_GetObject(ref) != fam) {
+    /* Families waiting to be reached: none this family's sync points have
+     * not looked through yet (see REACH_EPOCH in _syncpoint). */
+    if (PyList_GET_SIZE(unreached)
+        && SLOT(fam, oc_reached) != PyList_GET_ITEM(reach_epoch, 0)) {
+        Py_RETURN_NONE;
+    }
+    /* Derived families: each idle here (nothing for its sync point on this
+     * rank); the agreement tells whether one is wanted on another rank. */
+    if (PyList_GET_SIZE(children)) {
+        Py_INCREF(children); /* the family's list may be replaced while idle() runs */
+        int all_idle = 1;
+        for (Py_ssize_t i = 0; all_idle && i < PyList_GET_SIZE(children); i++) {
+            PyObject *child = Py_NewRef(PyList_GET_ITEM(children, i));
+            PyObject *idle = PyObject_CallMethodNoArgs(child, s_idle);
+            Py_DECREF(child);
+            if (idle == NULL) {
+                Py_DECREF(children);
+                return NULL; /* the caller leaves the region and reports it */
+            }
+            all_idle = idle == Py_True;
+            Py_DECREF(idle);
+        }
+        Py_DECREF(children);
+        if (!all_idle) {
             Py_RETURN_NONE;
         }
     }

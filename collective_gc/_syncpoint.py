@@ -199,6 +199,18 @@ _REACHERS: list[Callable[[Collective], None]] = []
 # What they look for (collective_gc._comms keeps it): while it is empty a
 # sync point has nothing to reach, and the steady state may run.
 UNREACHED: list[Any] = []
+# Made anew whenever a family joins UNREACHED (add_unreached). A family
+# whose sync point looked through the list at this epoch
+# (Collective.reached) found all it could reach there: what is left belongs
+# to other families' groups, and it needs not look again (nor leave the
+# steady state for it) until the list grows.
+REACH_EPOCH: list[object] = [object()]
+
+
+def add_unreached(entry: Any) -> None:
+    """Put ``entry`` (a ``(family ref, manager ref)`` pair) on UNREACHED. Local."""
+    UNREACHED.append(entry)
+    REACH_EPOCH[0] = object()
 
 
 def add_reacher(reach: Callable[[Collective], None]) -> None:
@@ -395,8 +407,10 @@ class SyncPoint:
         """The votes, the derived families this rank has something for, the drain."""
         fam = self.fam
         if fam.size > 1:
+            epoch = REACH_EPOCH[0]
             for reach in _REACHERS:
                 reach(fam)
+            fam.reached = epoch
         if self.parts:
             self.flags = self._votes()
         for child in fam.children:
