@@ -9,6 +9,9 @@
 4. the empty sync point beside what a PETSc user calls instead after every
    solve (Firedrake does): ``PETSc.garbage_cleanup(comm)`` with nothing in
    the garbage.
+5. the empty sync point with 100 live ``cgc.dup``s of its communicator (one
+   live registration each), beside the same with none; and how many MPI
+   communicators a ``cgc.dup`` holds (a plain ``Dup`` holds one).
 
 Run: mpiexec -n 4 python bench/bench_core.py   (make bench runs it at 4 ranks
 and at 2, a core each, where a collective is not a wait for a core; the
@@ -240,10 +243,71 @@ def against_garbage_cleanup(
     ]
 
 
+def live_dups(n: int = 100) -> list[dict[str, object]]:
+    """An empty sync point of a communicator with ``n`` live ``cgc.dup``s of
+    it, each with one live registration, beside the same with none: the
+    duplicates are congruent with it, so they ride its agreement."""
+    c = comm.Dup()
+    cgc.manager(c)
+    k = 500
+
+    def empty_sync() -> None:
+        for _ in range(k):
+            cgc.collect(c, generation=None)
+
+    # The Fortran index of a new communicator: how many a cgc.dup made
+    # (indices are handed out in order while nothing is freed).
+    def next_index() -> int:
+        probe = c.Dup()
+        index = probe.py2f()
+        probe.Free()
+        return index
+
+    cgc.collect(c, generation=None)
+    start = next_index()
+    dups = [cgc.dup(c) for _ in range(n)]
+    keep = [Res() for _ in range(n)]
+    for d, r in zip(dups, keep):
+        cgc.register(r, noop, comm=d)
+    cgc.collect(c, generation=None)  # the first collective of each: nothing more is made
+    per_dup = (next_index() - start) / n
+    # Baseline: a communicator of the same size with no live duplicate; its
+    # ranks in reverse order, so that it is not congruent with ``c`` (a Dup
+    # would share c's agreement, duplicates and all).
+    bare = comm.Split(0, comm.Get_size() - comm.Get_rank())
+    cgc.manager(bare)
+
+    def empty_bare() -> None:
+        for _ in range(k):
+            cgc.collect(bare, generation=None)
+
+    t_with, t_none, ratio = paired(comm, empty_sync, empty_bare, REPEATS)
+    say(
+        comm,
+        f"empty sync with {n} live cgc.dups (one registration each): {t_with / k * 1e6:.1f} us, "
+        f"with none {t_none / k * 1e6:.1f} us: ratio {ratio:.2f}; "
+        f"communicators held per cgc.dup: {per_dup:.2f} (a plain Dup: 1)",
+    )
+    keep.clear()
+    dups.clear()
+    cgc.collect(c, generation=None)
+    cgc.collect(c, generation=None)
+    return [
+        {
+            "bench": "sync_live_dups",
+            "dups": n,
+            "sync_us": t_with / k * 1e6,
+            "none_us": t_none / k * 1e6,
+            "ratio": ratio,
+            "comms_per_dup": per_dup,
+        }
+    ]
+
+
 def main() -> None:
     gc.disable()  # no automatic collection pauses inside the timings
     say(comm, f"bench_core: {comm.Get_size()} ranks, median of {REPEATS}, slowest rank per repeat")
-    rows = per_object() + sync_costs()
+    rows = per_object() + sync_costs() + live_dups()
     if "--no-save" not in sys.argv[1:]:
         save("core" if comm.Get_size() != 2 else "core_2ranks", rows, comm)
 
