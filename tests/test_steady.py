@@ -275,9 +275,7 @@ def test_idle_derived_families_keep_the_steady_state(
 
 
 @pytest.mark.mpi(min_size=4)
-def test_an_unreachable_family_costs_one_look(
-    comm: MPI.Intracomm, outcomes: list[str]
-) -> None:
+def test_an_unreachable_family_costs_one_look(comm: MPI.Intracomm, outcomes: list[str]) -> None:
     """A communicator first used inside a scope whose communicator does not
     contain it waits to be reached (``_comms.unreached``); the scope's family
     looks once whether it can reach it, and its later sync points are
