@@ -76,6 +76,7 @@ __all__ = [
     "keyed",
     "PHASES",
     "COLUMNS",
+    "Missing",
     "RankSummary",
     "Summary",
     "summarize",
@@ -512,6 +513,7 @@ class RankSummary:
     last: int = 0  # matched sync points in which this rank was the one waited for
     matched: int = 0  # sync points matched across ranks that this rank took part in
     wait_series: list[tuple[float, float]] = field(default_factory=list)  # (since start, wait)
+    failures: list[Record] = field(default_factory=list)  # its sync points that raised
 
     @property
     def wait_share(self) -> float:
@@ -519,13 +521,26 @@ class RankSummary:
 
 
 @dataclass
+class Missing:
+    """A sync point that some ranks ended and others have no record of: on
+    those it never began, was still running (a hang), or was not traced."""
+
+    family: str  # its label, without the rank
+    seq: int
+    ended: dict[int, str]  # world rank -> how it ended there ("ok", or what it raised)
+    absent: list[int]  # world ranks that traced the family from before, without it
+
+
+@dataclass
 class Summary:
-    """Every rank's :class:`RankSummary`, and how often each one was last."""
+    """Every rank's :class:`RankSummary`, how often each one was last, and
+    the sync points some ranks never ended."""
 
     ranks: list[RankSummary]
     matched: int  # sync points found on two ranks or more, and matched
     ambiguous: int  # sync points two families of one label shared (not matched)
     last: Counter[int]  # world rank -> sync points in which it was last
+    missing: list[Missing] = field(default_factory=list)
 
     def text(self) -> str:
         """The summary as ``python -m collective_gc.trace`` prints it."""
@@ -560,9 +575,26 @@ class Summary:
                 f"{nested} sync point(s) of derived families ran inside their parents' (in "
                 "'visit'); their waits count as waiting"
             )
-        failed = [r for r in self.ranks if r.failed]
-        for r in failed:
-            lines.append(f"rank {r.rank}: {r.failed} sync point(s) raised")
+        for r in self.ranks:
+            for rec in r.failures[:3]:
+                lines.append(
+                    f"rank {r.rank}: sync point {rec.seq} of the {family_key(rec.family)} raised "
+                    f"{rec.outcome} after {rec.seconds:.3g} s ({rec.wait:.3g} s waiting)"
+                )
+            if r.failed > 3:
+                lines.append(f"rank {r.rank}: and {r.failed - 3} more sync point(s) raised")
+        if self.missing:
+            lines.append("sync points that some ranks never ended (a hang, a crash, or a rank")
+            lines.append("that never came; the absent rank is the one to look at):")
+            for m in self.missing[:5]:
+                how = sorted(set(m.ended.values()))
+                lines.append(
+                    f"  sync point {m.seq} of the {m.family}: ended on rank(s) "
+                    f"{', '.join(map(str, sorted(m.ended)))} ({', '.join(how)}); "
+                    f"no record on rank(s) {', '.join(map(str, m.absent))}"
+                )
+            if len(self.missing) > 5:
+                lines.append(f"  and {len(self.missing) - 5} more")
         if self.ranks:
             lines.append("")
             lines.append("time by phase (ms; agree without its wait):")
@@ -584,36 +616,28 @@ class Summary:
         import matplotlib.pyplot as plt  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
         fig, (ax1, ax2, ax3) = plt.subplots(
-            1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.3, 0.7, 1.4]}
+            1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.3, 0.7, 1.4]}
         )
         ranks = [r.rank for r in self.ranks]
         names = [p for p in COLUMNS if any(r.phases.get(p) for r in self.ranks)]
-        colors = {
-            "wait": "#d62728",
-            "agree": "#ff9896",
-            "prepare": "#c7c7c7",
-            "destroy": "#1f77b4",
-            "visit": "#9467bd",
-            "finish": "#2ca02c",
-            "collect": "#bcbd22",
-            "other": "#7f7f7f",
-        }
         left = [0.0] * len(ranks)
         for p in names:
             widths = [r.phases.get(p, 0.0) * 1e3 for r in self.ranks]
             label = "waiting for others" if p == "wait" else p
-            ax1.barh(ranks, widths, left=left, label=label, color=colors.get(p))
+            ax1.barh(ranks, widths, left=left, label=label, color=_COLORS[p])
             left = [a + b for a, b in zip(left, widths)]
-        for y, r in zip(ranks, self.ranks):
-            ax1.text(left[ranks.index(y)], y, f" {r.wait_share:.0%} waiting", va="center")
+        for y, end, r in zip(ranks, left, self.ranks):
+            ax1.text(end, y, f" {r.wait_share:.0%} waiting", va="center", fontsize="small")
         ax1.set_yticks(ranks, [f"rank {r}" for r in ranks])
         ax1.invert_yaxis()
         ax1.set_xlabel("time in sync points (ms)")
-        ax1.set_xlim(0, max(left + [1e-3]) * 1.35)
+        ax1.set_xlim(0, max(left + [1e-3]) * 1.3)
         ax1.set_title("where each rank's sync time went")
-        ax1.legend(fontsize="small", loc="lower right")
+        ax1.legend(
+            fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False
+        )
 
-        ax2.bar(ranks, [self.last.get(r, 0) for r in ranks], color="#d62728")
+        ax2.bar(ranks, [self.last.get(r, 0) for r in ranks], color=_COLORS["wait"])
         ax2.set_xticks(ranks, [str(r) for r in ranks])
         ax2.set_xlabel("rank")
         ax2.set_ylabel("sync points")
@@ -631,6 +655,23 @@ class Summary:
         fig.tight_layout()
         fig.savefig(out, dpi=110)
         plt.close(fig)
+
+
+# The plot's colours: waiting red, the agreement's own work pink, destroys
+# blue, participants green, the rest in greys and muted tones.
+_COLORS = {
+    "collect": "#bcbd22",
+    "prepare": "#c7c7c7",
+    "agree": "#ff9896",
+    "wait": "#d62728",
+    "destroy": "#1f77b4",
+    "visit": "#9467bd",
+    "release": "#aec7e8",
+    "check": "#17becf",
+    "finish": "#2ca02c",
+    "report": "#ff7f0e",
+    "other": "#7f7f7f",
+}
 
 
 def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Summary:
@@ -653,17 +694,37 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
     last: Counter[int] = Counter()
     took_part: Counter[int] = Counter()
     matched = ambiguous = 0
-    for members in groups.values():
-        if len(members) < 2 or any(rec.wait_end is None for _, rec in members):
-            continue
+    unclear: set[str] = set()  # families whose sync points cannot be told apart
+    for (fam, _, _), members in groups.items():
         if len({rec.rank for _, rec in members}) < len(members):
-            ambiguous += 1  # one family rank twice: two families under one label
+            unclear.add(fam)  # one family rank twice: two families under one label
+            if all(rec.wait_end is not None for _, rec in members):
+                ambiguous += 1
+            continue
+        if len(members) < 2 or any(rec.wait_end is None for _, rec in members):
             continue
         matched += 1
         slowest = min(members, key=lambda m: m[1].wait)[0]
         last[slowest] += 1
         for rank, _ in members:
             took_part[rank] += 1
+
+    # The ranks that traced a family from its sync point ``lowest`` on: a
+    # sync point of it after that which one of them lacks is missing there.
+    lowest: dict[str, dict[int, int]] = defaultdict(dict)
+    for rank, _, _, recs in per_rank:
+        for rec in recs:
+            mine = lowest[family_key(rec.family)]
+            mine[rank] = min(mine.get(rank, rec.seq), rec.seq)
+    missing = []
+    for (fam, seq, _), members in groups.items():
+        if fam in unclear:
+            continue
+        present = {rank for rank, _ in members}
+        absent = sorted(r for r, lo in lowest[fam].items() if r not in present and lo <= seq)
+        if absent:
+            missing.append(Missing(fam, seq, {rank: rec.outcome for rank, rec in members}, absent))
+    missing.sort(key=lambda m: (m.seq, m.family))
 
     out = []
     for rank, host, started, recs in per_rank:
@@ -699,9 +760,10 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
                 last.get(rank, 0),
                 took_part.get(rank, 0),
                 [(r.start - origin, r.wait) for r in recs if r.wait_end is not None],
+                [r for r in recs if r.outcome != "ok"],
             )
         )
-    return Summary(out, matched, ambiguous, last)
+    return Summary(out, matched, ambiguous, last, missing)
 
 
 def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:

@@ -405,6 +405,47 @@ def test_a_crash_in_the_middle_of_a_run_leaves_readable_files(tmp_path: Path) ->
     assert summary.matched == 5
 
 
+_HANG_JOB = (
+    JOB_HEAD
+    + """
+import time
+comm = MPI.COMM_WORLD
+for step in range(4):
+    cgc.register(Obj(), lambda: None, comm=comm)
+    cgc.collect(comm, generation=None)
+if rank == 2:
+    time.sleep(4)  # it never comes to the fifth: it is somewhere else, then gone
+    os._exit(0)
+try:
+    cgc.collect(comm, generation=None, timeout=2)
+except cgc.CollectiveTimeoutError:
+    print("timed out", flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_the_summary_names_the_rank_that_never_came(tmp_path: Path) -> None:
+    """What a user of a hanging solver does: a timeout on the sync point,
+    and the trace says which rank never reached it."""
+    path = tmp_path / "hang"
+    proc, outs, errs, _ = run_job(tmp_path, _HANG_JOB, COLLECTIVE_GC_TRACE=str(path))
+    report = job_report(proc, outs, errs)
+    for r in (0, 1, 3):
+        assert "timed out" in outs[r], report
+    summary = trace.summarize(path)
+    assert [r.sync_points for r in summary.ranks] == [5, 5, 4, 5], report
+    (missing,) = summary.missing
+    assert missing.seq == 4 and missing.absent == [2]
+    assert missing.ended == {r: "CollectiveTimeoutError" for r in (0, 1, 3)}
+    for r in (0, 1, 3):
+        (failed,) = summary.ranks[r].failures
+        assert failed.seq == 4 and failed.wait >= 1.9, failed
+    text = summary.text()
+    assert f"sync point 4 of the {missing.family}: ended on rank(s) 0, 1, 3" in text, text
+    assert "no record on rank(s) 2" in text, text
+
+
 _FULL_DISK = """
 import resource, signal, sys
 import collective_gc as cgc
