@@ -541,6 +541,7 @@ class Summary:
     ambiguous: int  # sync points two families of one label shared (not matched)
     last: Counter[int]  # world rank -> sync points in which it was last
     missing: list[Missing] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # about the files themselves
 
     def text(self) -> str:
         """The summary as ``python -m collective_gc.trace`` prints it."""
@@ -564,6 +565,7 @@ class Summary:
             )
         elif len(self.ranks) > 1:
             lines.append("no sync point was matched across ranks")
+        lines.extend(f"note: {note}" for note in self.notes)
         if self.ambiguous:
             lines.append(
                 f"{self.ambiguous} sync point(s) not matched: two families with the same label "
@@ -679,12 +681,22 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
     started with (every rank's file under it), or a list of files."""
     found = _expand(paths)
     per_rank: list[tuple[int, str, float | None, list[Record]]] = []
+    sizes: set[int] = set()
     for n, f in enumerate(found):
         events = read(f)
         started, info = _start_info(events)
         rank = int(info.get("world_rank", n))
+        sizes.add(int(info.get("world_size", 0)))
         per_rank.append((rank, str(info.get("host", "")), started, records(events)))
     per_rank.sort(key=lambda t: t[0])
+    notes = []
+    sizes.discard(0)  # a file without its header says nothing
+    if len(sizes) > 1 or (sizes and len(per_rank) > max(sizes)):
+        # A directory traced into twice, by jobs of different sizes.
+        notes.append(
+            f"these {len(per_rank)} files come from jobs of {sorted(sizes)} ranks: "
+            "files of an earlier run may be among them"
+        )
 
     # Match sync points across ranks (see keyed).
     groups: dict[tuple[str, int, int], list[tuple[int, Record]]] = defaultdict(list)
@@ -763,7 +775,7 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
                 [r for r in recs if r.outcome != "ok"],
             )
         )
-    return Summary(out, matched, ambiguous, last, missing)
+    return Summary(out, matched, ambiguous, last, missing, notes)
 
 
 def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -845,7 +857,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(summary.text())
     if args.plot:
-        summary.plot(args.plot)
+        try:
+            summary.plot(args.plot)
+        except ImportError as exc:
+            print(f"collective_gc.trace: --plot needs matplotlib ({exc})", file=sys.stderr)
+            return 1
         print(f"\nplot: {args.plot}")
     if args.merge:
         shifts = merge(args.paths, args.merge)

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,49 @@ def test_a_forked_child_does_not_write_into_the_parents_trace(shared_dir: Path) 
     assert seen == "None"
 
 
+def test_sync_points_on_several_threads_write_whole_events(shared_dir: Path) -> None:
+    """Each thread's sync points on a communicator of its own (COMM_SELF's
+    duplicates: no collective between threads), the threads switched as
+    often as Python can: every sync point is in the file once, whole, under
+    its thread."""
+    comms = [MPI.COMM_SELF.Dup() for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def worker(c: MPI.Intracomm) -> None:
+        try:
+            for _ in range(60):
+                assert drop_and_sync(c, 1).destroyed == 1
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with trace.tracing(shared_dir / "threads") as tr:
+            threads = [threading.Thread(target=worker, args=(c,)) for c in comms]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        for c in comms:
+            c.Free()
+    assert not errors, errors
+    events = json.loads(tr.file.read_text())
+    points = [e for e in events if e["name"] == "sync point"]
+    assert len(points) == 180
+    by_thread: dict[int, list[int]] = {}
+    for p in points:
+        by_thread.setdefault(p["tid"], []).append(p["args"]["seq"])
+    assert sorted(len(seqs) for seqs in by_thread.values()) == [60, 60, 60]
+    assert all(seqs == list(range(seqs[0], seqs[0] + 60)) for seqs in by_thread.values())
+    named = {e["tid"] for e in events if e["name"] == "thread_name"}
+    assert named == set(by_thread)
+    for point, phases in sync_points(events):
+        assert all(ph["tid"] == point["tid"] for ph in phases)
+
+
 def test_a_file_cut_short_is_read_up_to_its_last_whole_sync_point(
     comm: MPI.Intracomm, shared_dir: Path
 ) -> None:
@@ -209,6 +253,31 @@ def test_a_file_cut_short_is_read_up_to_its_last_whole_sync_point(
     events = trace.read(broken)
     assert len(sync_points(events)) == 3
     assert events == whole[: len(events)]
+
+
+def test_the_summary_says_when_files_of_another_run_are_mixed_in(
+    comm: MPI.Intracomm, shared_dir: Path
+) -> None:
+    """A directory traced into by an 8-rank job, then by this one: the
+    8-rank job's higher ranks are still there."""
+    with trace.tracing(shared_dir):
+        drop_and_sync(comm, 1)
+    if SIZE > 1:
+        WORLD.Barrier()
+    if RANK == 0:
+        old = trace.read(shared_dir / "rank0.json")
+        for e in old:
+            if e["name"] == "trace started":
+                e["args"].update(world_rank=SIZE + 3, world_size=SIZE + 4)
+        (shared_dir / f"rank{SIZE + 3}.json").write_text(json.dumps(old))
+    if SIZE > 1:
+        WORLD.Barrier()
+    summary = trace.summarize(shared_dir)
+    assert summary.notes == [
+        f"these {SIZE + 1} files come from jobs of {sorted({SIZE, SIZE + 4})} ranks: "
+        "files of an earlier run may be among them"
+    ]
+    assert f"note: these {SIZE + 1} files" in summary.text()
 
 
 # -- the summary --------------------------------------------------------------------
