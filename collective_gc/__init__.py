@@ -8,6 +8,8 @@ one order agreed by every rank.
 
 from __future__ import annotations
 
+import os as _os
+
 from . import _exit  # noqa: F401  (the exit agreement and fork handling)
 from ._api import collect, pending, register
 from ._comms import dup, split
@@ -30,6 +32,12 @@ from ._scope import collective_scope, current_scope, sync_point
 from ._syncpoint import CollectStats, Participant
 
 __version__ = "0.1.0"
+
+# COLLECTIVE_GC_TRACE=path: trace every sync point from the start (collective_gc.trace).
+if _os.environ.get("COLLECTIVE_GC_TRACE"):
+    from .trace import start_from_environment as _start_trace
+
+    _start_trace()
 
 
 def __getattr__(name: str) -> object:
