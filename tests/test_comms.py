@@ -10,7 +10,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc._comms import derived
 
-from _util import CheckedLog, Obj, make_cycle
+from _util import CheckedLog, Obj, everyone, make_cycle
 
 
 class CommsTests:
@@ -197,3 +197,48 @@ def test_nested_scopes_on_congruent_communicators(comm: MPI.Intracomm, first: st
     assert cgc.collect(lib).destroyed == 0  # nothing left, the library's still usable
     lib.Free()
     cgc.collect(comm)  # and the family goes on without it
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_split_made_at_each_step_is_reached_after_the_first_is_freed(
+    comm: MPI.Intracomm,
+) -> None:
+    """A program that splits its communicator at every step (the demo's
+    per-step group objects): each split joins the family of the last, which
+    is freed once its objects are destroyed. Every step's objects are
+    destroyed, in step, long after the split the family was first reached
+    through is gone, and nothing is left at the end.
+
+    From the solver-loop demo (issue 31's measurements): the parent's visits
+    went through the family's first member, so once that was freed its
+    registrations were queued and never destroyed (seen failing at 3c1ac3c:
+    3 of 12 destroyed here; 34 of 100 per rank left in the demo)."""
+    rank = comm.Get_rank()
+    log = CheckedLog(MPI.Intracomm(comm))
+    destroyed: list[int] = []
+
+    def destroy(step: int) -> None:
+        destroyed.append(step)
+
+    held: list[MPI.Intracomm] = []
+    with cgc.collective_scope(comm) as scope:
+        for step in range(12):
+            sub = cgc.split(comm, rank % 2)
+            # Each split outlives the next one (the family always has a
+            # member): the first is freed at step 2, the family goes on.
+            held.append(sub)
+            if len(held) > 2:
+                held.pop(0)
+            o = Obj(sub)
+            o.peer = o
+            cgc.register(o, destroy, step, comm=sub)
+            make_cycle(comm, log, step)
+            del o, sub
+            gc.collect()
+            scope.sync()
+            scope.sync()
+    held.clear()
+    cgc.collect(comm)
+    cgc.collect(comm)
+    verdict = everyone(comm, (sorted(destroyed), sorted(log.keys), derived(comm)))
+    assert verdict == [(list(range(12)), list(range(12)), [])] * comm.Get_size(), verdict
