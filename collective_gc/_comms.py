@@ -156,13 +156,25 @@ class _Child:
     """A derived family that is a strict subset of its parent's (see the
     module docs), on a rank of it: the parent's :class:`Child`."""
 
-    __slots__ = ("fam", "bit", "label", "owner")
+    __slots__ = ("fam", "bit", "label")
 
-    def __init__(self, fam: Collective, ident: tuple[int, ...], label: str, owner: Manager) -> None:
+    def __init__(self, fam: Collective, ident: tuple[int, ...], label: str) -> None:
         self.fam = fam
         self.bit = _agree.child_bit(hash(ident) & ((1 << 64) - 1))
         self.label = label
-        self.owner = owner  # a member of it, whose sync point is the family's
+
+    def owner(self) -> Manager | None:
+        """The member whose sync point is the family's: the oldest usable one
+        (members join at collectives, so the same one on every rank). Not
+        the one it was reached through: a family outlives its first members
+        (each step's split joins the family of the last, which is then
+        freed), and holding one would keep it from being let go of."""
+        members = self.fam.members
+        for tag in sorted(members.keys()):
+            mgr = members.get(tag)
+            if mgr is not None and mgr.state is _OPEN:
+                return mgr
+        return None
 
     def member(self) -> bool:
         return True  # records exist only on the child's own ranks
@@ -193,8 +205,8 @@ class _Child:
         fam = self.fam
         failures: list[Failure] = []
         kept: list[tuple[int, Failure]] = []  # what its sync point knows on this rank only
-        owner = self.owner
-        if fam.reason is None and owner.state is _OPEN:
+        owner = self.owner()
+        if fam.reason is None and owner is not None:
             try:
                 fam.sync(owner, deadline=deadline, sink=kept)
             except DestroyError as exc:
@@ -355,7 +367,7 @@ def _split(parent: Manager, comm: MPI.Intracomm, color: int, key: int) -> MPI.In
             new.Free()
             raise
         record = _owned_record(new, label, child, cfam)
-        _link(fam, cfam, new, label, child)
+        _link(fam, cfam, new, label)
     try:
         register(new, record.drop if record is not None else _nothing, comm=comm, name=label)
     except BaseException:
@@ -371,9 +383,7 @@ def _nothing() -> None:
     """The destroy of a rank's ``MPI.COMM_NULL`` from :func:`split`."""
 
 
-def _link(
-    parent: Collective, child: Collective, comm: MPI.Intracomm, label: str, owner: Manager
-) -> bool:
+def _link(parent: Collective, child: Collective, comm: MPI.Intracomm, label: str) -> bool:
     """Make ``child`` a child family of ``parent`` (on this rank, one of the
     child's). True if linked now; False if it was already reached, or would
     reach ``parent`` itself (no cycle of visits)."""
@@ -384,7 +394,7 @@ def _link(
     if ranks is None:
         return False
     child.parent = parent
-    parent.children.append(_Child(child, ranks, label, owner))
+    parent.children.append(_Child(child, ranks, label))
     return True
 
 
@@ -421,7 +431,7 @@ def adopt(parent: Manager, child: Manager) -> bool:
         f"a {relation(comm, pcomm)} communicator of size {child.size} reached from the "
         f"{parent.describe()}"
     )
-    if _link(pfam, cfam, comm, label, child):
+    if _link(pfam, cfam, comm, label):
         _forget_unreached(cfam)
         return True
     return False
@@ -461,7 +471,7 @@ def _reach(parent: Collective) -> None:
         except CollectiveGCError:
             continue
         label = f"a communicator of size {fam.size} reached from a {parent.label}"
-        if not _link(parent, fam, comm, label, owner):
+        if not _link(parent, fam, comm, label):
             keep.append((fref, mref))
     _UNREACHED[:] = keep
 
@@ -504,7 +514,7 @@ def _first_collective(mgr: Manager, new: bool) -> None:
     parent = _parent_for(mgr)
     if parent is not None and parent is not fam:
         label = f"a communicator of size {mgr.size} reached from a {parent.label}"
-        if _link(parent, fam, comm, label, mgr):
+        if _link(parent, fam, comm, label):
             return
     if comm != MPI.COMM_WORLD:
         add_unreached((weakref.ref(fam), weakref.ref(mgr)))
