@@ -151,6 +151,8 @@ bench: install bench-loader
 	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_petsc.py
 	$(MPIRUN) bench/bench_petsc.py --python-destroys
 	$(MPIRUN) bench/bench_gcpause.py
+	$(MPIRUN) bench/bench_trace.py
+	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_trace.py
 	$(PY) bench/bench_scale.py  # launches its own jobs of 2-16 ranks
 	$(PY) bench/report.py
 
