@@ -132,7 +132,9 @@ def test_a_signal_while_waiting_in_the_steady_state_is_raised_on_its_rank_only(
     second time (it had been left by the call), and rank 0 got
     ``SystemError: error return without exception set`` from
     ``_speedups.region_leave`` instead of the KeyboardInterrupt, with the
-    region depth at -1 (every later signal outside a region deferred)."""
+    region depth at -1: from then on every sync point of that rank raised
+    SystemError, some before their collectives (the other ranks waited for
+    ever), and signals outside sync points were deferred."""
     rank = comm.Get_rank()
     log: list[int] = []
     with GcDisabled():
@@ -285,12 +287,13 @@ def test_a_signal_in_the_steady_wait_when_another_rank_gives_up(comm: MPI.Intrac
 def test_registrations_on_every_member_are_destroyed_in_one_agreed_order(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
-    """Objects registered in turn on a communicator, two of its ``Dup()``\\s
+    """Objects registered in turn on a communicator (COMM_WORLD's duplicate:
+    COMM_WORLD's own manager would outlive the test), two of its ``Dup()``\\s
     and a ``cgc.dup``, then dropped: one sync point on any of them (a
     different one each round) destroys them all, newest first, in the same
     order on every rank (each destroy checks that, collectively), and counts
-    as one sync point of every member; from the second round on it is the
-    steady state's single call."""
+    as one sync point of every member; each round's is the steady state's
+    single call."""
     d1, d2 = comm.Dup(), comm.Dup()
     cd = cgc.dup(comm)
     members = [comm, d1, cd, d2]
