@@ -54,7 +54,7 @@ test-mpi: install
 # persistent path. Tests of the C functions themselves skip here, saying why.
 PURE_TESTS := tests/test_registration.py tests/test_manager.py tests/test_agreement.py \
     tests/test_destroys.py tests/test_interrupts.py tests/test_error_cycles.py tests/test_petsc.py \
-    tests/test_steady.py tests/test_keep.py
+    tests/test_steady.py tests/test_keep.py tests/test_families.py
 PURE_ENV := COLLECTIVE_GC_PURE_PYTHON=1 COLLECTIVE_GC_PERSISTENT=0
 
 test-pure: install
