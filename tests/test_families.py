@@ -31,6 +31,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,9 +40,17 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _collective, _exit
 
-from _util import CheckedLog, GcDisabled, Obj, attempt, everyone, noop
-
-pytestmark = pytest.mark.mpi(min_size=2)
+from _util import (
+    JOB_HEAD,
+    CheckedLog,
+    GcDisabled,
+    Obj,
+    attempt,
+    everyone,
+    job_report,
+    noop,
+    run_job,
+)
 
 
 @pytest.fixture
@@ -110,6 +119,7 @@ def raised_at_once(seconds: float = 2.0) -> bool:
 # -- signals while a rank waits in the steady state ---------------------------------
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("work", ["idle", "dropped"])
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, TimeoutError])
@@ -176,6 +186,7 @@ def test_a_signal_while_waiting_in_the_steady_state_is_raised_on_its_rank_only(
         assert calls == (2 if r == 0 else 0), verdicts  # the one in the wait, the one after
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_second_ctrl_c_while_waiting_in_the_steady_state_is_raised_at_once(
     comm: MPI.Intracomm,
@@ -284,6 +295,7 @@ def test_a_signal_in_the_steady_wait_when_another_rank_gives_up(comm: MPI.Intrac
 # -- the members of a family -----------------------------------------------------------
 
 
+@pytest.mark.mpi(min_size=2)
 def test_registrations_on_every_member_are_destroyed_in_one_agreed_order(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
@@ -323,6 +335,7 @@ def test_registrations_on_every_member_are_destroyed_in_one_agreed_order(
         d2.Free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_member_freed_by_the_user_while_the_others_live(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
@@ -372,6 +385,7 @@ def test_a_member_freed_by_the_user_while_the_others_live(
         assert v[4] == ["b", "a", "d", "c"] and v[5] == ["steady"] * 3, verdicts
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_member_closed_while_the_others_live(comm: MPI.Intracomm, outcomes: list[str]) -> None:
     """A member of the family is closed while an object registered on it
     lives: its close runs the family's last sync points (a dropped object
@@ -407,6 +421,7 @@ def test_a_member_closed_while_the_others_live(comm: MPI.Intracomm, outcomes: li
     ), verdicts
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_cgc_dup_outlives_the_communicator_it_came_from(comm: MPI.Intracomm) -> None:
     """A ``cgc.dup`` of a ``Dup()`` that the user then frees: the duplicate
     is still a member of the family (its sync points agree, its objects are
@@ -437,6 +452,7 @@ def test_a_cgc_dup_outlives_the_communicator_it_came_from(comm: MPI.Intracomm) -
     assert all(v == (1, ["o"], ["cd"], cgc.State.RELEASED) for v in verdicts), verdicts
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_registration_on_one_rank_only_on_a_congruent_comm_is_an_error_everywhere(
     comm: MPI.Intracomm,
@@ -476,6 +492,7 @@ def test_a_registration_on_one_rank_only_on_a_congruent_comm_is_an_error_everywh
         assert third == "CollectiveGCError", verdicts
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_one_rank_registration_is_named_in_the_mismatch(comm: MPI.Intracomm) -> None:
     """What every rank is told when rank 0 alone registered on a congruent
@@ -503,6 +520,7 @@ def test_a_one_rank_registration_is_named_in_the_mismatch(comm: MPI.Intracomm) -
         assert "'lonely'" in seen and "Nothing was destroyed" in seen, seen
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_registrations_on_two_members_in_different_orders_are_an_error_everywhere(
     comm: MPI.Intracomm,
@@ -614,6 +632,74 @@ def test_a_closed_library_subcommunicator_leaves_its_parent_in_the_steady_state(
     assert everyone(comm, outcomes) == [["steady"] * 3] * comm.Get_size()
 
 
+_UNADOPTABLE_JOB = (
+    JOB_HEAD
+    + """
+from collective_gc import _collective
+
+seen = []
+steady = _collective._STEADY
+
+
+def recording(*args):
+    got = steady(*args)
+    seen.append("steady" if type(got) is cgc.CollectStats else "steps" if got is None else got[0])
+    return got
+
+
+def nothing():
+    pass
+
+
+_collective._STEADY = recording
+world = MPI.COMM_WORLD
+a = world.Dup()
+cgc.collect(a, generation=None, timeout=30)
+# The same processes in another order: not congruent with a, a family of its
+# own, used once (a library's communicator, say).
+other = world.Split(0, key=world.Get_size() - rank)
+o = Obj()
+cgc.register(o, nothing, comm=other)
+cgc.collect(other, generation=None, timeout=30)
+del o
+cgc.collect(other, generation=None, timeout=30)
+for _ in range(12):
+    cgc.collect(a, generation=None)
+seen.clear()
+for _ in range(3):
+    cgc.collect(a, generation=None)
+print(seen, flush=True)
+cgc.manager(other).close(timeout=30)
+other.Free()
+"""
+)
+
+
+@pytest.mark.launcher
+def test_a_family_no_sync_point_adopts_leaves_the_others_their_steady_state(
+    tmp_path: Path,
+) -> None:
+    """A program (COMM_WORLD's manager unused, so nothing is the parent of a
+    new family when it is made) uses a duplicate of COMM_WORLD, then a
+    communicator over the same processes in reverse order, which is a
+    family of its own. Neither is a strict subset of the other: whatever
+    one adopts the other as its child, nothing ever adopts the remaining
+    one. The duplicate's idle sync points must still be the steady state's
+    single call. A job of its own: what families a process has seen decides
+    it.
+
+    Found by this test: the reverse-order family stays for ever in the list
+    of families waiting to be reached (``_comms``' unreached families), and
+    while that list names a family other than its own, every sync point of
+    every other family takes the Python steps: 0 of 3 steady here, and an
+    empty sync point 2.5 -> 9.7 us at 2 ranks, 8.1 -> 29.6 us at 4 (until
+    the other family is closed)."""
+    proc, outs, errs, _ = run_job(tmp_path, _UNADOPTABLE_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert [out.strip() for out in outs] == ["['steady', 'steady', 'steady']"] * 4, report
+
+
 @pytest.mark.mpi(min_size=4)
 def test_a_child_whose_parent_communicator_was_freed(comm: MPI.Intracomm) -> None:
     """A ``cgc.split`` of a ``Dup()`` holds objects; the user frees the
@@ -673,6 +759,7 @@ def test_a_split_child_freed_by_the_user_while_its_objects_live(comm: MPI.Intrac
 # -- threads -----------------------------------------------------------------------
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_a_thread_dropping_cycles_while_the_main_thread_runs_sync_points(
     comm: MPI.Intracomm,
@@ -721,6 +808,7 @@ def test_a_thread_dropping_cycles_while_the_main_thread_runs_sync_points(
     assert all(other == log for other in logs)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_two_threads_run_sync_points_of_two_families_at_once(comm: MPI.Intracomm) -> None:
     """Two families over the same processes (the communicator, and its
@@ -815,6 +903,7 @@ def _in_child(w: int, body: Callable[[], list[Any]]) -> None:
         os._exit(code)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_leaves_the_steady_state_and_the_exit_to_the_parent(
@@ -866,6 +955,7 @@ def test_a_forked_child_leaves_the_steady_state_and_the_exit_to_the_parent(
         assert v == (0, "[0, 'CollectiveGCError', 'CollectiveGCError', 0]", 4, [3, 2, 1, 0]), v
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_fork_while_another_thread_waits_in_the_steady_state(comm: MPI.Intracomm) -> None:
@@ -921,6 +1011,7 @@ def test_fork_while_another_thread_waits_in_the_steady_state(comm: MPI.Intracomm
 # -- destroys that fail or re-enter, run by the steady state ---------------------------
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("then", ["collect", "deadline", "close"])
 def test_a_destroy_failing_in_the_steady_state_is_reported_at_the_next_agreement(
     comm: MPI.Intracomm, outcomes: list[str], then: str
@@ -980,6 +1071,7 @@ def test_a_destroy_failing_in_the_steady_state_is_reported_at_the_next_agreement
         assert f"reported at sync point {failed_at + 1}" in message, message
 
 
+@pytest.mark.mpi(min_size=2)
 def test_an_interrupt_raised_by_a_destroy_in_the_steady_state(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
@@ -1026,6 +1118,7 @@ def test_an_interrupt_raised_by_a_destroy_in_the_steady_state(
     assert any("DestroyError" in n for n in verdicts[bad][1]), verdicts[bad][1]
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_destroy_that_reenters_collective_gc_from_the_steady_state(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
