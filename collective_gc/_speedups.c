@@ -52,7 +52,8 @@
 #include <stdint.h>
 #include <string.h> /* memset, strcmp */
 #ifdef CGC_HAVE_MPI
-#include <time.h> /* clock_gettime */
+#include <time.h> /* clock_gettime, nanosleep */
+#include <sched.h> /* sched_yield */
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
 #endif
@@ -1584,12 +1585,25 @@ now_seconds(void)
 
 /* Leave the protected region region_enter entered (``entered``), when
  * nothing has to be delivered: 1 if left, 0 if the caller must leave it
- * (signals are deferred: their handlers run there). */
+ * (signals are deferred: their handlers run there), -1 with an exception
+ * set if a handler raised before it was left.
+ *
+ * A signal that arrived while the GIL was released (the steady state's
+ * wait) has its Python handler run at the next bytecode, which, after a C
+ * call that ran no Python code since, is after that call returned: outside
+ * the region, where the handler raises between the sync point's end and
+ * its caller's bookkeeping (the region left twice). So the handlers run
+ * here first, still inside, where the library's wrapper defers them; a
+ * handler that is not wrapped raises here, as it would have at any bytecode
+ * of the Python twin inside the region. */
 static int
 region_leave_quietly(PyObject *entered)
 {
     if (entered != Py_True) {
         return 1;
+    }
+    if (PyErr_CheckSignals() < 0) {
+        return -1;
     }
     PyObject *d = PyList_GET_ITEM(region_depth, 0);
     if (d == NULL || !PyLong_CheckExact(d)
@@ -1602,6 +1616,61 @@ region_leave_quietly(PyObject *entered)
         return 0;
     }
     return 1;
+}
+
+/* How the steady state waits (as collective_gc._transport.wait without a
+ * deadline): MPI_Testany between yields of the core for the first
+ * WAIT_SPIN_S seconds (a collective is progressed only inside a test, and
+ * the rank it waits for may share this core), then between sleeps that grow
+ * to a millisecond; the GIL is taken back every WAIT_SLICE_S seconds to run
+ * the signal handlers. A blocking MPI_Waitany runs no handler until it
+ * returns: a second Ctrl-C, which the library's wrapper raises at once
+ * inside a protected region, would wait for the late rank. */
+#define WAIT_SPIN_S 0.05
+#define WAIT_SLICE_S 0.01
+
+/* Wait until one of ``reqs`` (the allreduce, the watch's receive) completes:
+ * an MPI error code (``*index`` as MPI_Testany sets it), or -1 with a Python
+ * exception set when a signal handler raised (the requests left as they
+ * are, still active). Called with the GIL held. */
+static int
+wait_either(MPI_Request reqs[2], int *index)
+{
+    int flag = 0, ierr = MPI_SUCCESS;
+    double spin_until = now_seconds() + WAIT_SPIN_S;
+    long delay_ns = 0;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        double slice_end = now_seconds() + WAIT_SLICE_S;
+        for (;;) {
+            ierr = MPI_Testany(2, reqs, index, &flag, MPI_STATUS_IGNORE);
+            if (ierr != MPI_SUCCESS || flag) {
+                break;
+            }
+            double now = now_seconds();
+            if (now >= slice_end) {
+                break;
+            }
+            if (now < spin_until) {
+                sched_yield();
+            }
+            else {
+                struct timespec ts = {0, delay_ns};
+                nanosleep(&ts, NULL);
+                delay_ns = delay_ns * 2 + 20000;
+                if (delay_ns > 1000000) {
+                    delay_ns = 1000000;
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (ierr != MPI_SUCCESS || flag) {
+            return ierr;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            return -1;
+        }
+    }
 }
 
 PyDoc_STRVAR(steady_doc,
@@ -1868,15 +1937,32 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (ierr == MPI_SUCCESS) {
         reqs[1] = *wreq;
-        Py_BEGIN_ALLOW_THREADS
-        ierr = MPI_Waitany(2, reqs, &index, MPI_STATUS_IGNORE);
-        Py_END_ALLOW_THREADS
+        ierr = wait_either(reqs, &index);
         *wreq = reqs[1]; /* MPI nulled it if the notice arrived */
         if (preq != NULL) {
             *preq = reqs[0];
         }
     }
     PyBuffer_Release(&view); /* the array is not resized while MPI may write: see _agree */
+    if (ierr == -1) {
+        /* A handler raised in the wait (a second Ctrl-C): the allreduce is
+         * still active; it and its buffer are kept for ever (as "watch"
+         * below), the drained keys are pending again, and the exception
+         * leaves the sync point (Collective.quick makes the family unusable
+         * and tells the other ranks: inside is set). */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *req = preq != NULL ? Py_NewRef(Py_None) : PyMPIRequest_New(reqs[0]);
+        PyObject *kept = req == NULL ? NULL : PyObject_CallMethod(agreement, "abandoned", "O", req);
+        Py_XDECREF(req);
+        Py_XDECREF(kept);
+        PyErr_Clear(); /* the handler's exception matters more */
+        if (store_pending(registry, keys, n, seq) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, tb);
+        goto fail;
+    }
     if (ierr != MPI_SUCCESS) {
         char text[MPI_MAX_ERROR_STRING];
         int tlen = 0;
@@ -1998,11 +2084,20 @@ steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (failures != NULL) {
         result = Py_BuildValue("(sNN)", "failed", stats, failures);
     }
-    else if (region_leave_quietly(entered)) {
-        result = stats;
-    }
     else {
-        result = Py_BuildValue("(sN)", "leave", stats);
+        int left = region_leave_quietly(entered);
+        if (left < 0) {
+            /* The sync point is done (nothing to restore): the handler's
+             * exception is what the call raises; the caller leaves the region. */
+            Py_DECREF(stats);
+            result = NULL;
+        }
+        else if (left) {
+            result = stats;
+        }
+        else {
+            result = Py_BuildValue("(sN)", "leave", stats);
+        }
     }
     goto done;
 fail_store:

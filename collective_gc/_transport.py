@@ -172,26 +172,27 @@ def wait(
         if watch is not None and watch.gone is not None:
             raise watch.error(what)  # a rank gave up earlier: nothing completes in step
         notice = False
-        if deadline is None or deadline.at is None:
-            if watch is None:
-                req.Wait()
-            else:
-                notice = _WAITANY((req, watch.request)) == 1
+        at = None if deadline is None else deadline.at
+        if watch is None and at is None:
+            req.Wait()  # (no deadline, no other rank's notice to watch for)
         else:
-            # Poll. For the first SPIN seconds between Tests only yield the
-            # core (to a rank sharing it, perhaps the one we wait for): a
+            # Poll, with or without a deadline: a blocking Waitany would run
+            # no signal handler until it returned, and a second Ctrl-C (which
+            # the library's wrapper raises at once inside a protected region)
+            # would wait for the late rank (_speedups' wait_either polls the
+            # same way). For the first SPIN seconds between Tests only yield
+            # the core (to a rank sharing it, perhaps the one we wait for): a
             # collective such as MPI_Comm_idup takes several rounds, each
             # progressed only inside a Test, so a sleep between Tests costs
             # every round its length (most of a sync point of DOLFINx's loop,
             # which adopts two new communicators per step: bench_dolfinx.py).
             # Then back off to a millisecond, so that a long wait does not
-            # burn a core.
+            # burn a core; a signal interrupts the sleep, and its handler runs.
             delay = 0.0
-            at = deadline.at
             spin = time.monotonic() + SPIN
             while not (req.Test() or (watch is not None and watch.fired())):
                 now = time.monotonic()
-                if now > at:
+                if at is not None and now > at:
                     if watch is not None:
                         watch.announce()
                     raise CollectiveTimeoutError(what())
@@ -201,7 +202,7 @@ def wait(
                     time.sleep(delay)
                     delay = min(1e-3, delay * 2 + 2e-5)
             notice = watch is not None and watch.gone is not None
-        # A Test of the notice even when Waitany returned the collective: MPI
+        # A Test of the notice even when the collective completed first: MPI
         # returns at the first completion it finds (MPICH without matching a
         # notice that had waited in its queue since long before: a rank
         # arriving late then carried on as if nobody had given up).
@@ -216,9 +217,8 @@ def wait(
         raise
 
 
-_WAITANY = MPI.Request.Waitany
 _YIELD = os.sched_yield  # releases the GIL
-# How long a wait against a deadline only yields the core between its Tests.
+# How long a wait only yields the core between its Tests.
 SPIN = 0.05
 
 
