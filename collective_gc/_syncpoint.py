@@ -413,9 +413,16 @@ class SyncPoint:
             fam.reached = epoch
         if self.parts:
             self.flags = self._votes()
-        for child in fam.children:
+        children = fam.children
+        for child in children:
             if child.member() and child.wants():
                 self.wanted |= child.bit
+        if any(child.done() for child in children):
+            # Gone on this rank (closed, freed): no visit would drop it (a
+            # closed family wants none), and while it is listed the family's
+            # sync points are not steady (Child.idle). Gone on all its ranks
+            # alike, since members leave at collectives.
+            fam.children = [child for child in children if not child.done()]
         if fam.unreported:
             # Failures of earlier sync points, which this one reports: on
             # every rank, since the agreement tells every rank of them.
