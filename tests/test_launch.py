@@ -204,3 +204,18 @@ def test_an_abandoned_private_duplicate_does_not_crash_finalize() -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.count("gave-up") == 1 and proc.stdout.count("finished") == 4
         assert "corrupted" not in proc.stderr, proc.stderr
+
+
+def test_exit_destroys_what_was_dropped_after_a_kept_failure() -> None:
+    """The exit agreement's first sync point only reports the failure an
+    earlier sync point kept; the rounds go on and destroy the rest. Found by
+    reading the deferred failure reports against the exit (seen failing at
+    c4d420f: 'late' leaked at exit, said to be not queued on every rank)."""
+    proc = run("exit_after_kept_failure.py")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        assert f"destroyed late on rank {rank}" in out, out + err
+    assert re.search(r"ExitLeakWarning: collective_gc: at exit: .*raised at sync point", err), err
+    assert "fails at the last sync point" in err, err
+    assert "leaked at exit" not in err, err
