@@ -50,6 +50,7 @@ from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    DestroyError,
     ExitLeakWarning,
 )
 from ._registry import NO_KEYS, Registry, keys_of
@@ -622,11 +623,32 @@ class Collective:
         """Sync points until one destroys nothing (or LAST_ROUNDS), each
         reporting its own failures. Collective: how many each destroyed is
         agreed, so every rank runs as many. The caller makes it one
-        protected region."""
-        for _ in range(self.LAST_ROUNDS):
-            stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
-            if (stats.destroyed == 0 and stats.visits == 0) or self.state is not _OPEN:
-                break  # (its last communicator may have let go in that one)
+        protected region.
+
+        A DestroyError does not end them: the first of them may be the report
+        of failures an earlier sync point kept (that one destroys nothing:
+        its keys stay pending), and what is queued must still be destroyed.
+        The first error is raised once they are done, the others noted on it
+        (raised on every rank alike: the reports are agreed)."""
+        errors: list[DestroyError] = []
+        try:
+            for _ in range(self.LAST_ROUNDS):
+                try:
+                    stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
+                except DestroyError as exc:
+                    errors.append(exc)
+                    if self.state is not _OPEN:
+                        break
+                    continue
+                if (stats.destroyed == 0 and stats.visits == 0) or self.state is not _OPEN:
+                    break  # (its last communicator may have let go in that one)
+            if errors:
+                first = errors[0]
+                for later in errors[1:]:
+                    first.add_note(f"and then: {later}")
+                raise first
+        finally:
+            del errors  # see _destroy.Failure: no frame may hold what was raised
 
     def free_private(self) -> None:
         """Let go of the private duplicate. Local: the agreement's standing
