@@ -50,7 +50,6 @@ from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    DestroyError,
     ExitLeakWarning,
 )
 from ._registry import NO_KEYS, Registry, keys_of
@@ -625,27 +624,35 @@ class Collective:
         agreed, so every rank runs as many. The caller makes it one
         protected region.
 
-        A DestroyError does not end them: the first of them may be the report
-        of failures an earlier sync point kept (that one destroys nothing:
-        its keys stay pending), and what is queued must still be destroyed.
-        The first error is raised once they are done, the others noted on it
-        (raised on every rank alike: the reports are agreed)."""
-        errors: list[DestroyError] = []
+        A sync point's report does not end them: it may be that of failures
+        an earlier sync point kept (such a one destroys nothing: its keys
+        stay pending), and what is queued must still be destroyed. A report
+        is agreed, so the family is still usable on every rank alike after
+        one (a DestroyError there, or on a destroy's own rank its
+        KeyboardInterrupt): the rounds go on, and the first exception is
+        raised once they are done, the later ones noted on it. Anything that
+        leaves the family unusable (a timeout, a mismatch, a collective left
+        half-way) ends them, and so do two reports running (a participant
+        whose finish raises at every sync point)."""
+        errors: list[BaseException] = []
         try:
+            raised = False
             for _ in range(self.LAST_ROUNDS):
                 try:
                     stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
-                except DestroyError as exc:
+                except BaseException as exc:  # noqa: BLE001 (raised below, once done)
                     errors.append(exc)
-                    if self.state is not _OPEN:
-                        break
+                    if self.state is not _OPEN or raised:
+                        break  # (two reports running: a finish that always raises)
+                    raised = True
                     continue
+                raised = False
                 if (stats.destroyed == 0 and stats.visits == 0) or self.state is not _OPEN:
                     break  # (its last communicator may have let go in that one)
             if errors:
                 first = errors[0]
                 for later in errors[1:]:
-                    first.add_note(f"and then: {later}")
+                    first.add_note(f"and then: {type(later).__name__}: {later}")
                 raise first
         finally:
             del errors  # see _destroy.Failure: no frame may hold what was raised
@@ -859,8 +866,8 @@ def leak_text(regs: Sequence[Any], label: str) -> str:
 # -- the families of this process -------------------------------------------------
 
 _LOCK = threading.RLock()
-# Families of size > 1 in the order of their first collective (the same on
-# every rank that shares them), then those of size 1.
+# Families in the order of their first collective (the same on every rank
+# that shares them).
 _FAMILIES: list[Collective] = []
 
 
