@@ -80,7 +80,7 @@ from ._registration import SPEEDUPS
 # empty sync point.
 _getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
-__all__ = ["SIGNALS", "Deferring", "enter", "leave", "enter_py", "leave_py", "use", "deferred"]
+__all__ = ["SIGNALS", "Deferring", "enter", "leave", "enter_py", "leave_py", "deferred"]
 
 Handler = Callable[[int, types.FrameType | None], Any]
 
@@ -231,16 +231,6 @@ if SPEEDUPS is not None:
     )
     enter = SPEEDUPS.region_enter
     leave = SPEEDUPS.region_leave
-_C_PAIR = (enter, leave)
-
-
-def use(kind: str) -> None:
-    """``"c"`` (the default where the extension is built) or ``"python"``: which
-    version of :func:`enter` and :func:`leave` regions use. For tests."""
-    global enter, leave
-    if kind not in ("c", "python"):
-        raise ValueError(f"kind must be 'c' or 'python', not {kind!r}")
-    enter, leave = _C_PAIR if kind == "c" else (enter_py, leave_py)
 
 
 def deferred() -> int:

@@ -4,24 +4,23 @@
 managed object (registration, the finalizer, a sync point's pass over its
 agreed registrations) and, where it was built with the MPI compiler wrapper
 and mpi4py's C API, the steady state of a sync point in one call. Whether a
-process uses it is decided here, once, at import (as CPython's ``heapq``
-takes ``_heapq``'s functions when it is there): it is loaded unless it was
-not built or ``COLLECTIVE_GC_PURE_PYTHON=1`` blocks it. Every module that has
-a C twin binds it through :func:`twin` at import from this one decision, so
-a process never mixes the two and nothing switches them later: a
-registration made with one finalizer and a sync point taking it with the
-other's assumptions would be tested nowhere. ``make test`` runs the suites
-that go through the twins a second time with the extension blocked, as
-CPython's test_heapq runs without ``_heapq``.
+process uses it is decided here, once, at import (as CPython's ``heapq`` takes
+``_heapq``'s functions when it is there): it is loaded unless it was not built
+or ``COLLECTIVE_GC_PURE_PYTHON=1`` blocks it. Every module that has a C twin
+binds it at import from this one decision (``SPEEDUPS`` or ``STEADY``), so a
+process never mixes the two and nothing switches them later: a registration
+made with one finalizer and a sync point taking it with the other's
+assumptions would be tested nowhere. ``make test`` runs the whole suite a
+second time with the extension blocked, as CPython's test_heapq runs without
+``_heapq``.
 """
 
 from __future__ import annotations
 
 import os
 import types
-from typing import TypeVar
 
-__all__ = ["PURE_PYTHON", "SPEEDUPS", "STEADY", "twin", "speedups"]
+__all__ = ["PURE_PYTHON", "SPEEDUPS", "STEADY", "speedups"]
 
 PURE_PYTHON = os.environ.get("COLLECTIVE_GC_PURE_PYTHON", "") not in ("", "0")
 
@@ -52,17 +51,6 @@ def _steady() -> types.ModuleType | None:
 # point, through mpi4py's C API, against the MPI library mpi4py uses), else
 # None: sync points then run from Python, the reference.
 STEADY = _steady()
-
-F = TypeVar("F")
-
-
-def twin(name: str, python: F) -> F:
-    """The C function ``name`` of the extension where the process uses it,
-    else ``python``, its Python twin."""
-    if SPEEDUPS is None:
-        return python
-    found: F = getattr(SPEEDUPS, name)
-    return found
 
 
 def speedups() -> str:

@@ -146,17 +146,7 @@ def storm(
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.fixture(params=["c", "python"])
-def regions(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The C and the Python versions of the regions' entry and exit."""
-    _interrupts.use(request.param)
-    try:
-        yield request.param
-    finally:
-        _interrupts.use("c")
-
-
-def test_an_interrupt_storm_on_comm_self_loses_no_destroy(regions: str) -> None:
+def test_an_interrupt_storm_on_comm_self_loses_no_destroy() -> None:
     """Issue 25, defect 2: an interrupt storm during a loop of
     ``collect(COMM_SELF)``, 400 objects dying per step: some destroys never ran
     and nothing reported them (lost at ``Registry.drain`` after ``del
@@ -992,7 +982,7 @@ def _preempt(signum: int, frame: Any) -> None:
     raise Preempted("time slice over")
 
 
-def test_a_handler_installed_inside_a_region_is_deferred_to_its_end(regions: str) -> None:
+def test_a_handler_installed_inside_a_region_is_deferred_to_its_end() -> None:
     """Issue 32, defect 4: a handler installed while the main thread is inside
     a protected region (by a destroy, a finalizer, a participant) is deferred
     like the handlers that were there at its entry, not run inside."""
@@ -1053,7 +1043,7 @@ def test_a_signal_arriving_in_the_destroy_that_installed_its_handler_is_held() -
 
 @pytest.mark.mpi(min_size=2)
 def test_a_handler_installed_by_a_destroy_runs_after_the_collectives(
-    comm: MPI.Intracomm, regions: str
+    comm: MPI.Intracomm,
 ) -> None:
     """Issue 32, defect 4: rank 0's destroy installs a SIGALRM handler that
     raises and arms a timer; the signal arrives while rank 0 waits for the
