@@ -26,7 +26,7 @@ registrations larger than any recent one) set bits of a 64-bit hash filter, ANDe
 filter says a key outside the window may be pending everywhere does a
 fallback run: an allreduce of the count and bounds of those keys, then their
 intersection (see :func:`intersect`: built-in MPI operations only). Message
-size stays O(window + pending): 8 words and the window's bitmap in the steady
+size stays O(window + pending): 9 words and the window's bitmap in the steady
 state, whatever the number of ranks (:func:`message_words`).
 
 The collectives themselves, their deadlines and the watch that tells every
@@ -346,11 +346,12 @@ _WINDOW_KEYS: Callable[..., np.ndarray[Any, Any]] = (
 
 
 class Agreement:
-    """The agreement of one manager's sync points over its private communicator.
+    """The agreement of one family's sync points over its private communicator.
 
     Keeps the window, the communicator's :class:`Watch` and one message
     buffer between sync points (an ``array.array``, whose item stores are
-    cheap): an empty sync point then costs eight stores around its allreduce.
+    cheap): an empty sync point then costs nine stores around its allreduce
+    (in C, ``_speedups.steady``, where the extension was built with MPI).
     """
 
     __slots__ = (

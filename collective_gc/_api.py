@@ -130,9 +130,12 @@ def collect(
     :class:`CollectiveTimeoutError` is raised and the manager becomes
     unusable, on every rank: a rank that arrives after the others gave up
     raises it too). If any destroy raises, on any rank, every agreed destroy
-    still runs and then :class:`DestroyError` is raised on every rank (a
-    KeyboardInterrupt or SystemExit raised by a destroy is re-raised on its
-    rank instead, after the same collectives). A bad ``timeout`` or
+    still runs, and :class:`DestroyError` is raised on every rank by the
+    family's next agreement (this communicator's next sync point, or that of
+    any communicator congruent with it; the exit, :meth:`Manager.close` and
+    a scope's exit run one more that reports it): one collective per sync
+    point. A KeyboardInterrupt or SystemExit raised by a destroy is raised
+    on its rank at once, after this sync point's collectives. A bad ``timeout`` or
     ``generation`` raises ValueError before any collective.
     """
     t0 = _perf_counter()

@@ -36,10 +36,12 @@ class RegistrationError(CollectiveGCError, TypeError):
 class DestroyError(CollectiveGCError):
     """One or more destroys raised at a sync point, on this rank or another.
 
-    Raised on every rank of the communicator together, after every agreed destroy
-    has run. :attr:`failures` lists ``(rank, key, name, message)`` for each failed
-    destroy on any rank; :attr:`local` holds this rank's own exceptions. A
-    participant's ``finish`` that raised (PETSc's garbage cleanup, say) is
+    Raised on every rank of the communicator's family together (its congruent
+    communicators share one agreement), at the family's next agreement after the sync
+    point whose destroys failed; the message names both sync points. Every agreed
+    destroy of that sync point ran. :attr:`failures` lists ``(rank, key, name,
+    message)`` for each failed destroy on any rank; :attr:`local` holds this rank's own
+    exceptions. A participant's ``finish`` that raised (PETSc's garbage cleanup, say) is
     reported the same way, with key -1 and a name that says which.
     """
 

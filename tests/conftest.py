@@ -160,7 +160,10 @@ def comm(request: pytest.FixtureRequest) -> Iterator[MPI.Intracomm]:
     agreement: collective_gc._collective), so what a test leaves registered
     on its duplicate's family (its cgc.dup's, its library communicators') is
     detached before it is freed: the family is let go of, and the next
-    test's duplicate starts a family of its own."""
+    test's duplicate starts a family of its own. Unless COMM_WORLD's manager
+    joined it (a test that used COMM_WORLD itself): then the family goes on
+    with it, and what is detached includes what such a test left on
+    COMM_WORLD (tests leave nothing there on purpose)."""
     base = getattr(request.cls, "COMM", WORLD)
     c = base.Dup()
     yield c

@@ -495,7 +495,7 @@ def test_a_registration_on_one_rank_only_on_a_congruent_comm_is_an_error_everywh
             reg.detach()
         lib.Free()
     verdicts = everyone(comm, (first, second, message, third))
-    for first, second, message, third in verdicts:
+    for first, second, message, _ in verdicts:
         assert first == "CollectiveMismatchError", verdicts
         assert second == "CollectiveGCError", verdicts
         assert "unusable since the ranks disagreed" in message, verdicts

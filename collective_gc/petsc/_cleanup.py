@@ -117,8 +117,9 @@ class _Cleanup(Participant):
         nothing to clean, so it runs only on a communicator where the agreed
         vote (carried in the sync point's own collectives, taken again after
         its destroys when a cleanup is due) says some rank holds garbage and
-        every rank has PETSc's inner communicator. With two or more installed
-        communicators one more word per communicator says which.
+        every rank has PETSc's inner communicator. Once some rank holds garbage,
+        one more word per installed communicator says which, and whether a
+        rank lacks the inner one there.
 
         If a managed PETSc destroy raised on any rank, PETSc's objects of the
         family may differ between ranks (the wreck, and PETSc's inner
