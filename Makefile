@@ -123,13 +123,19 @@ test-stacks: $(STACKS:%=test-stack-%)
 	CGC_HOST_PYTHON=$(PY) bash tools/stack-setup $*
 	touch $@
 
-# Both suites run even if the first fails; the leg fails if either did.
+# Both suites run even if the first fails; the leg fails if either did. Its
+# last line says which speedups it ran (collective_gc._switch.speedups(): every
+# leg requires "c+mpi", tools/stack-run), each suite's exit and the wall time.
+STACK_SPEEDUPS := python -c "import collective_gc._switch as s; print(s.speedups())"
 test-stack-%: .stacks/%/.installed
 	@start=$$(date +%s); \
+	speedups=$$(tools/stack-run $* $(STACK_SPEEDUPS)) || speedups="(none: collective_gc does not import)"; \
+	echo "stack $*: speedups $$speedups"; \
 	tools/stack-run $* python -m pytest $(STACK_PYTEST_FLAGS) -m "not mpi" tests; serial=$$?; \
 	tools/stack-run $* tools/mpirun $(NP) 900 python -m mpi4py -m pytest $(STACK_PYTEST_FLAGS) -x \
 	    --with-mpi -m "not launcher" tests; ranks=$$?; \
-	echo "stack $*: serial suite exit $$serial, 4-rank suite exit $$ranks, $$(($$(date +%s) - start)) s"; \
+	echo "stack $*: speedups $$speedups, serial suite exit $$serial, 4-rank suite exit $$ranks," \
+	    "$$(($$(date +%s) - start)) s"; \
 	[ $$serial = 0 ] && [ $$ranks = 0 ]
 
 # The main job: a PETSc solver loop with per-step objects in reference cycles.

