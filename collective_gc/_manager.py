@@ -21,6 +21,7 @@ of this module.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 import traceback
@@ -129,6 +130,7 @@ class Manager:
         self._state = _OPEN
         self._reason: str | None = None
         self._comm_freed = False
+        self._joining = False  # inside its first collective (see _family)
         self._label: str | None = None  # what messages call it (see set_label)
 
     # -- description -----------------------------------------------------------
@@ -463,34 +465,62 @@ class Manager:
         if fam is not None:
             return fam
         # Under the lock: a first registration on one thread and a first sync
-        # point on another must not join twice.
+        # point on another must not join twice. And with the cyclic collector
+        # off: a finalizer run by a collection here that registers on this
+        # communicator would come back on this thread (the lock is
+        # re-entrant) and join a second family, whose keys start at 0 as the
+        # first's do (CPython 3.12 runs a collection that is due when a
+        # Python function starts or a C call returns, so at almost any point
+        # of this). The family is looked for again once the collector is
+        # off: a collection due may have run as that call returned, and its
+        # finalizers joined it. What still comes back (an explicit
+        # gc.collect() in code this runs: an MPI attribute copy callback of
+        # the user's communicator) is refused, not joined twice.
         with _FIRST:
-            if self._fam is not None:
-                return self._fam
-            if self._state is not _OPEN:
-                self._check_own("make its first collective")
-            if self._comm_freed:
-                raise CollectiveGCError(
-                    f"the {self.describe()} was freed before its first collective: "
-                    "nothing can be agreed on it"
-                )
-            if MPI.Is_finalized():
-                raise CollectiveGCError(f"MPI is finalized: the {self.describe()} is gone")
-            # A protected region: a signal's handler runs once every rank has
-            # made the duplicate (or found the family), as every rank's first
-            # collective then completes.
-            entered = _interrupts.enter()
+            collector = gc.isenabled()
+            if collector:
+                gc.disable()
             try:
-                fam, new = family_of(
-                    self._user_comm, Deadline(deadline), _what(self, "duplicating its communicator")
-                )
-                self._tag = fam.join(self)
-                self._fam = fam
-                for hook in _ON_FIRST:
-                    hook(self, new)
+                if self._fam is not None:
+                    return self._fam
+                if self._joining:
+                    raise CollectiveGCError(
+                        f"the {self.describe()} was used from code run while its first "
+                        "collective was under way on this thread (a finalizer run by an "
+                        "explicit gc.collect() in an MPI attribute callback, say): "
+                        "nothing can be agreed on it there"
+                    )
+                if self._state is not _OPEN:
+                    self._check_own("make its first collective")
+                if self._comm_freed:
+                    raise CollectiveGCError(
+                        f"the {self.describe()} was freed before its first collective: "
+                        "nothing can be agreed on it"
+                    )
+                if MPI.Is_finalized():
+                    raise CollectiveGCError(f"MPI is finalized: the {self.describe()} is gone")
+                # A protected region: a signal's handler runs once every rank
+                # has made the duplicate (or found the family), as every
+                # rank's first collective then completes.
+                entered = _interrupts.enter()
+                self._joining = True
+                try:
+                    fam, new = family_of(
+                        self._user_comm,
+                        Deadline(deadline),
+                        _what(self, "duplicating its communicator"),
+                    )
+                    self._tag = fam.join(self)
+                    self._fam = fam
+                    for hook in _ON_FIRST:
+                        hook(self, new)
+                finally:
+                    self._joining = False
+                    _interrupts.leave(entered)
+                return fam
             finally:
-                _interrupts.leave(entered)
-            return fam
+                if collector:
+                    gc.enable()
 
     def allgather(self, value: Any, timeout: float | None = None) -> list[Any]:
         """Collective: every rank's ``value`` (picklable), over the family's

@@ -211,16 +211,27 @@ class Registry(Ledger):
         try:
             if _getweakrefs(obj):
                 self._refuse_duplicate(owner, obj)
+            # The key is taken and the next one stored with no call in
+            # between: making the registration allocates, and a collection
+            # may run before this thread stores anything more (CPython 3.12
+            # runs a scheduled one when a C call returns), whose finalizers
+            # may register on this very thread (the lock is re-entrant) and
+            # must get keys of their own.
             key = self.next_key
-            reg = None
-            if not kwargs and not _registration.TRACK_ORIGINS[0]:
-                try:  # the common case in one C call
-                    reg = construct(obj, owner, self.push, key, destroy, args, name, None)
-                except TypeError:
-                    pass  # make_registration below says why
-            if reg is None:
-                reg = make_registration(obj, owner, self.push, key, destroy, args, kwargs, name)
             self.next_key = key + 1
+            try:
+                reg = None
+                if not kwargs and not _registration.TRACK_ORIGINS[0]:
+                    try:  # the common case in one C call
+                        reg = construct(obj, owner, self.push, key, destroy, args, name, None)
+                    except TypeError:
+                        pass  # make_registration below says why
+                if reg is None:
+                    reg = make_registration(obj, owner, self.push, key, destroy, args, kwargs, name)
+            except BaseException:
+                if self.next_key == key + 1:
+                    self.next_key = key  # refused: the key back, unless one was taken since
+                raise
             if tag:
                 self.order = (self.order + order_step(key, tag)) & _MASK64
             self.live[key] = reg

@@ -317,6 +317,50 @@ class Reregisters:
 KEEP: list[Obj] = []
 
 
+def test_a_finalizer_registering_during_the_first_registration_on_its_communicator() -> None:
+    """The first registration on a communicator joins (or makes) its family,
+    which runs much Python code; a collection there whose finalizers register
+    on that communicator must not join a second family: every key once, every
+    registration in the one family. Where the collection falls depends on
+    the allocations the first registration makes, which differ between
+    Python versions, so it is made to fall after each of its first 150.
+
+    Found by the Python 3.12 stack leg (3.12 runs a collection due when a
+    Python function starts): two registrations got key 0, one of them in a
+    family the manager then forgot.
+    """
+    saved = gc.get_threshold()
+    for allocations in range(1, 150):
+        comm = MPI.COMM_SELF.Dup()
+        try:
+            mgr = cgc.manager(comm)  # (local: the first registration joins the family)
+            Reregisters.comm, Reregisters.made = comm, []
+            KEEP[:] = [Obj() for _ in range(5)]
+            o = Obj()
+            gc.collect()
+            for _ in range(5):
+                Reregisters()  # garbage in a cycle, left to the next collection
+            gc.set_threshold(allocations)
+            first = cgc.register(o, noop, comm=comm)
+            gc.set_threshold(*saved)
+            gc.collect()
+            made = Reregisters.made
+            regs = [first, *made]
+            keys = sorted(r.key for r in regs)
+            assert keys == list(range(mgr.next_key - len(regs), mgr.next_key)), (allocations, keys)
+            assert [r.key for r in mgr.snapshot().alive] == [first.key], allocations
+            queued = {r.key: r for r in mgr.pending()}  # made's objects died at once
+            assert all(queued.get(r.key) is r for r in made), allocations
+            del o
+            assert cgc.collect(comm, generation=None).destroyed == len(regs), allocations
+        finally:
+            gc.set_threshold(*saved)
+            Reregisters.comm, Reregisters.made = None, []
+            KEEP.clear()
+            cgc.collect(comm, generation=None, timeout=30)
+            comm.Free()
+
+
 def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
     """The C path's allocation may start the collector, whose finalizers may
     register on the same communicator on this very thread: every key once.
