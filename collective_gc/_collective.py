@@ -66,15 +66,9 @@ from ._syncpoint import (
 from ._tracing import TRACER
 from ._transport import Deadline, Watch, dup
 
-# A protected region's exit, bound once (the hot path's call), and whether a
-# region entered on this thread counts (only the main thread's do: see
-# _interrupts).
+# A protected region's entry and exit, bound once (the hot path's calls).
+_enter = _interrupts.enter
 _leave = _interrupts.leave
-_MAIN = threading.main_thread().ident
-
-
-def _on_main() -> bool:
-    return threading.get_ident() == _MAIN
 
 
 if TYPE_CHECKING:
@@ -439,12 +433,16 @@ class Collective:
             if self.state is not _OPEN or self.destroying or self.size == 1 or TRACER[0]:
                 # (Traced, a sync point takes the steps, which mark their phases.)
                 return self.sync(owner, collected=collected, t0=t0, participants=parts)
-            # The steady state enters the protected region itself, and leaves
-            # it when it returns the sync point's stats (see steady_py).
+            # The sync point is one protected region, entered before the
+            # try (an entry that raises, a handler run while it wraps the
+            # handlers, has entered nothing: nothing to leave); the steady
+            # state leaves it itself when it returns the sync point's stats
+            # (see steady_py).
             fp = self.fingerprint if extra is None else self.fingerprint_with(extra)
+            entered = _enter()
             left = False
             try:
-                got = _STEADY(self, t0, collected, extra, owner, fp)
+                got = _STEADY(self, t0, collected, extra, owner, fp, entered)
                 if type(got) is CollectStats:
                     left = True
                     return got
@@ -460,7 +458,7 @@ class Collective:
                 if self.gone:
                     self.maybe_free()
                 if not left:
-                    _leave(_on_main())
+                    _leave(entered)
 
     def fingerprint_with(self, extra: Participant) -> int:
         """The fingerprint of the family's participants and ``extra`` (a
@@ -730,9 +728,10 @@ def steady_py(
     fam: Collective,
     t0: float,
     collected: int | None,
-    extra: Participant | None = None,
-    owner: Manager | None = None,
-    fp: int | None = None,
+    extra: Participant | None,
+    owner: Manager | None,
+    fp: int,
+    entered: bool,
 ) -> Any:
     """A sync point of ``fam`` in its steady state, in one call: what
     ``_speedups.steady`` does in C (where the extension was built with MPI,
@@ -761,11 +760,11 @@ def steady_py(
     - ``("leave", stats)``: done, but signals arrived meanwhile: the
       caller's leaving the protected region runs their handlers.
 
-    It enters the protected region first (the caller's sync point is one):
-    returning stats, it has left it; anything else (an exception too), and
-    the caller leaves it once the sync point's steps are done.
+    The caller has entered the protected region (``entered``: what
+    :func:`_interrupts.enter` returned): returning stats, this has left it;
+    anything else (an exception too), and the caller leaves it once the sync
+    point's steps are done.
     """
-    entered = _interrupts.enter()  # see the return values above: the region's part
     r = fam.registry
     agreement = fam.agreement
     if (

@@ -201,6 +201,8 @@ def leave_py(entered: bool) -> None:
     raised here). Local."""
     if not entered:
         return
+    if _DEPTH[0] < 1:
+        raise RuntimeError("collective_gc: a protected region was left that was not entered")
     # The handlers run while the region still counts as entered: a signal
     # arriving meanwhile is deferred, and delivered by the same loop. From the
     # loop's last look at _DEFERRED to the decrement below no handler can run

@@ -1277,6 +1277,11 @@ region_add(long delta)
     if (depth == -1 && PyErr_Occurred()) {
         return -1;
     }
+    if (depth + delta < 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "collective_gc: a protected region was left that was not entered");
+        return -1;
+    }
     PyObject *next = PyLong_FromLong(depth + delta);
     if (next == NULL) {
         return -1;
@@ -1674,34 +1679,29 @@ wait_either(MPI_Request reqs[2], int *index)
 }
 
 PyDoc_STRVAR(steady_doc,
-"steady(family, t0, collected, extra, owner, fingerprint) -> None | CollectStats | tuple\n\n"
+"steady(family, t0, collected, extra, owner, fingerprint, entered) -> None | CollectStats | tuple\n\n"
 "collective_gc._collective.steady_py, in C (see there).");
 
 static PyObject *
 steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "steady: expected 6 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "steady: expected 7 arguments");
         return NULL;
     }
     PyObject *fam = args[0], *collected = args[2], *extra = args[3], *extra_owner = args[4];
-    PyObject *fp_obj = args[5];
+    PyObject *fp_obj = args[5], *entered = args[6];
     double t0 = PyFloat_AsDouble(args[1]);
     if (t0 == -1.0 && PyErr_Occurred()) {
         return NULL;
     }
-    /* The protected region first, as Collective.sync enters it: from here on
-     * whatever this returns but a CollectStats leaves it entered, for the
-     * caller to leave once the sync point's steps are done (so that no
-     * signal's handler runs between here and there); a CollectStats has left
-     * it, when no signal is deferred (else ("leave", stats): the caller's
-     * leave runs the handlers). */
-    PyObject *entered = region_enter(NULL, NULL);
-    if (entered == NULL) {
-        return NULL;
-    }
-    Py_DECREF(entered); /* True or False: immortal enough, and the caller knows which */
+    /* The caller entered the protected region (``entered``: what
+     * region_enter returned): whatever this returns but a CollectStats leaves
+     * it entered, for the caller to leave once the sync point's steps are
+     * done (so that no signal's handler runs between here and there); a
+     * CollectStats has left it, when no signal is deferred (else ("leave",
+     * stats): the caller's leave runs the handlers). */
     int finalized = 1;
     if (!mpi_is_ready || fam_type == NULL || Py_TYPE(fam) != fam_type
         || MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) {

@@ -1041,6 +1041,74 @@ def test_a_signal_arriving_in_the_destroy_that_installed_its_handler_is_held() -
         comm.Free()
 
 
+class _Tripwire:
+    """A signal handler that, the first time the region's entry looks at it
+    to wrap it, sends this process SIGUSR1: a signal arriving while the
+    entry runs Python code."""
+
+    armed = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        pass
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # what isinstance() asks of a handler
+        if _Tripwire.armed:
+            _Tripwire.armed = False
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return _Tripwire
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_handler_that_raises_while_a_region_is_entered_leaves_none_entered(
+    comm: MPI.Intracomm,
+) -> None:
+    """Entering a sync point's protected region wraps the handlers installed
+    since the last region, in Python; a signal arriving then has its handler
+    run there, outside any region, and what it raises leaves the entry. No
+    region is then entered: the sync point raises that exception before any
+    collective (on every rank alike here), and later regions defer signals
+    as before.
+
+    Found by an interrupt storm on the Python 3.13 stack leg: the sync point
+    then left a region it had not entered (SystemError from the C steady
+    state; the Python version counted the depth below 0, and handlers then
+    ran inside later sync points).
+    """
+    log: list[str] = []
+
+    def destroy(tag: str) -> None:
+        log.append(tag)
+        signal.raise_signal(signal.SIGUSR1)  # inside the region: held to its end
+        log.append(f"{tag}, after the signal")
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        assert cgc.collect(comm, generation=None).destroyed == 0  # the family, made
+        signal.signal(signal.SIGUSR1, _preempt)
+        signal.signal(signal.SIGUSR2, _Tripwire())
+        _Tripwire.armed = True
+        with pytest.raises(Preempted, match="time slice over") as info:
+            cgc.collect(comm, generation=None)
+        assert not _Tripwire.armed, "the entry did not look at the handler"
+        assert not any("handler ran once" in n for n in getattr(info.value, "__notes__", []))
+        assert _interrupts.deferred() == 0
+        assert cgc.manager(comm).broken is None
+        with GcDisabled():
+            obj = Obj()
+            cgc.register(obj, destroy, "a", comm=comm)
+            del obj
+            with pytest.raises(Preempted) as info:
+                cgc.collect(comm, generation=None)
+        assert log == ["a", "a, after the signal"]
+        assert any("handler ran once" in n for n in info.value.__notes__)
+        assert cgc.collect(comm, generation=None).destroyed == 0
+    finally:
+        _Tripwire.armed = False
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_handler_installed_by_a_destroy_runs_after_the_collectives(
     comm: MPI.Intracomm,
