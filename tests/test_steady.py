@@ -296,6 +296,13 @@ def test_an_unreachable_family_costs_one_look(comm: MPI.Intracomm, outcomes: lis
         del held
         cgc.collect(across, generation=None, timeout=30)
     verdict = everyone(comm, (went, unreached))
-    assert all(v == (["steps", "steady", "steady", "steady"], [2]) for v in verdict), verdict
+    # A rank whose ``across`` joined a family an earlier test left reached
+    # has nothing unreached: all steady there (its half's other rank may
+    # take the steps at the same sync point: the same collective).
+    for seen, none in verdict:
+        expected = ["steps", "steady", "steady", "steady"] if none else ["steady"] * 4
+        assert seen == expected, verdict
+        assert none in ([2], []), verdict
+    assert any(none for _, none in verdict), f"no rank had an unreached family: {verdict}"
     half.Free()
     across.Free()
