@@ -21,7 +21,6 @@ of this module.
 from __future__ import annotations
 
 import functools
-import gc
 import threading
 import time
 import traceback
@@ -130,7 +129,6 @@ class Manager:
         self._state = _OPEN
         self._reason: str | None = None
         self._comm_freed = False
-        self._joining = False  # inside its first collective (see _family)
         self._label: str | None = None  # what messages call it (see set_label)
 
     # -- description -----------------------------------------------------------
@@ -465,62 +463,47 @@ class Manager:
         if fam is not None:
             return fam
         # Under the lock: a first registration on one thread and a first sync
-        # point on another must not join twice. And with the cyclic collector
-        # off: a finalizer run by a collection here that registers on this
-        # communicator would come back on this thread (the lock is
-        # re-entrant) and join a second family, whose keys start at 0 as the
-        # first's do (CPython 3.12 runs a collection that is due when a
-        # Python function starts or a C call returns, so at almost any point
-        # of this). The family is looked for again once the collector is
-        # off: a collection due may have run as that call returned, and its
-        # finalizers joined it. What still comes back (an explicit
-        # gc.collect() in code this runs: an MPI attribute copy callback of
-        # the user's communicator) is refused, not joined twice.
+        # point on another must not join twice. On this thread, a collection
+        # that runs in here (at an allocation; CPython 3.12 runs a due one
+        # when a Python function starts) may run a finalizer that registers
+        # on this communicator: it comes back (the lock is re-entrant) and
+        # joins first. Then its family is this manager's, and the one joined
+        # or made here is let go: two would number keys from 0 each.
         with _FIRST:
-            collector = gc.isenabled()
-            if collector:
-                gc.disable()
+            if self._fam is not None:
+                return self._fam
+            if self._state is not _OPEN:
+                self._check_own("make its first collective")
+            if self._comm_freed:
+                raise CollectiveGCError(
+                    f"the {self.describe()} was freed before its first collective: "
+                    "nothing can be agreed on it"
+                )
+            if MPI.Is_finalized():
+                raise CollectiveGCError(f"MPI is finalized: the {self.describe()} is gone")
+            # A protected region: a signal's handler runs once every rank has
+            # made the duplicate (or found the family), as every rank's first
+            # collective then completes.
+            entered = _interrupts.enter()
             try:
-                if self._fam is not None:
-                    return self._fam
-                if self._joining:
-                    raise CollectiveGCError(
-                        f"the {self.describe()} was used from code run while its first "
-                        "collective was under way on this thread (a finalizer run by an "
-                        "explicit gc.collect() in an MPI attribute callback, say): "
-                        "nothing can be agreed on it there"
-                    )
-                if self._state is not _OPEN:
-                    self._check_own("make its first collective")
-                if self._comm_freed:
-                    raise CollectiveGCError(
-                        f"the {self.describe()} was freed before its first collective: "
-                        "nothing can be agreed on it"
-                    )
-                if MPI.Is_finalized():
-                    raise CollectiveGCError(f"MPI is finalized: the {self.describe()} is gone")
-                # A protected region: a signal's handler runs once every rank
-                # has made the duplicate (or found the family), as every
-                # rank's first collective then completes.
-                entered = _interrupts.enter()
-                self._joining = True
-                try:
-                    fam, new = family_of(
-                        self._user_comm,
-                        Deadline(deadline),
-                        _what(self, "duplicating its communicator"),
-                    )
-                    self._tag = fam.join(self)
-                    self._fam = fam
-                    for hook in _ON_FIRST:
-                        hook(self, new)
-                finally:
-                    self._joining = False
-                    _interrupts.leave(entered)
-                return fam
+                fam, new = family_of(
+                    self._user_comm, Deadline(deadline), _what(self, "duplicating its communicator")
+                )
+                if self._fam is None:
+                    tag = fam.join(self)  # (a call: a collection may run as it starts)
+                    if self._fam is None:
+                        # No call from here to the stores: nothing comes back.
+                        self._tag = tag
+                        self._fam = fam
+                        for hook in _ON_FIRST:
+                            hook(self, new)
+                        return fam
+                    fam.leave(tag)
+                elif fam is not self._fam:
+                    fam.maybe_free()
+                return self._fam
             finally:
-                if collector:
-                    gc.enable()
+                _interrupts.leave(entered)
 
     def allgather(self, value: Any, timeout: float | None = None) -> list[Any]:
         """Collective: every rank's ``value`` (picklable), over the family's

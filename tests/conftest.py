@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
             f"{report.longreprtext}\n[rank {WORLD.Get_rank()}] aborting the MPI job\n"
         )
         sys.stderr.flush()
+        # Open MPI 5's launcher (PRRTE) kills the job before forwarding what
+        # a rank wrote just before MPI_Abort: the report would be lost (the
+        # py312-openmpi stack leg showed only "exited due to abort").
+        time.sleep(1.0)
         WORLD.Abort(1)
 
 
