@@ -452,6 +452,10 @@ def test_a_cgc_dup_outlives_the_communicator_it_came_from(comm: MPI.Intracomm) -
     assert all(v == (1, ["o"], ["cd"], cgc.State.RELEASED) for v in verdicts), verdicts
 
 
+# Communicators a test's abandoned collectives may still reach: never freed.
+_ABANDONED: list[MPI.Intracomm] = []
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_registration_on_one_rank_only_on_a_congruent_comm_is_an_error_everywhere(
@@ -493,7 +497,12 @@ def test_a_registration_on_one_rank_only_on_a_congruent_comm_is_an_error_everywh
     finally:
         if reg is not None:
             reg.detach()
-        lib.Free()
+        # Not freed: ranks 1-3 abandoned the duplicate they began of it,
+        # which rank 0 never joined, and its messages may still reach rank
+        # 0. Open MPI 4 keeps a message for a freed communicator under its
+        # context id and hands it to the next communicator given that id:
+        # one of another size crashed there (a later test's COMM_SELF.Dup).
+        _ABANDONED.append(lib)
     verdicts = everyone(comm, (first, second, message, third))
     for first, second, message, _ in verdicts:
         assert first == "CollectiveMismatchError", verdicts
