@@ -486,9 +486,23 @@ class Manager:
             # collective then completes.
             entered = _interrupts.enter()
             try:
-                fam, new = family_of(
-                    self._user_comm, Deadline(deadline), _what(self, "duplicating its communicator")
-                )
+                try:
+                    fam, new = family_of(
+                        self._user_comm,
+                        Deadline(deadline),
+                        _what(self, "duplicating its communicator"),
+                    )
+                except BaseException as exc:
+                    # Its duplicate is abandoned half-made (a timeout, an
+                    # interrupt that left it): making another would not match
+                    # the other ranks' collectives. Refused from now on, as a
+                    # family that timed out is, on every rank that got here.
+                    self._become(
+                        State.UNUSABLE,
+                        "its first collective did not complete on this rank "
+                        f"({type(exc).__name__}: {exc})",
+                    )
+                    raise
                 if self._fam is None:
                     tag = fam.join(self)  # (a call: a collection may run as it starts)
                     if self._fam is None:
