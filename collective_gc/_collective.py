@@ -88,6 +88,10 @@ class State(enum.Enum):
     FORKED = "forked"  #: this is a forked child: everything belongs to the parent
 
 
+def _first(pair: tuple[int, Any]) -> int:
+    return pair[0]
+
+
 # The usable state, as a module global: the hot paths (a registration, a sync
 # point) compare with it, and an Enum member read through its class costs
 # about 100 ns in Python 3.11, a tenth of a registration.
@@ -231,6 +235,21 @@ class Collective:
         self.comm = comm
         # Local: it only posts the receive of its watch (see _transport.Watch).
         self.agreement = _agree.Agreement(comm)
+
+    def live_members(self) -> list[tuple[int, Manager]]:
+        """(tag, manager) of the members still alive, by tag. Local, and safe
+        from any thread: the WeakValueDictionary's own iteration is a Python
+        generator, in which another thread that joins or leaves meanwhile
+        made it raise "dictionary changed size during iteration" (the stress
+        harness's threads episode); ``valuerefs()`` copies its weak
+        references (keyed by tag) in one call instead."""
+        out = []
+        for ref in self.members.valuerefs():
+            mgr = ref()
+            if mgr is not None:
+                out.append((ref.key, mgr))
+        out.sort(key=_first)
+        return out
 
     def join(self, member: Manager) -> int:
         """A manager of one of the family's communicators joins it. Its tag:

@@ -169,10 +169,8 @@ class _Child:
         the one it was reached through: a family outlives its first members
         (each step's split joins the family of the last, which is then
         freed), and holding one would keep it from being let go of."""
-        members = self.fam.members
-        for tag in sorted(members.keys()):
-            mgr = members.get(tag)
-            if mgr is not None and mgr.state is _OPEN:
+        for _, mgr in self.fam.live_members():
+            if mgr.state is _OPEN:
                 return mgr
         return None
 
@@ -253,7 +251,7 @@ def derived(comm: MPI.Intracomm) -> list[str]:
         return []
     out = []
     kv = _keyval()
-    for member in list(fam.members.values()):
+    for _, member in fam.live_members():
         if member.comm_freed:
             continue
         try:

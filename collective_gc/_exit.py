@@ -86,7 +86,7 @@ def _at_exit() -> None:
         entered = _interrupts.enter()
         try:
             for fam in reversed(_collective.families()):
-                owner = next(iter(list(fam.members.values())), None)
+                owner = next((m for _, m in fam.live_members()), None)
                 if owner is None:
                     continue
                 try:

@@ -136,7 +136,7 @@ def release_freed() -> None:
     for mgr in list(_FREED):
         fam = _manager.family(mgr)
         others = fam is not None and any(
-            m is not mgr and not m.comm_freed for m in list(fam.members.values())
+            m is not mgr and not m.comm_freed for _, m in fam.live_members()
         )
         if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
             _forget(mgr)
