@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from mpi4py import MPI
 
+import collective_gc as cgc
+from collective_gc import _collective
 from collective_gc._lookup import lookup
 from collective_gc._manager import family
 
@@ -253,3 +255,27 @@ def mpiexec_env() -> dict[str, str]:
         # PRRTE ignores Open MPI 4's rmaps_base_oversubscribe.
         env["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
     return env
+
+
+@pytest.fixture
+def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Which way each sync point that tried the steady state went, in order
+    ("steady": done in one call; "failed": done, with failures kept for the
+    next agreement; "steps": not steady, the Python steps ran it all;
+    "resume", "watch", "leave": see ``_collective.steady_py``). Whichever
+    steady state this process runs (C or its Python twin) is wrapped."""
+    seen: list[str] = []
+    real = _collective._STEADY
+
+    def recording(fam: Any, t0: float, collected: int | None, *more: Any) -> Any:
+        got = real(fam, t0, collected, *more)
+        if got is None:
+            seen.append("steps")
+        elif type(got) is cgc.CollectStats:
+            seen.append("steady")
+        else:
+            seen.append(got[0])
+        return got
+
+    monkeypatch.setattr(_collective, "_STEADY", recording)
+    yield seen

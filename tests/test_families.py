@@ -30,7 +30,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _collective, _exit
+from collective_gc import _exit
 
 from _util import (
     JOB_HEAD,
@@ -51,30 +51,6 @@ from _util import (
     noop,
     run_job,
 )
-
-
-@pytest.fixture
-def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Which way each sync point that tried the steady state went, in order
-    ("steady": done in one call; "failed": done, with failures kept for the
-    next agreement; "steps": not steady, the Python steps ran it all;
-    "resume", "watch", "leave": see ``_collective.steady_py``). The same hook
-    tests/test_steady.py records through."""
-    seen: list[str] = []
-    real = _collective._STEADY
-
-    def recording(fam: Any, t0: float, collected: int | None, *more: Any) -> Any:
-        got = real(fam, t0, collected, *more)
-        if got is None:
-            seen.append("steps")
-        elif type(got) is cgc.CollectStats:
-            seen.append("steady")
-        else:
-            seen.append(got[0])
-        return got
-
-    monkeypatch.setattr(_collective, "_STEADY", recording)
-    yield seen
 
 
 def settle(comm: MPI.Intracomm, quiet: int = 12) -> None:

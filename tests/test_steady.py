@@ -14,8 +14,6 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from mpi4py import MPI
@@ -26,26 +24,6 @@ from collective_gc import _agree, _collective, _comms, _switch
 from _util import GcDisabled, Obj, everyone, noop
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-@pytest.fixture
-def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """What the steady state (whichever this process runs) returned, by sync point."""
-    seen: list[str] = []
-    real = _collective._STEADY
-
-    def recording(fam: Any, t0: float, collected: int | None, *more: Any) -> Any:
-        got = real(fam, t0, collected, *more)
-        if got is None:
-            seen.append("steps")
-        elif type(got) is cgc.CollectStats:
-            seen.append("steady")
-        else:
-            seen.append(got[0])
-        return got
-
-    monkeypatch.setattr(_collective, "_STEADY", recording)
-    yield seen
 
 
 def test_the_c_steady_state_runs_where_it_is_required() -> None:

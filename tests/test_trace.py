@@ -28,7 +28,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _collective, trace
+from collective_gc import trace
 
 from _util import JOB_HEAD, Obj, job_report, noop, run_job, script_env
 
@@ -365,29 +365,20 @@ def test_the_plot_is_drawn(comm: MPI.Intracomm, shared_dir: Path) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_a_trace_stopped_leaves_sync_points_their_steady_state(
-    comm: MPI.Intracomm, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+    comm: MPI.Intracomm, shared_dir: Path, outcomes: list[str]
 ) -> None:
     """Off (never started, or stopped), an empty sync point runs the steady
     state (one call, C where built), as it did before any trace; on, it
     takes the Python steps, which hand the tracer their phases. What that
     costs, off and on, is bench/bench_trace.py's (a timed assertion here
     would test the machine's load)."""
-    seen: list[str] = []
-    real = _collective._STEADY
-
-    def recording(*args: Any) -> Any:
-        got = real(*args)
-        seen.append("steady" if type(got) is cgc.CollectStats else "other")
-        return got
-
-    monkeypatch.setattr(_collective, "_STEADY", recording)
     drop_and_sync(comm, 1)
 
     def block(n: int = 5) -> list[str]:
-        del seen[:]
+        outcomes.clear()
         for _ in range(n):
             cgc.collect(comm, generation=None)
-        return list(seen)
+        return list(outcomes)
 
     assert block() == ["steady"] * 5
     for i in range(2):
@@ -396,7 +387,7 @@ def test_a_trace_stopped_leaves_sync_points_their_steady_state(
             assert drop_and_sync(comm, 2).destroyed == 2
         assert trace.active() is None
         assert block() == ["steady"] * 5
-    everyone_alike = comm.allgather(len(seen))
+    everyone_alike = comm.allgather(len(outcomes))
     assert everyone_alike == [5] * comm.Get_size()
 
 
@@ -532,7 +523,7 @@ def test_the_summary_names_the_rank_that_never_came(tmp_path: Path) -> None:
 _FULL_DISK = """
 import resource, signal, sys
 import collective_gc as cgc
-from collective_gc import _collective, trace
+from collective_gc import trace
 from mpi4py import MPI
 
 class Obj:
