@@ -262,11 +262,11 @@ class Trace:
                     os.pwrite(self._fd, _END, at)  # it fitted before
                     os.ftruncate(self._fd, at + len(_END))
             except OSError:
-                pass
+                pass  # the disk refused again: read() takes the whole lines it has
             try:
                 os.close(self._fd)
             except OSError:
-                pass
+                pass  # nothing more to save; the error reported below is the first one
             self._fd = None
         try:
             sys.stderr.write(
@@ -376,7 +376,7 @@ def read(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = json.loads(text)
         return events
     except json.JSONDecodeError:
-        pass
+        pass  # cut short: read it line by line below
     events = []
     for line in text.splitlines():
         line = line.strip().rstrip(",")
