@@ -9,6 +9,7 @@ one order agreed by every rank.
 from __future__ import annotations
 
 import os as _os
+from importlib.util import find_spec as _find_spec
 
 from . import _exit  # noqa: F401  (the exit agreement and fork handling)
 from ._api import collect, pending, register
@@ -50,6 +51,11 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The lazy name is public (the README lists it): dir() and completion show it.
+    return sorted({*globals(), *__all__})
+
+
 __all__ = [
     "CollectStats",
     "CollectiveGCError",
@@ -79,3 +85,8 @@ __all__ = [
     "sync_point",
     "view",
 ]
+# parallel_assert only where pytest is installed: `from collective_gc import *`
+# loads every name of __all__, and must not fail for want of a test dependency.
+# find_spec looks pytest up without importing it.
+if _find_spec("pytest") is not None:
+    __all__.append("parallel_assert")

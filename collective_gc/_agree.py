@@ -39,15 +39,14 @@ import array
 import functools
 import hashlib
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ._switch import SPEEDUPS
-from ._transport import Deadline, Watch, allgather, allreduce, keep_alive, wait
+from ._state import WINDOW_LIMIT, WINDOW_MIN, WORDS, FamilyState
+from ._transport import Deadline, allgather, allreduce, gave_up_error, wait
 
 __all__ = [
     "FLAG_CYCLIC",
@@ -58,19 +57,22 @@ __all__ = [
     "FIELD_GC",
     "FIELD_PETSC",
     "NO_KEY",
-    "Header",
     "Agreed",
     "WORDS",
     "as_int64",
     "child_bit",
-    "Agreement",
     "PERSISTENT",
-    "Window",
     "field_shift",
     "fingerprint",
     "intersect",
     "intersect_any",
     "message_words",
+    "WINDOW_MIN",
+    "WINDOW_LIMIT",
+    "resolve",
+    "any_flags",
+    "any_words",
+    "gather",
 ]
 
 NO_KEY = int(np.iinfo(np.int64).max)
@@ -142,33 +144,6 @@ def field_shift(field: int) -> int:
     return FIELD_BITS * (field + 1)
 
 
-class Header:
-    """What one rank brings to a sync point, besides its pending keys.
-    ``parts`` is a 64-bit fingerprint of its participants (see
-    :func:`fingerprint`) combined with the registrations' order over the
-    family's members, agreed for equality like the sync-point number;
-    ``children``, 64 bits ORed over the ranks: which derived families
-    (hashed, see :func:`child_bit`) want a visit."""
-
-    __slots__ = ("seq", "next_key", "at_exit", "flags", "parts", "children")
-
-    def __init__(
-        self,
-        seq: int,
-        next_key: int,
-        at_exit: bool,
-        flags: int,
-        parts: int = 0,
-        children: int = 0,
-    ) -> None:
-        self.seq = seq
-        self.next_key = next_key
-        self.at_exit = at_exit
-        self.flags = flags
-        self.parts = parts
-        self.children = children
-
-
 def child_bit(ident: int) -> int:
     """The bit of the children word that stands for the derived family
     ``ident`` (the same on every rank of it). Families whose bits collide
@@ -197,69 +172,6 @@ def fingerprint(identities: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-class Window:
-    """The keys whose pending state travels as a bitmap: ``[lo, lo + bits)``.
-
-    Changed only by :meth:`advance` with agreed values, so the same on every
-    rank of the communicator.
-    """
-
-    __slots__ = ("lo", "bits", "marks", "growths", "idle")
-
-    # Beyond this many keys, the window keeps the newest ones (the rest go
-    # through the fallback): a bitmap costs a bit per key, the fallback's
-    # merge 64 bits per pending key.
-    LIMIT = 1 << 20
-    MIN = 256
-    # How many sync points back the window remembers the registrations made
-    # between two sync points: a burst (a step that makes many objects,
-    # followed by a sync point that finds nothing new) must not shrink it
-    # before the next burst.
-    MEMORY = 8
-    # How many sync points back the window's first key was the next key: an
-    # object that outlives a few sync points (a previous step's solution, one
-    # a sync point between two steps did not see die) is still inside it.
-    SPAN = 4
-
-    def __init__(self) -> None:
-        self.lo = 0
-        self.bits = self.MIN
-        self.marks = [0]  # the agreed next key at the last sync points, oldest first
-        self.growths: list[int] = []
-        self.idle = 0  # sync points in a row (up to MEMORY) that found nothing registered
-
-    def advance(self, next_key: int) -> None:
-        """After a sync point agreed on ``next_key``: the keys registered since
-        the last SPAN - 1 sync points, and room for twice as many new ones as
-        the most registered between two of the last MEMORY sync points, in
-        a power of two of bits, MIN at least."""
-        marks, growths = self.marks, self.growths
-        if next_key == marks[-1]:
-            if self.idle == self.MEMORY:
-                # Nothing registered for MEMORY sync points: every growth
-                # remembered is 0 and every mark is next_key, so advancing
-                # would change nothing.
-                return
-            self.idle += 1
-        else:
-            self.idle = 0
-        growths.append(next_key - marks[-1])
-        marks.append(next_key)
-        if len(growths) > self.MEMORY:
-            del growths[0]
-        if len(marks) > self.SPAN:
-            del marks[0]
-        lo = marks[0]
-        hi = next_key + max(2 * max(growths), 1)
-        if hi - lo > self.LIMIT:
-            lo = hi - self.LIMIT
-        self.lo = lo
-        # A power of two: the buffer (and the persistent request bound to it)
-        # is made again only when the window doubles or halves, not at each
-        # change of the registrations' rate (the steady state needs neither).
-        self.bits = max(self.MIN, 1 << (hi - lo - 1).bit_length())
-
-
 class Agreed:
     """What a sync point's agreement found: the same on every rank."""
 
@@ -282,327 +194,91 @@ class Agreed:
 
 _HASH = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive keys spread over the filter
 _MASK64 = (1 << 64) - 1
-# The message: the sync-point word (number and exit mark), the next key and
-# the participants' fingerprint with the registrations' order, each as x and
-# ~x; the flags, complemented; the hash filter of the pending keys outside
-# the window; the derived families that want a visit, complemented; then the
-# window's bitmap. Nothing in it is per rank or per communicator.
-_WORDS = 9
-WORDS = _WORDS  # the header's length, for the C steady state's twin
+# The message (packed by FamilyState.exchange): the sync-point word (number
+# and exit mark), the next key and the participants' fingerprint with the
+# registrations' order, each as x and ~x; the flags, complemented; the hash
+# filter of the pending keys outside the window; the derived families that
+# want a visit, complemented; then the window's bitmap. Nothing in it is per
+# rank or per communicator.
 
 
 def message_words(window_bits: int) -> int:
     """The agreement's message, in int64 words, for a window of ``window_bits``
     keys: the same at any number of ranks."""
-    return _WORDS + window_bits // 64
+    return WORDS + window_bits // 64
 
 
-def _filter(keys: np.ndarray[Any, Any]) -> int:
-    h = (keys.astype(np.uint64) * np.uint64(_HASH)) >> np.uint64(58)
-    bits = np.bitwise_or.reduce(np.left_shift(np.uint64(1), h))
-    return int(np.array(bits, dtype=np.uint64).view(np.int64))
-
-
-def pack_window_py(
-    keys: np.ndarray[Any, Any], lo: int, nbits: int, buf: array.array[int], at: int
-) -> tuple[int, int, int]:
-    """The window's bitmap of the ascending ``keys``, written into the
-    ``nbits // 64`` words of ``buf`` from word ``at`` (bit i of the window is
-    bit i % 64 of word i // 64); returns the index range [first, last) of the
-    keys inside it and the hash filter of those outside (0 if none).
-    ``_speedups.pack_window`` does the same in C."""
-    first = int(keys.searchsorted(lo))
-    last = int(keys.searchsorted(lo + nbits))
-    bits = np.zeros(nbits, dtype=bool)
-    bits[keys[first:last] - lo] = True
-    words = np.frombuffer(buf, dtype=np.int64)
-    words[at : at + nbits // 64] = np.packbits(bits, bitorder="little").view(np.int64)
-    outside = first or last < keys.size
-    return first, last, _filter(np.concatenate((keys[:first], keys[last:]))) if outside else 0
-
-
-def window_keys_py(buf: array.array[int], at: int, nbits: int, lo: int) -> np.ndarray[Any, Any]:
-    """The keys whose bits are set in a window written by :func:`pack_window_py`,
-    ascending. ``_speedups.window_keys`` does the same in C."""
-    words = np.frombuffer(buf, dtype=np.int64)[at : at + nbits // 64]
-    bits = np.unpackbits(words.view(np.uint8), count=nbits, bitorder="little")
-    return np.flatnonzero(bits).astype(np.int64) + lo
-
-
-def _window_keys_c(buf: array.array[int], at: int, nbits: int, lo: int) -> np.ndarray[Any, Any]:
-    assert SPEEDUPS is not None
-    return np.frombuffer(SPEEDUPS.window_keys(buf, at, nbits, lo), np.int64)
-
-
-# The window's packing and reading: in C where the extension is loaded (a few
-# numpy calls cost more than the work when numpy is out of cache, as after
-# many destroys), else with numpy.
-_PACK: Callable[..., tuple[int, int, int]] = (
-    pack_window_py if SPEEDUPS is None else SPEEDUPS.pack_window
-)
-_WINDOW_KEYS: Callable[..., np.ndarray[Any, Any]] = (
-    window_keys_py if SPEEDUPS is None else _window_keys_c
-)
-
-
-class Agreement:
-    """The agreement of one family's sync points over its private communicator.
-
-    Keeps the window, the communicator's :class:`Watch` and one message
-    buffer between sync points (an ``array.array``, whose item stores are
-    cheap): an empty sync point then costs nine stores around its allreduce
-    (in C, ``_speedups.steady``, where the extension was built with MPI).
-    """
-
-    __slots__ = (
-        "comm",
-        "rank",
-        "size",
-        "window",
-        "watch",
-        "_arr",
-        "_dirty",
-        "_lo",
-        "_nbits",
-        "_persistent",
-        "_preq",
-        "waits",
-    )
-
-    def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.window = Window()
-        self.watch = Watch(comm)
-        # The window of the last exchange, and the number of bits the buffer
-        # (and the persistent request bound to it) is shaped for: a window
-        # that only moves (lo) keeps both.
-        self._lo = self._nbits = -1
-        self._arr = array.array("q")
-        self._dirty = False  # the bitmap may hold bits from the last sync point
-        # MPI-4's persistent allreduce (mpi4py 4), bound to the buffer while
-        # its shape lasts: starting it costs less than a new Iallreduce.
-        init = getattr(comm, "Allreduce_init", None)  # mpi4py 4 only
-        self._persistent: Callable[..., MPI.Prequest] | None = init if PERSISTENT else None
-        self._preq: MPI.Prequest | None = None
-        # Where the exchange marks its wait for the other ranks ("wait",
-        # start, end) while a tracer watches (collective_gc._tracing), else None.
-        self.waits: list[tuple[str, float, float]] | None = None
-
-    @property
-    def words(self) -> int:
-        """The length, in int64 words, of the message the last agreement sent."""
-        return len(self._arr)
-
-    def close(self) -> None:
-        """Free the persistent request, if an inactive one is kept, and withdraw
-        the watch's receive. Local; call it before freeing the communicator."""
-        self._drop_request()
-        self.watch.close()
-
-    def _drop_request(self) -> None:
-        req, self._preq = self._preq, None
-        if req is not None and req != MPI.REQUEST_NULL:
-            req.Free()  # inactive (completed), so local
-
-    def _start(self, buf: array.array[int]) -> MPI.Request:
-        """Start the allreduce (MPI_BAND, in place) of ``buf``."""
-        if self._persistent is not None:
-            req = self._preq
-            if req is None:
-                try:
-                    # Collective, but nonblocking; every rank makes it at the
-                    # same sync point (the buffer's shape is agreed).
-                    req = self._preq = self._persistent(_IN_PLACE, buf, MPI.BAND)
-                except NotImplementedError:
-                    # mpi4py 4 over an MPI without it: the same on every rank.
-                    self._persistent = None
-                    return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
-            req.Start()
-            return req
-        return self.comm.Iallreduce(_IN_PLACE, buf, MPI.BAND)
-
-    def _reshape(self, lo: int, nbits: int) -> None:
-        """A new buffer for the window ``[lo, lo + nbits)`` (agreed, so on every rank)."""
-        self._drop_request()  # bound to the old buffer
-        self._arr = array.array("q", bytes(8 * message_words(nbits)))
-        self._dirty = False
-        self._lo, self._nbits = lo, nbits
-
-    def ready(self) -> bool:
-        """Whether the buffer (and the persistent request, where one is used)
-        fits the window: the steady state needs nothing made. Local."""
-        return self._nbits == self.window.bits and (
-            self._persistent is None or self._preq is not None
-        )
-
-    def buffer(self) -> array.array[int]:
-        """The message buffer, reduced once an exchange completed."""
-        return self._arr
-
-    def window_keys(self) -> np.ndarray[Any, Any]:
-        """The keys whose bits survived the last exchange, ascending (its
-        window is the one the exchange packed: window.advance comes after)."""
-        return _WINDOW_KEYS(self._arr, _WORDS, self._nbits, self._lo)
-
-    def _forget_buffers(self) -> None:
-        """After an abandoned collective: MPI may still use the buffer, so never again."""
-        self._lo = self._nbits = -1
-        self._preq = None
-
-    def agree(
-        self,
-        head: Header,
-        pending: np.ndarray[Any, Any],
-        deadline: Deadline,
-        what: Callable[[], str],
-    ) -> Agreed:
-        """Collective: the keys in ``pending`` (ascending) pending on every rank.
-
-        One allreduce unless keys outside the window may be pending
-        everywhere. Raises :class:`CollectiveTimeoutError` at the deadline, or
-        when a rank gave up (see :class:`Watch`).
-        """
-        first, last = self.exchange(head, pending, deadline, what)
-        return self.resolve(pending, first, last, deadline, what)
-
-    def exchange(
-        self,
-        head: Header,
-        pending: np.ndarray[Any, Any],
-        deadline: Deadline,
-        what: Callable[[], str],
-    ) -> tuple[int, int]:
-        """Collective: pack the message and complete its allreduce (the first
-        half of :meth:`agree`; the C steady state does the same in
-        ``_speedups.steady``). Returns the index range of the keys of
-        ``pending`` that are inside the window."""
-        deadline.watch = self.watch  # this sync point's later waits too
-        self.watch.seq = head.seq
-        window = self.window
-        lo, nbits = window.lo, window.bits
-        if nbits != self._nbits:
-            self._reshape(lo, nbits)
-        self._lo = lo
-        buf = self._arr  # same length as before: the memory MPI may be bound to stays
-        # Equality of the sync-point number and kind (exit or not), of the
-        # next key and of the participants: each word and its complement.
-        seqword = head.seq * 2 + head.at_exit
-        buf[0] = seqword
-        buf[1] = ~seqword
-        buf[2] = head.next_key
-        buf[3] = ~head.next_key
-        buf[4] = head.parts
-        buf[5] = ~head.parts
-        buf[6] = ~(head.flags if deadline.at is None else head.flags | FLAG_DEADLINE)
-        buf[8] = ~as_int64(head.children)
-        if pending.size:
-            # The keys [first, last) of pending are in the window; the whole
-            # bitmap is written.
-            first, last, buf[7] = _PACK(pending, lo, nbits, buf, _WORDS)
-            self._dirty = True
-        else:
-            first = last = 0
-            buf[7] = 0
-            if self._dirty:  # the AND of bits this rank sent: clear them
-                np.frombuffer(buf, dtype=np.int64)[_WORDS:] = 0
-                self._dirty = False
-        # In place, against the deadline if any: most of an empty sync point.
-        # Non-blocking even without one: a blocking collective never matches
-        # the non-blocking one of a rank that has a deadline.
-        try:
-            if self.waits is None:
-                wait(self._start(buf), deadline, what, buf, check=False)
-            else:
-                req = self._start(buf)
-                started = time.perf_counter()
-                try:
-                    wait(req, deadline, what, buf, check=False)
-                finally:
-                    self.waits.append(("wait", started, time.perf_counter()))
-        except BaseException:
-            # MPI may still write into it, and the request may still be
-            # active: neither is used again, and both are kept for ever (wait
-            # keeps what it abandons; an interrupt may also land between the
-            # start and the wait).
-            self.abandoned(None)
-            raise
-        return first, last
-
-    def abandoned(self, req: MPI.Request | None) -> None:
-        """The exchange was left before its allreduce completed (``req``, if
-        not the persistent one): MPI may still write into the buffer and the
-        request may still be active: neither is used again, and both are kept
-        for ever."""
-        keep_alive(self._preq if req is None else req, self._arr)
-        self._forget_buffers()
-
-    def resolve(
-        self,
-        pending: np.ndarray[Any, Any],
-        first: int,
-        last: int,
-        deadline: Deadline,
-        what: Callable[[], str],
-    ) -> Agreed:
-        """What the completed allreduce says (the second half of :meth:`agree`):
-        the flags, whether the ranks disagree, the keys pending everywhere
-        (with the fallback round for keys outside the window, collective)."""
-        deadline.watch = self.watch
-        red = self._arr
-        lo, nbits = self._lo, self._nbits
-        agreed_flags = ~red[6]
-        if agreed_flags & FLAG_DEADLINE:
-            # A rank that had a deadline may have given up after sending its
-            # part (see wait): then this agreement completed only because of
-            # what it left behind.
-            if self.watch.fired():
-                raise self.watch.error(what)
-            agreed_flags &= ~FLAG_DEADLINE
-        children = ~red[8] & _MASK64
-        if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
-            return Agreed(_NO_KEYS, agreed_flags, True, False, children)
-        fallback = red[7] != 0
-        if last == first and not fallback and not agreed_flags and not children:
-            return _NOTHING  # the steady state: nothing to destroy, nothing to say
-        keys = _NO_KEYS
-        if last > first:  # only bits this rank set can have survived the AND
-            keys = _WINDOW_KEYS(red, _WORDS, nbits, lo)
-        if fallback:
-            # Every rank saw the same filter, so every rank runs this round.
-            outside = np.concatenate((pending[:first], pending[last:]))
-            extra = intersect_any(self.comm, outside, deadline, what)
-            if extra.size:
-                keys = np.union1d(keys, extra)
-        return Agreed(keys, agreed_flags, False, fallback, children)
-
-    def any_flags(self, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
-        """Collective: the OR over the ranks of ``flags`` (one word, MPI_BAND of complements)."""
-        deadline.watch = self.watch
-        buf = array.array("q", (~flags,))
-        return ~allreduce(self.comm, buf, MPI.BAND, deadline, what)[0]
-
-    def any_words(
-        self, values: Sequence[int], deadline: Deadline, what: Callable[[], str]
-    ) -> list[int]:
-        """Collective: each of ``values`` ORed over the ranks (MPI_BAND of
-        complements, as the flags), in one allreduce."""
-        deadline.watch = self.watch
-        buf = array.array("q", (~as_int64(v) for v in values))
-        return [~w & _MASK64 for w in allreduce(self.comm, buf, MPI.BAND, deadline, what)]
-
-    def allgather(self, value: Any, deadline: Deadline, what: Callable[[], str]) -> list[Any]:
-        """Collective: every rank's ``value`` (picklable), against ``deadline``
-        and this communicator's watch."""
-        deadline.watch = self.watch
-        return allgather(self.comm, value, deadline, what)
-
-
-_IN_PLACE = MPI.IN_PLACE
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _NO_KEYS.flags.writeable = False  # shared by every agreement that found none
 _NOTHING = Agreed(_NO_KEYS, 0, False, False)  # read only, never changed
+
+
+def resolve(state: FamilyState, deadline: Deadline, what: Callable[[], str]) -> Agreed:
+    """What the completed exchange of ``state`` says: the flags, whether the
+    ranks disagree, the keys pending everywhere (with the fallback round for
+    keys outside the window: collective, and alike on every rank, since
+    every rank saw the same filter)."""
+    deadline.watch = state
+    red = state.reduced()
+    agreed_flags = ~red[6]
+    if agreed_flags & FLAG_DEADLINE:
+        # A rank that had a deadline may have given up after sending its
+        # part: then this agreement completed only because of what it left behind.
+        if state.fired():
+            raise gave_up_error(state, what)
+        agreed_flags &= ~FLAG_DEADLINE
+    children = ~red[8] & _MASK64
+    if red[0] != ~red[1] or red[2] != ~red[3] or red[4] != ~red[5]:
+        return Agreed(_NO_KEYS, agreed_flags, True, False, children)
+    fallback = red[7] != 0
+    first, last = state.first, state.last
+    if last == first and not fallback and not agreed_flags and not children:
+        return _NOTHING  # the steady state: nothing to destroy, nothing to say
+    keys = _NO_KEYS
+    if last > first:  # only bits this rank set can have survived the AND
+        raw = state.window_keys()
+        if raw:
+            keys = np.frombuffer(raw, np.int64)
+    if fallback:
+        raw_pend, _ = state.pending_keys()
+        pending = np.frombuffer(raw_pend, np.int64) if raw_pend else _NO_KEYS
+        outside = np.concatenate((pending[:first], pending[last:]))
+        comm = state.comm
+        assert comm is not None
+        extra = intersect_any(comm, outside, deadline, what)
+        if extra.size:
+            keys = np.union1d(keys, extra)
+    return Agreed(keys, agreed_flags, False, fallback, children)
+
+
+def any_flags(state: FamilyState, flags: int, deadline: Deadline, what: Callable[[], str]) -> int:
+    """Collective over the family: the OR over the ranks of ``flags`` (one
+    word, MPI_BAND of complements)."""
+    deadline.watch = state
+    assert state.comm is not None
+    buf = array.array("q", (~flags,))
+    return ~allreduce(state.comm, buf, MPI.BAND, deadline, what)[0]
+
+
+def any_words(
+    state: FamilyState, values: Sequence[int], deadline: Deadline, what: Callable[[], str]
+) -> list[int]:
+    """Collective: each of ``values`` ORed over the ranks (MPI_BAND of
+    complements, as the flags), in one allreduce."""
+    deadline.watch = state
+    assert state.comm is not None
+    buf = array.array("q", (~as_int64(v) for v in values))
+    return [~w & _MASK64 for w in allreduce(state.comm, buf, MPI.BAND, deadline, what)]
+
+
+def gather(
+    state: FamilyState, value: Any, deadline: Deadline, what: Callable[[], str]
+) -> list[Any]:
+    """Collective: every rank's ``value`` (picklable), against ``deadline``
+    and the family's watch."""
+    deadline.watch = state
+    assert state.comm is not None
+    return allgather(state.comm, value, deadline, what)
 
 
 # Whether agreements use MPI-4's persistent allreduce where mpi4py offers it:

@@ -1,70 +1,71 @@
-"""The collective state of a family of congruent communicators.
+"""A family of congruent communicators: its members, its participants, its sync points.
 
 Communicators with the same processes in the same order (MPI_Comm_compare:
 IDENT or CONGRUENT) are one *family*: a user's communicator, its
 ``cgc.dup``\\s, a library's ``comm.Dup()`` of it (DOLFINx's per-mesh ones),
 PETSc's inner duplicates. A registration on any of them is collective over
-the same processes as one on any other, so the family needs one key counter
-(:class:`~collective_gc._registry.Registry`), one private duplicate, one
-agreement and one sequence of sync points, whatever the number of its
-communicators: a sync point of any member is a sync point of the family, and
-costs one collective in the steady state, not one per communicator.
+the same processes as one on any other, so the family needs one key counter,
+one private duplicate, one agreement and one sequence of sync points,
+whatever the number of its communicators: a sync point of any member is a
+sync point of the family, and costs one collective in the steady state, not
+one per communicator.
 
-:class:`Collective` owns that state: the private duplicate (made by the
-family's first collective), the agreement (its buffer, window and watch:
-:class:`~collective_gc._agree.Agreement`), the sync-point count, whether the
-family is usable and why not, the participants its members added, the
-derived families that are strict subsets of it (its *children*, visited by
-its sync points only when one of their ranks has something for them), and
-the failures not yet reported. It is the only way to make a collective of
-the family: a sync point, a gather, the exit agreement; each of them that
-is left by an exception on this rank only, half-way through its
-collectives, leaves the family unusable (the others would match the wrong
-collective next) and tells the other ranks so through the watch.
-
-Its members are the :class:`~collective_gc.Manager`\\s of the family's
-communicators: each registers on this registry with its own tag (the order
-of registrations over members is agreed, see ``Registry.order``) and keeps
-what is its own (its communicator, freed or not; closed or not; its view).
+Its collective state is one typed object, its
+:class:`~collective_gc._state.FamilyState` (``core``: in C where the
+extension is built), the one writer of those fields. :class:`Collective`
+holds it and what is the family's beyond it: its members (the
+:class:`~collective_gc.Manager`\\s of its communicators, each with its tag,
+the order it joined in), the participants its members added, what waits to
+let go, its place in the derived-family tree (collective_gc._tree writes
+it); and it is the only way to make a collective of the family: a sync
+point, a gather, the exit agreement. Each of them that is left by an
+exception on this rank only, half-way through its collectives, leaves the
+family unusable (the others would match the wrong collective next) and tells
+the other ranks so through the watch.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import threading
 import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 from mpi4py import MPI
 
-from . import _agree, _interrupts
+from . import _agree, _destroy, _interrupts, _tracing
 from ._destroy import Failure
-from ._destroy import run as destroy_run
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ExitLeakWarning,
 )
-from ._registry import NO_KEYS, Registry, keys_of
-from ._switch import STEADY
+from ._registration import GC, Registration
+from ._registry import Registry
+from ._state import (
+    HOLD_GONE,
+    HOLD_LEAVING,
+    HOLD_PARTS,
+    OPEN,
+    STATES,
+    FamilyState,
+    State,
+)
 from ._syncpoint import (
-    REACH_EPOCH,
-    UNREACHED,
+    AGREE,
     CollectStats,
     Participant,
     SyncPoint,
     identities,
     keep_failures,
+    may_raise_ever,
 )
-from ._tracing import TRACER
-from ._transport import Deadline, Watch, dup
+from ._transport import LEFT, Deadline, dup
 
 # A protected region's entry and exit, bound once (the hot path's calls).
 _enter = _interrupts.enter
@@ -73,120 +74,73 @@ _leave = _interrupts.leave
 
 if TYPE_CHECKING:
     from ._manager import Manager
+    from ._tree import Child
 
-__all__ = ["State", "Collective", "Child", "families", "family_of", "add_reacher"]
+__all__ = ["State", "Collective", "families", "family_of", "leak_text", "PERSISTENT"]
 
+_T = TypeVar("_T")
+_CODE = {state: code for code, state in enumerate(STATES)}
+_FORKED = _CODE[State.FORKED]
+_RELEASED = _CODE[State.RELEASED]
 
-class State(enum.Enum):
-    """What a manager can still do (:attr:`Manager.state`); :attr:`Manager.broken` says why."""
+PERSISTENT = _agree.PERSISTENT  # (COLLECTIVE_GC_PERSISTENT=0: a new Iallreduce each time)
 
-    OPEN = "open"  #: usable
-    UNUSABLE = "unusable"  #: a timeout, a disagreement, an abandoned collective, mark_unusable
-    RELEASED = "released"  #: its communicator was freed, and nothing was left registered
-    EXITED = "exited"  #: the program is exiting: its exit agreement ran
-    CLOSED = "closed"  #: :meth:`Manager.close` let go
-    FORKED = "forked"  #: this is a forked child: everything belongs to the parent
+# The participant of a sync point, as the state's steady state reads it:
+# (the first bit of its field, or -1), its vote(), its finish(flags), and
+# whether a finish may raise when its field is not 0.
+_Described = tuple[int, Callable[[], int], Callable[[int], None], bool, str]
 
 
 def _first(pair: tuple[int, Any]) -> int:
     return pair[0]
 
 
-# The usable state, as a module global: the hot paths (a registration, a sync
-# point) compare with it, and an Enum member read through its class costs
-# about 100 ns in Python 3.11, a tenth of a registration.
-_OPEN = State.OPEN
+def _describe(p: Participant, owner: Manager) -> _Described:
+    shift = -1 if p.field is None else _agree.field_shift(p.field)
+    vote = p.vote
 
+    def voted() -> int:
+        return vote(owner)
 
-class Child(Protocol):
-    """A derived family that is a strict subset of its parent's processes (a
-    ``cgc.split``, a library's ``Split`` reached by a parent's sync point):
-    visited by the parent's sync points when one of its ranks wants it.
-    Implemented by :mod:`collective_gc._comms`."""
+    finish = p.finish
 
-    #: the bit of the parent's children word that stands for it (the same on
-    #: every rank of it: see _agree.child_bit)
-    bit: int
+    def finished(flags: int) -> None:
+        finish(owner, flags)
 
-    def member(self) -> bool:
-        """Whether this rank is one of its processes. Local."""
-        ...
-
-    def wants(self) -> bool:
-        """Whether this rank has something for its sync point. Local."""
-        ...
-
-    def visit(self, deadline: float | None) -> list[Failure]:
-        """Collective over it: its sync point (and its free, once dropped and
-        empty); what failed, for the parent to report."""
-        ...
-
-    def done(self) -> bool:
-        """Whether it is gone (freed, or let go of) on this rank."""
-        ...
-
-    def idle(self) -> bool:
-        """Whether this rank has nothing for the parent's sync point to do
-        with it: not done, and not a member that wants its sync point (the
-        steady state asks; a rank that finds a child not idle takes the
-        sync point's steps). Local."""
-        ...
+    return shift, voted, finished, may_raise_ever(p), f"the finish of {type(p).__name__}"
 
 
 class Collective:
-    """The collective state of one family of congruent communicators (see
-    the module docs). Made at the family's first collective; never by users."""
+    """One family of congruent communicators (see the module docs). Made at
+    the family's first collective; never by users."""
 
     __slots__ = (
         "rank",
         "size",
         "label",
+        "core",
         "registry",
-        "comm",
-        "agreement",
-        "seq",
-        "destroyed",
-        "state",
-        "reason",
         "lock",
-        "destroying",
-        "inside",
         "members",
         "next_tag",
         "participants",
         "owners",
         "identities",
         "fingerprint",
+        "extra",
         "children",
         "parent",
-        "reached",
-        "ident",
-        "unreported",
         "leaving",
-        "gone",
-        "extra_prints",
         "__weakref__",
     )
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.label = f"communicator of size {size} (rank {rank})"
-        self.registry = Registry(self.label, size > 1)
-        # The private duplicate, over which every collective of the family
-        # goes (never matching a user's message); None for a family of size 1.
-        self.comm: MPI.Intracomm | None = None
-        self.agreement: _agree.Agreement | None = None
-        self.seq = 0  # sync points completed
-        self.destroyed = 0
-        self.state = State.OPEN
-        self.reason: str | None = None
+        self.core: FamilyState = FamilyState(rank, size, GC, Registration, CollectStats)
+        self.registry = Registry(self.core, self.label)
         # Sync points and explicit destroys, one thread at a time.
         self.lock = threading.RLock()
-        self.destroying = 0  # ident of the thread running this family's destroys
-        # True while a sync point (or a gather) is inside its collectives on
-        # this rank: leaving it by an exception then makes the family
-        # unusable, and the private communicator is not released under it.
-        self.inside = False
         # The managers of its communicators, by tag (the order they joined in,
         # the same on every rank: they join at collectives).
         self.members: weakref.WeakValueDictionary[int, Manager] = weakref.WeakValueDictionary()
@@ -195,31 +149,52 @@ class Collective:
         self.owners: list[Manager] = []  # the member each participant was added on (a proxy)
         self.identities = ""  # of participants (see Participant.identity)
         self.fingerprint = 0  # _agree.fingerprint of identities (0: none)
+        # A sync point's own participant (a scope's), as the steady state
+        # takes it, and the fingerprint with it (weak: it goes with its scope);
+        # emptied when the family's own participants change.
+        self.extra: weakref.WeakKeyDictionary[Participant, tuple[int, _Described | None]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The derived-family tree's (collective_gc._tree writes these): the
+        # strict subsets its sync points reach, and whose sync points reach it.
         self.children: list[Child] = []
-        self.parent: Collective | None = None  # whose sync points reach this one, if any
-        self.reached: object = None  # the REACH_EPOCH its last sync point looked at
-        self.ident = 0  # as a child: its bit's source (see _agree.child_bit)
-        # This rank's failures no sync point has reported yet, with the sync
-        # point of each (see collective_gc._syncpoint: the next agreement
-        # reports them).
-        self.unreported: list[tuple[int, Failure]] = []
+        self.parent: Collective | None = None
         # What may let go once nothing is registered on it (a member whose
         # communicator was freed, a dropped cgc.dup): tried by each sync
         # point after its destroys, at the same point on every rank; True
         # once done. Appended to from MPI attribute delete callbacks (a list
         # append: no MPI there).
         self.leaving: list[Callable[[], bool]] = []
-        self.gone = False  # its last member left inside a sync point: free it at its end
-        # fingerprint_with's answers (weak: a scope's participant goes with it);
-        # emptied when the family's own participants change.
-        self.extra_prints: weakref.WeakKeyDictionary[Participant, int] = weakref.WeakKeyDictionary()
+
+    # -- reads of the core ---------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """Usable or not (see :class:`State`)."""
+        return STATES[self.core.code]
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is not usable, or None."""
+        return self.core.reason
+
+    @property
+    def seq(self) -> int:
+        """Sync points completed."""
+        return self.core.seq
+
+    @property
+    def comm(self) -> MPI.Intracomm | None:
+        """The private duplicate (None before the first collective, or for size 1)."""
+        return self.core.comm
 
     # -- making it -----------------------------------------------------------------
 
     def open(self, base: MPI.Intracomm, deadline: Deadline, what: Callable[[], str]) -> None:
         """Collective over ``base`` (a member's communicator): make the private
-        duplicate and the agreement over it. A protected region's caller."""
-        if self.size == 1 or self.comm is not None:
+        duplicate, over which every collective of the family goes (never
+        matching a user's message). A protected region's caller."""
+        if self.size == 1 or self.core.comm is not None:
             return
         try:
             comm = dup(base, deadline, what)
@@ -232,9 +207,8 @@ class Collective:
                 first=False,
             )
             raise
-        self.comm = comm
-        # Local: it only posts the receive of its watch (see _transport.Watch).
-        self.agreement = _agree.Agreement(comm)
+        # Local: it only posts the receive of the watch.
+        self.core.open(comm, PERSISTENT)
 
     def live_members(self) -> list[tuple[int, Manager]]:
         """(tag, manager) of the members still alive, by tag. Local, and safe
@@ -257,6 +231,7 @@ class Collective:
         tag = self.next_tag
         self.next_tag = tag + 1
         self.members[tag] = member
+        self.core.set_hold(HOLD_GONE, False)
         return tag
 
     def leave(self, tag: int) -> bool:
@@ -266,22 +241,26 @@ class Collective:
         freed their communicator (collectively)."""
         self.members.pop(tag, None)
         if not self.members:
-            self.gone = True
+            self.core.set_hold(HOLD_GONE, True)
         return self.maybe_free()
 
     def maybe_free(self) -> bool:
         """If no member is left and nothing is registered: let go of the
         private duplicate (local), unless a sync point is under way (its end
         does it). True if done."""
-        if self.members or not self.registry.is_empty() or self.inside:
+        core = self.core
+        if self.members or not self.registry.is_empty() or core.inside:
             return False
-        self.gone = False
-        if self.comm is None and self.state is not _OPEN:
+        if core.comm is None and core.code != OPEN:
             return True
-        self.free_private()
-        if self.state is _OPEN:
-            self.state = State.RELEASED
-            self.reason = "every communicator of it was freed or closed"
+        core.close(True)
+        if core.code == OPEN:
+            core.become(_RELEASED, "every communicator of it was freed or closed", False)
+        # Nothing is left to let go: what still waits (a freed member's
+        # release, which holds its manager, which holds this family) would
+        # otherwise keep a cycle that only the collector frees.
+        self.leaving = []
+        core.set_hold(HOLD_LEAVING, False)
         forget(self)
         return True
 
@@ -289,47 +268,47 @@ class Collective:
 
     def become(self, state: State, reason: str, *, first: bool = True) -> None:
         """Usable -> not: the first reason stays, unless ``first`` is false
-        (letting go, which ends whatever state it was in)."""
-        if first and self.reason is not None:
-            return
-        if self.state is not State.FORKED:
-            self.state = state
-        self.reason = reason
+        (letting go, which ends whatever state it was in). A forked child's
+        stays forked."""
+        core = self.core
+        code = _FORKED if core.code == _FORKED else _CODE[state]
+        core.become(code, reason, first)
 
     def abandon(self, reason: str) -> None:
         """This rank left collectives of the private communicator that the
         others may still be in: unusable, and the others are told through
         the watch (their waits there end at once, not at a deadline they may
-        not have). A timeout has told them already (see _transport.wait)."""
+        not have). A timeout has told them already (see _transport.poll)."""
         self.become(State.UNUSABLE, reason)
-        if self.agreement is not None:
-            self.agreement.watch.announce(left=True)
+        self.core.announce(LEFT)
 
     def check_usable(self, what: str, describe: str) -> None:
         """Raise :class:`CollectiveGCError` saying why ``what`` cannot be done
         on this rank now (``describe``: the communicator, for the message)."""
-        if self.state is State.FORKED:
+        core = self.core
+        if core.code == _FORKED:
             raise CollectiveGCError(
                 f"cannot {what} in a forked child: the {describe} and its "
                 "registrations belong to the parent process"
             )
-        if self.destroying and self.destroying == threading.get_ident():
+        if core.destroying and core.destroying == threading.get_ident():
             raise CollectiveGCError(
                 f"cannot {what} from inside a destroy running at sync point "
-                f"{self.seq} on the {describe}; do it after the sync point"
+                f"{core.seq} on the {describe}; do it after the sync point"
             )
-        if self.reason is not None:
+        if core.reason is not None:
             raise CollectiveGCError(
-                f"cannot {what}: the {describe} is unusable since {self.reason}"
+                f"cannot {what}: the {describe} is unusable since {core.reason}"
             )
         if MPI.Is_finalized():
             raise CollectiveGCError(f"cannot {what} on the {describe}: MPI is finalized")
 
     def usable(self) -> bool:
         """Whether a sync point could run now on this thread. Local."""
+        core = self.core
         return (
-            self.state is _OPEN
-            and not (self.destroying and self.destroying == threading.get_ident())
+            core.code == OPEN
+            and not (core.destroying and core.destroying == threading.get_ident())
             and not MPI.Is_finalized()
         )
 
@@ -354,9 +333,16 @@ class Collective:
                 )
         self.participants.append(participant)
         self.owners.append(owner)
-        self.identities = identities(self.participants)
-        self.fingerprint = _agree.fingerprint(self.identities)
-        self.extra_prints.clear()
+        self._participants_changed()
+
+    def remove_participant(self, participant: Participant) -> None:
+        """See :meth:`Manager.remove_participant`."""
+        kept = [(p, o) for p, o in zip(self.participants, self.owners) if p is not participant]
+        if len(kept) == len(self.participants):
+            return
+        self.participants = [p for p, _ in kept]
+        self.owners = [o for _, o in kept]
+        self._participants_changed()
 
     def drop_participants(self, owner: Manager) -> None:
         """The participants added on ``owner``, a member that leaves, leave
@@ -366,9 +352,30 @@ class Collective:
             return
         self.participants = [p for p, _ in kept]
         self.owners = [o for _, o in kept]
+        self._participants_changed()
+
+    def _participants_changed(self) -> None:
         self.identities = identities(self.participants)
         self.fingerprint = _agree.fingerprint(self.identities) if self.identities else 0
-        self.extra_prints.clear()
+        self.extra.clear()
+        self.core.set_participants(
+            tuple(_describe(p, o) for p, o in zip(self.participants, self.owners))
+        )
+        self.core.set_hold(HOLD_PARTS, not all(p.quiet_finish for p in self.participants))
+
+    def participant(self, kind: type[Participant]) -> Participant | None:
+        """The participant of exactly that class the family has, if any. Local."""
+        for p in self.participants:
+            if type(p) is kind:
+                return p
+        return None
+
+    def leave_later(self, attempt: Callable[[], bool]) -> None:
+        """``attempt()`` lets something go once nothing is registered on it
+        (True if done): tried by each sync point after its destroys. Called
+        from MPI attribute delete callbacks too: an append, no MPI."""
+        self.leaving.append(attempt)
+        self.core.set_hold(HOLD_LEAVING, True)
 
     def release(self) -> None:
         """A sync point's step, after its destroys: what was waiting to let go
@@ -385,13 +392,7 @@ class Collective:
             todo.extend(self.leaving)
             self.leaving.clear()
         self.leaving = kept
-
-    def participant(self, kind: type[Participant]) -> Participant | None:
-        """The participant of exactly that class the family has, if any. Local."""
-        for p in self.participants:
-            if type(p) is kind:
-                return p
-        return None
+        self.core.set_hold(HOLD_LEAVING, bool(kept))
 
     # -- collectives ---------------------------------------------------------------
 
@@ -417,151 +418,155 @@ class Collective:
         if t0 is None:
             t0 = time.perf_counter()
         with self.lock:
-            if self.state is not _OPEN or self.destroying or MPI.Is_finalized():
+            core = self.core
+            if core.code != OPEN or core.destroying or MPI.Is_finalized():
                 self.check_usable("run a sync point", owner.describe())
             if self.size == 1 and self._idle(participants):
                 # Nothing to drain, agree on or destroy, and no collective: what
                 # the steps would do, without a protected region (an object
                 # dying from now on is the next sync point's).
-                seq = self.seq
-                self.seq = seq + 1
+                seq = core.seq
+                core.agreed(-1)
                 return CollectStats(0, 0, 0, time.perf_counter() - t0, seq, collected)
+            point = SyncPoint(self, Deadline(deadline), participants, owner, at_exit, final, sink)
             # A protected region: a signal's handler runs once the sync point's
             # collectives are done on this rank (see _interrupts).
-            entered = _interrupts.enter()
+            entered = _enter()
             try:
-                return self._rest(
-                    None, owner, deadline, participants, collected, t0, at_exit, final, sink
-                )
+                return point.run(collected, t0)
             except BaseException as exc:
                 self._left(exc)
                 raise
             finally:
-                self.inside = False
-                if self.gone:
-                    self.maybe_free()
-                _interrupts.leave(entered)
+                self._done()
+                _leave(entered)
 
     def quick(
         self, owner: Manager, t0: float, collected: int | None, extra: Participant | None
     ) -> CollectStats:
         """:meth:`sync` without a deadline or a final report, with ``extra``
-        (or no participant) of its own: the steady state first. Collective."""
-        parts: tuple[Participant, ...] = () if extra is None else (extra,)
+        (or no participant) of its own: the steady state in one call where
+        the extension runs it, else (or where it found something unusual)
+        the steps. Collective. (Every ``cgc.collect`` and scope sync point
+        comes here: what is not the steady state's is in :meth:`_unsteady`.)"""
+        core = self.core
         with self.lock:
-            if self.state is not _OPEN or self.destroying or self.size == 1 or TRACER[0]:
+            if core.code or core.destroying or self.size == 1 or _tracing.TRACER is not None:
                 # (Traced, a sync point takes the steps, which mark their phases.)
+                parts: tuple[Participant, ...] = () if extra is None else (extra,)
                 return self.sync(owner, collected=collected, t0=t0, participants=parts)
-            # The sync point is one protected region, entered before the
-            # try (an entry that raises, a handler run while it wraps the
-            # handlers, has entered nothing: nothing to leave); the steady
-            # state leaves it itself when it returns the sync point's stats
-            # (see steady_py).
-            fp = self.fingerprint if extra is None else self.fingerprint_with(extra)
+            if extra is None:
+                fp, described = self.fingerprint, None
+            else:
+                fp, described = self._extra(extra, owner)
+            # The sync point is one protected region, entered before the try
+            # (an entry that raises, a handler run while it wraps the
+            # handlers, has entered nothing: nothing to leave).
             entered = _enter()
-            left = False
             try:
-                got = _STEADY(self, t0, collected, extra, owner, fp, entered)
-                if type(got) is CollectStats:
-                    left = True
-                    return got
-                if got is not None and got[0] == "leave":
-                    done: CollectStats = got[1]
-                    return done  # leaving the region below runs the deferred handlers
-                return self._rest(got, owner, None, parts, collected, t0, False, False, None)
+                stats = (
+                    core.steady(t0, collected, described, fp, _destroy.BATCHES)
+                    if extra is None or described is not None
+                    else None
+                )
+                if stats is None or core.progress:
+                    return self._unsteady(stats, owner, t0, collected, extra)
+                if _tracing.OBSERVER is not None:
+                    _tracing.OBSERVER(self.label, "steady")
+                return stats  # type: ignore[no-any-return]  # (CollectStats, from C)
             except BaseException as exc:
                 self._left(exc)
                 raise
             finally:
-                self.inside = False
-                if self.gone:
+                # (What _done does, inlined: this is every sync point's path.)
+                if core.inside:
+                    core.left()
+                if core.hold & HOLD_GONE:
                     self.maybe_free()
-                if not left:
-                    _leave(entered)
+                _leave(entered)
 
-    def fingerprint_with(self, extra: Participant) -> int:
-        """The fingerprint of the family's participants and ``extra`` (a
-        sync point's own: a scope's), as the agreement carries it. Cached:
+    def _unsteady(
+        self,
+        stats: CollectStats | None,
+        owner: Manager,
+        t0: float,
+        collected: int | None,
+        extra: Participant | None,
+    ) -> CollectStats:
+        """What the steady state did not finish (see :meth:`quick`): the
+        steps, from the start or from its agreement, or the failures of its
+        destroys and finishes, kept for the next agreement (an interrupt
+        among them raised here)."""
+        core = self.core
+        progress = core.progress
+        way = "failed"
+        try:
+            if stats is not None:
+                keep_failures(core, core.take_failed(), stats.sync, self.rank)
+                return stats
+            way = "steps"
+            if MPI.Is_finalized():  # (the steady state looked: the steps refuse)
+                self.check_usable("run a sync point", owner.describe())
+            point = SyncPoint(
+                self, Deadline(None), () if extra is None else (extra,), owner, False, False
+            )
+            try:
+                return point.run(collected, t0, progress if progress == AGREE else 0)
+            finally:
+                way = point.way
+        finally:
+            if _tracing.OBSERVER is not None:
+                _tracing.OBSERVER(self.label, way)
+
+    def _extra(self, extra: Participant, owner: Manager) -> tuple[int, _Described | None]:
+        """A sync point's own participant (a scope's): the fingerprint of the
+        family's participants with it, and it as the steady state takes it
+        (None: one whose finish must always run, so no steady state). Cached:
         a scope's participant is the same at each of its sync points."""
-        cache = self.extra_prints
-        found = cache.get(extra)
+        found = self.extra.get(extra)
         if found is None:
-            found = cache[extra] = _agree.fingerprint(identities([*self.participants, extra]))
+            fp = _agree.fingerprint(identities([*self.participants, extra]))
+            found = (fp, _describe(extra, owner) if extra.quiet_finish else None)
+            self.extra[extra] = found
         return found
 
-    def _rest(
-        self,
-        got: Any,
-        owner: Manager,
-        deadline: float | None,
-        participants: Sequence[Participant],
-        collected: int | None,
-        t0: float,
-        at_exit: bool,
-        final: bool,
-        sink: list[tuple[int, Failure]] | None,
-    ) -> CollectStats:
-        """What the steady state handed back (None: nothing done), then the
-        sync point's steps (see :class:`SyncPoint`) if it is not done."""
-        exchanged = None
-        if got is None:
-            if MPI.Is_finalized():
-                self.check_usable("run a sync point", owner.describe())
-        elif got[0] == "failed":
-            # Its destroys ran and some raised: kept for the next agreement
-            # (an interrupt among them is raised here).
-            stats: CollectStats = got[1]
-            keep_failures(self.unreported, got[2], stats.sync, self.rank)
-            return stats
-        else:
-            exchanged = self._after_steady(got)
-        point = SyncPoint(self, Deadline(deadline), participants, owner, at_exit, final, sink)
-        return point.run(collected, t0, exchanged)
+    def _done(self) -> None:
+        """A sync point's end on this rank, however it ended."""
+        self.core.left()
+        if self.core.hold & HOLD_GONE:
+            self.maybe_free()
 
     def _left(self, exc: BaseException) -> None:
         """A sync point left by ``exc``: what that makes of the family."""
+        core = self.core
         if isinstance(exc, CollectiveTimeoutError):
             # An abandoned collective could match a later one: never again.
-            self.become(State.UNUSABLE, f"sync point {self.seq} timed out on this rank")
+            self.become(State.UNUSABLE, f"sync point {core.seq} timed out on this rank")
         elif isinstance(exc, CollectiveMismatchError):
             # Every rank saw the same agreement, so every rank gets here.
-            if self.inside:
-                self.become(State.UNUSABLE, f"the ranks disagreed at sync point {self.seq}")
-        elif self.inside:
+            if core.inside:
+                self.become(State.UNUSABLE, f"the ranks disagreed at sync point {core.seq}")
+        elif core.inside:
             # Left half-way through its collectives on this rank only (a
             # second Ctrl-C, out of memory): the other ranks' next collective
             # would match the wrong one.
             self.abandon(
-                f"sync point {self.seq} was left on this rank by "
+                f"sync point {core.seq} was left on this rank by "
                 f"{type(exc).__name__} before its collectives were done"
             )
 
-    def _after_steady(self, got: tuple[Any, ...]) -> tuple[int, int]:
-        """What the steady state handed back that is not a finished sync
-        point (see steady_py): where the rest of the sync point's steps go
-        on from its agreement, or a notice that a rank gave up."""
-        if got[0] == "resume":
-            return got[1], got[2]
-        # "watch": a rank gave up while this one waited in the allreduce (its
-        # notice completed the watch's receive, which fired() reads).
-        agreement = self.agreement
-        assert agreement is not None
-        agreement.abandoned(got[1])
-        agreement.watch.fired()
-        raise agreement.watch.error(self.what("its agreement"))
-
     def _idle(self, extra: Sequence[Participant]) -> bool:
         """Whether a sync point of a family of size 1 would have nothing to do."""
-        r = self.registry
+        core = self.core
         return not (
-            r.inbox
-            or r.pend.size
-            or r.stale
-            or r.last_cyclic
+            core.inbox
+            or core.pending_keys()[0]
+            or core.stale
+            or core.cyclic_seen
             or extra
             or self.participants
             or self.children
-            or self.unreported
+            or core.unreported
             or self.leaving
         )
 
@@ -570,42 +575,42 @@ class Collective:
         duplicate. See :meth:`Manager.allgather`."""
         if self.size == 1:
             return [value]
-        with self.lock:
-            if self.state is not _OPEN or MPI.Is_finalized():
-                self.check_usable("gather from every rank", describe)
-            # A protected region: a signal's handler runs once the gather is
-            # done, so that this rank does not leave a collective the others
-            # complete (see _interrupts).
-            deadline = Deadline(None if timeout is None else time.monotonic() + timeout)
-            entered = _interrupts.enter()
-            try:
-                agreement = self.agreement
-                assert agreement is not None, "a family of size > 1 is opened when made"
-                return agreement.allgather(value, deadline, self.what("a gather"))
-            except BaseException as exc:
-                self.abandon(f"a gather was left by {type(exc).__name__} ({exc})")
-                raise
-            finally:
-                _interrupts.leave(entered)
+        return self._collective(
+            "gather from every rank",
+            describe,
+            timeout,
+            lambda dl: _agree.gather(self.core, value, dl, self.what("a gather")),
+        )
 
     def reduce_or(self, values: Sequence[int], timeout: float | None, describe: str) -> list[int]:
         """Collective: ``values`` ORed over the ranks (see :meth:`Manager.reduce_or`)."""
         if self.size == 1:
             return list(values)
+        return self._collective(
+            "reduce over the ranks",
+            describe,
+            timeout,
+            lambda dl: _agree.any_words(self.core, values, dl, self.what("a reduction")),
+        )
+
+    def _collective(
+        self, what: str, describe: str, timeout: float | None, run: Callable[[Deadline], _T]
+    ) -> _T:
         with self.lock:
-            if self.state is not _OPEN or MPI.Is_finalized():
-                self.check_usable("reduce over the ranks", describe)
+            if self.core.code != OPEN or MPI.Is_finalized():
+                self.check_usable(what, describe)
+            # A protected region: a signal's handler runs once the collective
+            # is done, so that this rank does not leave one the others
+            # complete (see _interrupts).
             deadline = Deadline(None if timeout is None else time.monotonic() + timeout)
-            entered = _interrupts.enter()
+            entered = _enter()
             try:
-                agreement = self.agreement
-                assert agreement is not None, "a family of size > 1 is opened when made"
-                return agreement.any_words(values, deadline, self.what("a reduction"))
+                return run(deadline)
             except BaseException as exc:
-                self.abandon(f"a reduction was left by {type(exc).__name__} ({exc})")
+                self.abandon(f"a collective ({what}) was left by {type(exc).__name__} ({exc})")
                 raise
             finally:
-                _interrupts.leave(entered)
+                _leave(entered)
 
     def what(self, stage: str) -> Callable[[], str]:
         """The message of a timeout at ``stage``: formatted only then, while the
@@ -616,7 +621,7 @@ class Collective:
             frames = [f for f in traceback.extract_stack() if not f.filename.startswith(here)]
             where = "".join(traceback.format_list(frames[-3:]))
             return (
-                f"rank {self.rank}: sync point {self.seq} on the {self.label} did "
+                f"rank {self.rank}: sync point {self.core.seq} on the {self.label} did "
                 f"not complete {stage} before its deadline; called from:\n{where}"
             )
 
@@ -633,7 +638,7 @@ class Collective:
         """Whether the ranks ever made a collective here: if not, no rank has
         anything agreed to destroy, and a last sync point would be the first
         collective, perhaps on some ranks only (an exit, a close after an error)."""
-        return self.size == 1 or self.comm is not None
+        return self.size == 1 or self.core.comm is not None
 
     def last_syncs(self, owner: Manager, deadline: float | None, at_exit: bool) -> None:
         """Sync points until one destroys nothing (or LAST_ROUNDS), each
@@ -659,12 +664,12 @@ class Collective:
                     stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
                 except BaseException as exc:  # noqa: BLE001 (raised below, once done)
                     errors.append(exc)
-                    if self.state is not _OPEN or raised:
+                    if self.core.code != OPEN or raised:
                         break  # (two reports running: a finish that always raises)
                     raised = True
                     continue
                 raised = False
-                if (stats.destroyed == 0 and stats.visits == 0) or self.state is not _OPEN:
+                if (stats.destroyed == 0 and stats.visits == 0) or self.core.code != OPEN:
                     break  # (its last communicator may have let go in that one)
             if errors:
                 first = errors[0]
@@ -675,24 +680,19 @@ class Collective:
             del errors  # see _destroy.Failure: no frame may hold what was raised
 
     def free_private(self) -> None:
-        """Let go of the private duplicate. Local: the agreement's standing
-        receive is withdrawn first."""
-        agreement, self.agreement = self.agreement, None
-        if agreement is not None and not MPI.Is_finalized():
-            agreement.close()
-        if self.comm is not None and not MPI.Is_finalized():
-            self.comm.Free()
-        self.comm = None
+        """Let go of the private duplicate. Local: the watch's standing receive
+        is withdrawn first."""
+        self.core.close(True)
 
     def exit_agreement(self, owner: Manager, deadline: float) -> None:
         """At exit: the exit agreement (if any collective was ever made here),
         then a warning naming what is left. Collective. The caller, at exit,
         makes all the families' exit agreements one protected region."""
-        if self.state is State.FORKED:
+        if self.core.code == _FORKED:
             return
-        entered = _interrupts.enter()
+        entered = _enter()
         try:
-            if self.reason is None and self.agreed_before():
+            if self.core.reason is None and self.agreed_before():
                 try:
                     self.last_syncs(owner, deadline, at_exit=True)
                 except CollectiveTimeoutError:
@@ -705,11 +705,11 @@ class Collective:
                     )
                 except Exception as exc:  # reported: exit goes on with the other families
                     warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
-            left = self.registry.pending(self.seq)
+            left = self.registry.pending(self.core.seq)
             if left:
                 why = (
-                    f"the manager is unusable since {self.reason}"
-                    if self.reason is not None
+                    f"the manager is unusable since {self.core.reason}"
+                    if self.core.reason is not None
                     else "they were not queued on every rank"
                 )
                 warnings.warn(
@@ -719,159 +719,24 @@ class Collective:
                     stacklevel=1,
                 )
         finally:
-            _interrupts.leave(entered)
+            _leave(entered)
 
     def end_exit(self) -> None:
         """At exit, once every family's exit agreement ran: withdraw the
-        standing receive of the agreement's watch, since MPI is finalized
-        next (mpi4py's ``Py_AtExit``) and a receive still posted then is
-        erroneous. No sync point runs here afterwards. Local."""
+        watch's standing receive, since MPI is finalized next (mpi4py's
+        ``Py_AtExit``) and a receive still posted then is erroneous. No sync
+        point runs here afterwards. Local."""
         with self.lock:
-            if self.agreement is not None and not MPI.Is_finalized():
-                self.agreement.close()
-                self.agreement = None
+            if self.core.comm is not None and not MPI.Is_finalized():
+                self.core.close(False)
                 self.become(State.EXITED, "the program is exiting (its exit agreement ran)")
 
     def after_fork(self) -> None:
         """In a forked child: nothing here belongs to this process. Fresh
         locks: one that another thread held at the fork is never released there."""
         self.lock = threading.RLock()
-        self.state = State.FORKED
+        self.core.become(_FORKED, "this is a forked child", False)
         self.registry.after_fork()
-
-
-# -- the steady state ------------------------------------------------------------
-
-
-def steady_py(
-    fam: Collective,
-    t0: float,
-    collected: int | None,
-    extra: Participant | None,
-    owner: Manager | None,
-    fp: int,
-    entered: bool,
-) -> Any:
-    """A sync point of ``fam`` in its steady state, in one call: what
-    ``_speedups.steady`` does in C (where the extension was built with MPI,
-    through mpi4py's C API), step for step; this is its twin.
-
-    Called by :meth:`Collective.quick` with the family's lock held, for a
-    sync point without a deadline, on a family of size > 1 that is usable;
-    ``extra`` is its own participant (a scope's) or None, with ``owner``,
-    and ``fp`` the participants' fingerprint (the family's, with ``extra``'s).
-    It returns:
-
-    - None, having changed nothing: the sync point is not steady (a failure
-      to report, a derived family to visit, a member to let go, keys pending
-      from before, a cyclic death, a participant that votes or must finish,
-      the agreement's buffer to reshape): :class:`SyncPoint` runs it all;
-    - the :class:`CollectStats` of the sync point it ran: votes all 0, the
-      inbox drained, one allreduce that agreed on every drained key and on
-      nothing else, and their destroys, which all succeeded;
-    - ``("failed", stats, failures)``: the same, but some destroys raised;
-    - ``("resume", first, last)``: its allreduce found something else (a
-      flag, a mismatch, keys not pending everywhere, a derived family to
-      visit): the drained keys are now the pending ones, and the sync point's
-      steps go on from its agreement (``SyncPoint.run(exchanged=...)``);
-    - ``("watch", request)``: a rank gave up while this one waited: the
-      allreduce's request (None: the persistent one) is abandoned;
-    - ``("leave", stats)``: done, but signals arrived meanwhile: the
-      caller's leaving the protected region runs their handlers.
-
-    The caller has entered the protected region (``entered``: what
-    :func:`_interrupts.enter` returned): returning stats, this has left it;
-    anything else (an exception too), and the caller leaves it once the sync
-    point's steps are done.
-    """
-    r = fam.registry
-    agreement = fam.agreement
-    if (
-        fam.destroying
-        or fam.unreported
-        or fam.leaving
-        or (fam.children and not all(c.idle() for c in fam.children))
-        or (UNREACHED and fam.reached is not REACH_EPOCH[0])
-        or agreement is None
-        or r.stale
-        or r.last_cyclic
-        or r.pend.size
-        or not agreement.ready()
-        or MPI.Is_finalized()  # (the Python steps refuse after MPI_Finalize)
-    ):
-        return None
-    # Votes: only participants that a quiet sync point needs nothing of, all 0.
-    for p, o in zip(fam.participants, fam.owners):
-        if not p.quiet_finish or (p.field is not None and p.vote(o) != 0):
-            return None
-    if extra is not None:
-        assert owner is not None
-        if not extra.quiet_finish or (extra.field is not None and extra.vote(owner) != 0):
-            return None
-    inbox = r.inbox
-    n = len(inbox)
-    keys = NO_KEYS
-    if n:
-        batch = inbox[:n]
-        keys, cyclic = keys_of(batch)
-        if cyclic:
-            return None
-        del inbox[:n]  # one C call: appends racing with it land after the slice
-        del batch
-    seq = fam.seq
-    parts = fam.fingerprint if fp is None else fp
-    head = _agree.Header(seq, r.next_key, False, 0, parts ^ _agree.as_int64(r.order))
-    dl = Deadline(None)
-    fam.inside = True
-    try:
-        first, last = agreement.exchange(head, keys, dl, fam.what("its agreement"))
-    except CollectiveTimeoutError:
-        # Without a deadline, only the watch ends a wait: a rank gave up (the
-        # exchange kept what it abandoned).
-        if keys.size:
-            r.pend, r.pend_seq = keys, np.full(keys.size, seq)
-        return ("watch", None)
-    red = agreement.buffer()
-    if (
-        red[6] != -1  # ~flags: some flag set somewhere
-        or red[7] != 0  # keys outside the window may be pending everywhere
-        or red[8] != -1  # ~children: a derived family to visit
-        or red[0] != ~red[1]
-        or red[2] != ~red[3]
-        or red[4] != ~red[5]
-    ):
-        agreed = None
-    else:
-        agreed = agreement.window_keys() if last > first else NO_KEYS
-    if agreed is None or agreed.size != keys.size:
-        # Unusual: the drained keys become the pending ones, as a drain makes
-        # them, and the sync point goes on from its agreement.
-        if keys.size:
-            r.pend, r.pend_seq = keys, np.full(keys.size, seq)
-        return ("resume", first, last)
-    agreement.window.advance(head.next_key)
-    r.new_interval()
-    fam.seq = seq + 1
-    fam.inside = False
-    count = 0
-    failures: list[Failure] = []
-    if keys.size:
-        fam.destroying = threading.get_ident()
-        try:
-            count, failures, interrupt = destroy_run(r, keys)
-        finally:
-            fam.destroying = 0
-            fam.destroyed += count
-        if interrupt is not None:  # (only from Python's own steps between runs)
-            failures.append((-1, "the sync point's own steps between its destroys", interrupt))
-        del interrupt
-    stats = CollectStats(count, len(inbox), 0, time.perf_counter() - t0, seq, collected, 0)
-    if failures:
-        return ("failed", stats, failures)
-    if _interrupts.deferred():
-        return ("leave", stats)  # the caller's leave runs their handlers
-    _leave(entered)
-    return stats
 
 
 def leak_text(regs: Sequence[Any], label: str) -> str:
@@ -913,9 +778,10 @@ def family_of(
     if size > 1:
         with _LOCK:
             for fam in _FAMILIES:
-                if fam.size != size or fam.state is not _OPEN or fam.comm is None:
+                core = fam.core
+                if fam.size != size or core.code != OPEN or core.comm is None:
                     continue
-                if MPI.Comm.Compare(fam.comm, comm) in _SAME:
+                if MPI.Comm.Compare(core.comm, comm) in _SAME:
                     return fam, False
     fam = Collective(rank, size)
     fam.open(comm, deadline, what)
@@ -940,49 +806,3 @@ def after_fork() -> None:
     _LOCK = threading.RLock()
     for fam in _FAMILIES:
         fam.after_fork()
-
-
-# Called at the start of each sync point of a family of size > 1 with that
-# family (collective_gc._comms: a communicator a library made, first used
-# before any family containing it existed, is adopted there).
-_REACHERS: list[Callable[[Collective], None]] = []
-
-
-def add_reacher(reach: Callable[[Collective], None]) -> None:
-    """Call ``reach(family)`` at each sync point of a family of size > 1,
-    before its agreement (at the same point on every rank). Local."""
-    if reach not in _REACHERS:
-        _REACHERS.append(reach)
-
-
-def reachers() -> Iterable[Callable[[Collective], None]]:
-    return _REACHERS
-
-
-def _as_keys(raw: bytearray) -> np.ndarray[Any, Any]:
-    return np.frombuffer(raw, np.int64)
-
-
-def _ages(n: int, seq: int) -> np.ndarray[Any, Any]:
-    return np.full(n, seq, dtype=np.int64)
-
-
-# The steady state: C where the extension was built with MPI (the one
-# decision, collective_gc._switch), else its Python twin.
-_STEADY: Callable[..., Any] = steady_py
-if STEADY is not None:
-    STEADY.steady_setup(
-        Collective,
-        Registry,
-        _agree.Agreement,
-        _agree.Window,
-        Watch,
-        CollectStats,
-        State.OPEN,
-        UNREACHED,
-        REACH_EPOCH,
-        destroy_run,
-        _as_keys,
-        _ages,
-    )
-    _STEADY = STEADY.steady

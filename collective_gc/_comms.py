@@ -40,20 +40,14 @@ from collections.abc import Iterable
 
 from mpi4py import MPI
 
-from . import _agree, _interrupts, _manager
+from . import _interrupts, _manager, _tree
 from ._api import register
 from ._collective import Collective, families
-from ._destroy import Failure
-from ._errors import (
-    CollectiveGCError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    DestroyError,
-)
+from ._errors import CollectiveGCError
 from ._lookup import lookup, manager
 from ._manager import Manager, set_first_collective
 from ._scope import current_scope
-from ._syncpoint import UNREACHED, add_reacher, add_unreached
+from ._tree import link, reaches
 
 __all__ = ["dup", "split", "derived", "contains", "relation", "unreached", "adopt"]
 
@@ -76,18 +70,7 @@ def contains(parent: MPI.Intracomm, child: MPI.Intracomm) -> bool:
     subset). Local: groups are compared, no message."""
     if MPI.Comm.Compare(parent, child) in (MPI.IDENT, MPI.CONGRUENT):
         return True
-    return _ranks_in(parent, child) is not None
-
-
-def _ranks_in(parent: MPI.Intracomm, child: MPI.Intracomm) -> tuple[int, ...] | None:
-    """The ranks in ``parent`` of ``child``'s processes, or None if one is not in it."""
-    pg, cg = parent.Get_group(), child.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(cg, list(range(cg.Get_size())), pg)
-    finally:
-        pg.Free()
-        cg.Free()
-    return None if MPI.UNDEFINED in ranks else tuple(int(r) for r in ranks)
+    return _tree.ranks_in(parent, child) is not None
 
 
 def relation(a: MPI.Comm, b: MPI.Comm) -> str:
@@ -124,7 +107,7 @@ class _Owned:
         registered on it, else once its family's sync point finds it empty."""
         self.dropped = True
         if not self.try_free():
-            self.fam.leaving.append(self.try_free)
+            self.fam.leave_later(self.try_free)
 
     def try_free(self) -> bool:
         """Free the communicator if nothing is registered on it (the count is
@@ -152,95 +135,6 @@ class _Owned:
 _OPEN = _manager.State.OPEN
 
 
-class _Child:
-    """A derived family that is a strict subset of its parent's (see the
-    module docs), on a rank of it: the parent's :class:`Child`."""
-
-    __slots__ = ("fam", "bit", "label")
-
-    def __init__(self, fam: Collective, ident: tuple[int, ...], label: str) -> None:
-        self.fam = fam
-        self.bit = _agree.child_bit(hash(ident) & ((1 << 64) - 1))
-        self.label = label
-
-    def owner(self) -> Manager | None:
-        """The member whose sync point is the family's: the oldest usable one
-        (members join at collectives, so the same one on every rank). Not
-        the one it was reached through: a family outlives its first members
-        (each step's split joins the family of the last, which is then
-        freed), and holding one would keep it from being let go of."""
-        for _, mgr in self.fam.live_members():
-            if mgr.state is _OPEN:
-                return mgr
-        return None
-
-    def member(self) -> bool:
-        return True  # records exist only on the child's own ranks
-
-    def wants(self) -> bool:
-        fam = self.fam
-        if fam.reason is not None:
-            return False
-        r = fam.registry
-        if r.inbox or r.stale or fam.unreported or fam.leaving:
-            return True
-        agreement = fam.agreement
-        if agreement is not None and agreement.window.marks[-1] != r.next_key:
-            # Registered since its last sync point: agreeing on the count now
-            # finds a rank that registered alone at once (issue 25, defect 7).
-            return True
-        for p, o in zip(fam.participants, fam.owners):
-            if not p.quiet_finish or (p.field is not None and p.vote(o)):
-                return True
-        return any(c.member() and c.wants() for c in fam.children)
-
-    def visit(self, deadline: float | None) -> list[Failure]:
-        """Collective over the child: its sync point. Whatever it raises
-        becomes a failure of the parent's sync point, reported on every rank
-        of the parent (raising here would leave the parent's other ranks,
-        outside the child, behind); a timeout still propagates: the parent's
-        other ranks have the same deadline."""
-        fam = self.fam
-        failures: list[Failure] = []
-        kept: list[tuple[int, Failure]] = []  # what its sync point knows on this rank only
-        owner = self.owner()
-        if fam.reason is None and owner is not None:
-            try:
-                fam.sync(owner, deadline=deadline, sink=kept)
-            except DestroyError as exc:
-                failures.extend(
-                    (key, f"{name} (on {self.label})", RuntimeError(msg))
-                    for r, key, name, msg in exc.failures
-                    if r == fam.rank
-                )
-                if not failures:  # other ranks' only: still the parent's to report
-                    failures.append((-1, f"the sync point of {self.label}", exc))
-            except CollectiveTimeoutError:
-                raise
-            except CollectiveMismatchError as exc:
-                failures.append(
-                    (-1, f"the sync point of {self.label}", CollectiveMismatchError(str(exc)))
-                )
-            except BaseException as exc:  # an interrupt is re-raised by the parent, later
-                if not any(exc is e for _, (_, _, e) in kept):  # else it is among those below
-                    failures.append((-1, f"the sync point of {self.label}", exc))
-        failures.extend((key, f"{name} (on {self.label})", exc) for _, (key, name, exc) in kept)
-        del kept
-        try:
-            return failures
-        finally:
-            del failures  # see _destroy.Failure
-
-    def done(self) -> bool:
-        return not self.fam.members or self.fam.state is not _OPEN and not self.fam.members
-
-    def idle(self) -> bool:
-        return not self.done() and not self.wants()
-
-    def __repr__(self) -> str:
-        return f"<collective_gc derived family {self.label}>"
-
-
 def derived(comm: MPI.Intracomm) -> list[str]:
     """Labels of the derived communicators of ``comm``'s family not yet let go
     of on this rank: its ``dup``\\s (and one-colour ``split``\\s) still alive,
@@ -260,7 +154,7 @@ def derived(comm: MPI.Intracomm) -> list[str]:
             continue
         if isinstance(record, _Owned) and not record.released:
             out.append(record.label)
-    out.extend(c.label for c in fam.children if isinstance(c, _Child) and not c.done())
+    out.extend(c.label for c in _tree.children_of(fam) if not c.done())
     return out
 
 
@@ -365,7 +259,7 @@ def _split(parent: Manager, comm: MPI.Intracomm, color: int, key: int) -> MPI.In
             new.Free()
             raise
         record = _owned_record(new, label, child, cfam)
-        _link(fam, cfam, new, label)
+        link(fam, cfam, new, label)
     try:
         register(new, record.drop if record is not None else _nothing, comm=comm, name=label)
     except BaseException:
@@ -379,32 +273,6 @@ def _split(parent: Manager, comm: MPI.Intracomm, color: int, key: int) -> MPI.In
 
 def _nothing() -> None:
     """The destroy of a rank's ``MPI.COMM_NULL`` from :func:`split`."""
-
-
-def _link(parent: Collective, child: Collective, comm: MPI.Intracomm, label: str) -> bool:
-    """Make ``child`` a child family of ``parent`` (on this rank, one of the
-    child's). True if linked now; False if it was already reached, or would
-    reach ``parent`` itself (no cycle of visits)."""
-    if child is parent or child.parent is not None or _reaches(child, parent):
-        return False
-    pcomm = parent.comm
-    ranks = None if pcomm is None else _ranks_in(pcomm, comm)
-    if ranks is None:
-        return False
-    child.parent = parent
-    parent.children.append(_Child(child, ranks, label))
-    return True
-
-
-def _reaches(a: Collective, b: Collective) -> bool:
-    """Whether ``a``'s sync points reach ``b`` (``b`` is ``a``, or a child of
-    it or of one of its children...). Local, no MPI."""
-    up: Collective | None = b
-    while up is not None:
-        if up is a:
-            return True
-        up = up.parent
-    return False
 
 
 def adopt(parent: Manager, child: Manager) -> bool:
@@ -423,58 +291,19 @@ def adopt(parent: Manager, child: Manager) -> bool:
         return False
     pfam = _manager.open_family(parent)
     cfam = _manager.open_family(child)
-    if cfam is pfam or _reaches(pfam, cfam):
+    if cfam is pfam or reaches(pfam, cfam):
         return True
     label = (
         f"a {relation(comm, pcomm)} communicator of size {child.size} reached from the "
         f"{parent.describe()}"
     )
-    if _link(pfam, cfam, comm, label):
-        _forget_unreached(cfam)
+    if link(pfam, cfam, comm, label):
+        _tree.forget_unreached(cfam)
         return True
     return False
 
 
-# Families of size > 1 that no parent reached when they were made, in the
-# order of their first collective (the same on every rank that shares them):
-# the next sync point of a family whose group contains theirs adopts them
-# (see _reach); until then unreached() names them.
-_UNREACHED: list[tuple[weakref.ref[Collective], weakref.ref[Manager]]] = UNREACHED
 _WARNED: weakref.WeakSet[Collective] = weakref.WeakSet()
-
-
-def _forget_unreached(fam: Collective) -> None:
-    _UNREACHED[:] = [(f, m) for f, m in _UNREACHED if f() is not None and f() is not fam]
-
-
-def _reach(parent: Collective) -> None:
-    """At a sync point of ``parent`` (before its agreement): adopt the
-    unreached families its group contains. Every rank of such a family is a
-    rank of the parent and runs this at the same point, with the same list
-    (made at collectives), so they all adopt alike."""
-    if not _UNREACHED or parent.comm is None:
-        return
-    keep = []
-    for fref, mref in _UNREACHED:
-        fam, owner = fref(), mref()
-        if fam is None or owner is None or fam.members == {} or fam.reason is not None:
-            continue
-        if fam.parent is not None:
-            continue  # reached meanwhile
-        if _reaches(fam, parent):
-            keep.append((fref, mref))  # it reaches the parent: never its child
-            continue
-        try:
-            comm = owner.comm
-        except CollectiveGCError:
-            continue
-        label = f"a communicator of size {fam.size} reached from a {parent.label}"
-        if not _link(parent, fam, comm, label):
-            keep.append((fref, mref))
-    _UNREACHED[:] = keep
-
-
-add_reacher(_reach)
 
 
 def _parent_for(mgr: Manager) -> Collective | None:
@@ -489,7 +318,7 @@ def _parent_for(mgr: Manager) -> Collective | None:
     if world is not None:
         candidates.append(_manager.family(world))
     for fam in candidates:
-        if fam is not None and fam.comm is not None and fam.reason is None:
+        if fam is not None and fam.core.comm is not None and fam.core.reason is None:
             return fam
     return None
 
@@ -512,10 +341,10 @@ def _first_collective(mgr: Manager, new: bool) -> None:
     parent = _parent_for(mgr)
     if parent is not None and parent is not fam:
         label = f"a communicator of size {mgr.size} reached from a {parent.label}"
-        if _link(parent, fam, comm, label):
+        if link(parent, fam, comm, label):
             return
     if comm != MPI.COMM_WORLD:
-        add_unreached((weakref.ref(fam), weakref.ref(mgr)))
+        _tree.add_unreached(fam, mgr, families())
 
 
 set_first_collective(_first_collective)
@@ -530,16 +359,13 @@ def unreached(warn: bool = True) -> list[Manager]:
     lists them without warning), a RuntimeWarning names it; the list is made from
     collective state, so on every rank of it alike (``warn=False``: no warning)."""
     out = []
-    for fref, mref in _UNREACHED:
-        fam, mgr = fref(), mref()
-        if fam is None or mgr is None or fam.parent is not None:
-            continue
-        if fam.registry.live and fam.seq == 0 and fam.reason is None:
+    for fam, mgr in _tree.unreached_families():
+        if fam.core.live and fam.core.seq == 0 and fam.core.reason is None:
             out.append(mgr)
             if warn and fam not in _WARNED:
                 _WARNED.add(fam)
                 warnings.warn(
-                    f"collective_gc: rank {mgr.rank}: {len(fam.registry.live)} registration(s) "
+                    f"collective_gc: rank {mgr.rank}: {len(fam.core.live)} registration(s) "
                     f"on a {mgr.describe()} that no sync point reaches: it was first used "
                     "outside any collective_scope whose communicator contains it, and "
                     "COMM_WORLD's manager was not in use; a sync point of a communicator "
@@ -562,7 +388,7 @@ def unreached_lines(mgr: Manager) -> list[str]:
 
 def _unreached_text(mgr: Manager) -> str:
     fam = _manager.family(mgr)
-    n = 0 if fam is None else len(fam.registry.live)
+    n = 0 if fam is None else len(fam.core.live)
     return f"{n} registered on a {mgr.describe()} that no sync point reaches"
 
 

@@ -1,9 +1,10 @@
-"""Running the agreed destroys of a sync point.
+"""Running the agreed destroys of a sync point: the batched destroys, and the report.
 
-:func:`run` takes the agreed registrations out of their registry in one pass
-(:func:`collective_gc._registration.take_batch_py`, or its C twin), then calls
-their destroys newest first, every one whatever raises, a run of consecutive
-calls to a *batched* destroy at a time (:func:`set_batch`: PETSc objects are
+:func:`run` hands the agreed keys to the family's state
+(:meth:`~collective_gc._state.FamilyState.destroy`, in C where the extension
+is built), which takes the registrations out in one pass and calls their
+destroys newest first, every one whatever raises, a run of consecutive calls
+to a *batched* destroy at a time (:func:`set_batch`: PETSc objects are
 destroyed from C in one call). An interrupt landing between two runs does
 not stop them: it is raised once the sync point is done. :func:`raise_failures`
 turns what raised on any rank into the same error on every rank.
@@ -17,14 +18,12 @@ from typing import Any
 import numpy as np
 
 from ._errors import DestroyError
-from ._registration import DESTROYED, SPEEDUPS, take_batch_py
-from ._registry import Registry
+from ._state import FamilyState
 
 __all__ = [
     "Failure",
     "set_batch",
     "run",
-    "run_each_py",
     "rows_of",
     "raise_failures",
 ]
@@ -45,7 +44,7 @@ Batch = Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]]
 # Destroy functions that run a whole run of their calls at once, matched by
 # identity (a destroy need not be hashable, nor compare sanely): two parallel
 # tuples, replaced together in one store, as the C pass takes the first.
-_BATCHES: tuple[tuple[Callable[..., object], ...], tuple[Batch, ...]] = ((), ())
+BATCHES: tuple[tuple[Callable[..., object], ...], tuple[Batch, ...]] = ((), ())
 
 
 def set_batch(destroy: Callable[..., object], batch: Batch | None) -> None:
@@ -58,134 +57,23 @@ def set_batch(destroy: Callable[..., object], batch: Batch | None) -> None:
     may replace entries of ``argss`` it is done with (so the destroyed objects
     are freed early). ``None`` removes it.
     """
-    global _BATCHES
-    pairs = [(f, b) for f, b in zip(*_BATCHES) if f is not destroy]
+    global BATCHES
+    pairs = [(f, b) for f, b in zip(*BATCHES) if f is not destroy]
     if batch is not None:
         pairs.append((destroy, batch))
-    _BATCHES = (tuple(f for f, _ in pairs), tuple(b for _, b in pairs))
-
-
-def run_each_py(
-    fns: list[Callable[..., object]], argss: list[tuple[Any, ...]]
-) -> list[tuple[int, BaseException]]:
-    """What ``_speedups.run_each`` does: ``fns[i](*argss[i])`` for each i, in
-    order, every call made even if some raise; (index, exception) of those."""
-    errors: list[tuple[int, BaseException]] = []
-    for i, (fn, args) in enumerate(zip(fns, argss)):
-        try:
-            fn(*args)
-        except BaseException as exc:  # every call is made; the caller raises after
-            errors.append((i, exc))
-    try:
-        return errors
-    finally:
-        del errors  # see Failure
-
-
-# The take and run passes, bound once from the one decision (_registration's
-# SPEEDUPS): C where the extension is loaded, else their Python twins.
-_take, _run_each = (
-    (take_batch_py, run_each_py) if SPEEDUPS is None else (SPEEDUPS.take_batch, SPEEDUPS.run_each)
-)
+    BATCHES = (tuple(f for f, _ in pairs), tuple(b for _, b in pairs))
 
 
 def run(
-    registry: Registry, keys: np.ndarray[Any, Any]
+    state: FamilyState, keys: np.ndarray[Any, Any]
 ) -> tuple[int, list[Failure], BaseException | None]:
-    """Destroy the registrations of the agreed ``keys`` (ascending), newest first.
-
-    Newest first: a resource made from another (a KSP from a Mat, a
-    sub-communicator from a communicator) goes before its source. Every
-    registration is out of the registry and marked destroyed before any
-    destroy runs (a destroy reaching for another registration of the batch
-    finds it destroyed), and the keys leave the pending keys (nothing a
-    destroy queues can be mistaken for them). Returns how many ran, the
-    failures, and an interrupt that landed between two runs of destroys.
-
-    Every agreed destroy runs whatever lands in between: the other ranks run
-    them all, so a rank that stopped half-way would hold objects the others
-    destroyed. An interrupt (KeyboardInterrupt, SystemExit) that lands in
-    this function's own steps is returned, for the caller to raise once the
-    sync point's collectives are done; anything else that does is a failure
-    of the sync point, reported on every rank like a destroy's.
-    """
-    take, run_each = _take, _run_each
-    batched, runners = _BATCHES
-    with registry.lock:
-        regs, fns, argss, segments = take(registry.live, keys[::-1].tolist(), DESTROYED, batched)
-    if segments is None:  # out of memory finding the runs: one by one then
-        segments = [(0, len(fns), -1)]
-    # The loops test a plain name, not a call: a pending signal is raised at
-    # calls and loop back-jumps, and one raised at the outer loop's test
-    # (outside the try) would leave the sync point half-way on this rank.
-    nruns = len(segments)
-    # What each run's runner returned, appended in one step (read at the end),
-    # and what raised in this function's own steps.
-    ran: list[tuple[int, int, list[tuple[int, BaseException]]]] = []
-    errors: list[tuple[int, BaseException]] = []
-    own: list[Failure] = []
-    interrupt: BaseException | None = None
-    removed = False
-    pos = 0  # the next run to begin; it counts as begun before it is called
-    strikes = 0  # exceptions in a row at one step: past a few, the step is given up
-    while not removed or pos < nruns:
-        try:
-            if not removed:
-                registry.remove_pending(keys)  # idempotent: may be made again
-                removed = True
-                strikes = 0
-            while pos < nruns:
-                start, end, index = segments[pos]
-                if nruns == 1:
-                    fchunk, achunk = fns, argss
-                else:
-                    fchunk, achunk = fns[start:end], argss[start:end]
-                # Nothing that can raise from here to the runner's call, which
-                # lets nothing out (it makes every call whatever raises).
-                pos += 1
-                strikes = 0
-                try:
-                    errors = run_each(fchunk, achunk) if index < 0 else runners[index](achunk)
-                except BaseException as runner_exc:
-                    # The runner itself failed (out of memory recording a
-                    # failure), after trying every call: which one is unknown.
-                    errors = [(-1, runner_exc)]
-                ran.append((start, end, errors))
-                del fchunk, achunk
-        except BaseException as exc:  # landed between two runs: the rest still run
-            if not isinstance(exc, Exception):
-                interrupt = interrupt or exc
-            elif strikes == 0:
-                own.append((-1, "the sync point's own steps between its destroys", exc))
-            strikes += 1
-            if strikes >= 3:  # the same step keeps failing (out of memory): give it up
-                strikes = 0
-                if not removed:
-                    removed = True  # the keys stay pending here; their registrations are gone
-                else:
-                    start, end, _ = segments[pos]
-                    pos += 1
-                    own.append((-1, f"{end - start} destroys that could not be begun", exc))
-    count = len(regs)
-    for _ in range(3):
-        try:
-            failures = own + [
-                (regs[start + i].key, regs[start + i].name, exc)
-                if i >= 0
-                else (-1, f"one of {end - start} destroys", exc)
-                for start, end, errors in ran
-                for i, exc in errors
-            ]
-            break
-        except BaseException as exc:  # as above: the failures must still be reported
-            if not isinstance(exc, Exception):
-                interrupt = interrupt or exc
-            failures = own + [(-1, "the report of this sync point's failures", exc)]
-    del regs, fns, argss  # the destroyed objects go here, unless someone else holds them
-    try:
-        return count, failures, interrupt
-    finally:
-        del ran, errors, own, failures, interrupt  # see Failure
+    """Destroy the registrations of the agreed ``keys`` (ascending), newest
+    first (a resource made from another, a KSP from a Mat, goes before its
+    source): how many ran, the failures, and an interrupt that landed
+    between two runs of destroys (for the caller to raise once the sync
+    point's collectives are done). See FamilyState.destroy."""
+    batched, runners = BATCHES
+    return state.destroy(keys.tobytes(), batched, runners)
 
 
 def raise_failures(

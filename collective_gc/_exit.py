@@ -28,13 +28,31 @@ from ._errors import ExitLeakWarning
 __all__ = ["exit_timeout"]
 
 
+EXIT_TIMEOUT_ENV = "COLLECTIVE_GC_EXIT_TIMEOUT"
+
+
 def exit_timeout() -> float:
-    """Seconds the exit agreement may wait (``COLLECTIVE_GC_EXIT_TIMEOUT``, default 10)."""
-    try:
-        value = float(os.environ.get("COLLECTIVE_GC_EXIT_TIMEOUT", "10"))
-    except ValueError:
+    """Seconds the exit agreement may wait (``COLLECTIVE_GC_EXIT_TIMEOUT``, default 10).
+
+    Local. Unset or empty means 10; ``inf`` means no deadline. Anything else
+    that is not a positive number raises ValueError: a typo silently turned
+    into 10 s would time out an exit the user meant to wait for.
+    """
+    raw = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
+    if not raw:
         return 10.0
-    return value if value > 0 else 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also refuses nan
+        raise ValueError(
+            f"{EXIT_TIMEOUT_ENV}={os.environ[EXIT_TIMEOUT_ENV]!r} is not a positive number of "
+            "seconds: set it to the time the exit agreement (and a scope's exit after an "
+            "exception) may wait for the other ranks, e.g. 30 or inf, or unset it for the "
+            "default of 10"
+        )
+    return value
 
 
 def _at_exit() -> None:
@@ -136,6 +154,11 @@ def _excepthook(
     _previous_excepthook(tp, value, tb)
 
 
+# Read once here so that a bad value is a usage error at import, on every rank
+# alike and before anything collective, not an exception at exit (where it
+# would skip the exit agreement) or at a scope's exit (where it would replace
+# the body's exception). Later reads see a value the program set since.
+exit_timeout()
 sys.excepthook = _excepthook
 _PID = os.getpid()
 atexit.register(_at_exit)

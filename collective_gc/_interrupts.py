@@ -73,14 +73,14 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._registration import SPEEDUPS
+from ._state import Region
 
 # The stdlib's own C implementation of signal.getsignal, which the public one
 # wraps: the wrapper converts every answer to an enum, which costs more than an
 # empty sync point.
 _getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
-__all__ = ["SIGNALS", "Deferring", "enter", "leave", "enter_py", "leave_py", "deferred"]
+__all__ = ["SIGNALS", "REGION", "Deferring", "enter", "leave", "deferred"]
 
 Handler = Callable[[int, types.FrameType | None], Any]
 
@@ -103,23 +103,6 @@ SIGNALS: tuple[int, ...] = tuple(
 
 _MAIN = threading.main_thread().ident
 _get_ident = threading.get_ident
-# How many regions the main thread is inside, and the signals that arrived
-# meanwhile: (the handler at their arrival, signal number, frame).
-_DEPTH = [0]
-_DEFERRED: list[tuple[Handler, int, types.FrameType | None]] = []
-# What getsignal() gave for SIGNALS after the last wrapping: while it gives
-# the same, every Python handler among them is ours.
-_GUARDED: list[tuple[object, ...]] = [(object(),) * len(SIGNALS)]
-
-
-def _changed_py(
-    getsignal: Callable[[int], object], signals: tuple[int, ...], expected: tuple[object, ...]
-) -> bool:
-    """What ``_speedups.handlers_changed`` does (about 8 times slower)."""
-    return tuple(map(getsignal, signals)) != expected
-
-
-_changed = _changed_py if SPEEDUPS is None else SPEEDUPS.handlers_changed
 
 
 class Deferring:
@@ -133,26 +116,29 @@ class Deferring:
 
     def __call__(self, signum: int, frame: types.FrameType | None) -> Any:
         handler = self.__wrapped__
-        if not _DEPTH[0]:
+        if not REGION.depth:
             return handler(signum, frame)
-        for _, seen, _ in _DEFERRED:
+        deferred = REGION.deferred
+        for _, seen, _ in deferred:
             if seen == signum:
                 if signum == signal.SIGINT:
                     return handler(signum, frame)  # a second Ctrl-C: now
                 return None  # one delivery per signal and region
-        _DEFERRED.append((handler, signum, frame))
+        deferred.append((handler, signum, frame))
         return None
 
     def __repr__(self) -> str:
         return f"<collective_gc deferring handler of {self.__wrapped__!r}>"
 
 
-def _guard() -> None:
+def _guard() -> tuple[object, ...]:
+    """Wrap the handlers that are not ours; what getsignal() gives after
+    (while it gives the same, every Python handler among SIGNALS is ours)."""
     for signum in SIGNALS:
         handler = _getsignal(signum)
         if callable(handler) and not isinstance(handler, Deferring):
             _install(signum, Deferring(handler))
-    _GUARDED[0] = tuple(map(_getsignal, SIGNALS))
+    return tuple(map(_getsignal, SIGNALS))
 
 
 # signal.signal as it was before this module replaced it (see the module docs:
@@ -169,7 +155,7 @@ def _signal(signalnum: int | signal.Signals, handler: _Installed, /) -> _Install
     handler of a signal in :data:`SIGNALS` is installed wrapped in a
     :class:`Deferring`, so that it runs at the region's end (see the module docs)."""
     if (
-        _DEPTH[0]
+        REGION.depth
         and callable(handler)
         and not isinstance(handler, Deferring)
         and signalnum in SIGNALS
@@ -184,60 +170,9 @@ _signal._collective_gc_original = _install  # type: ignore[attr-defined]
 signal.signal = _signal  # type: ignore[assignment]  # (see the module docs)
 
 
-def enter_py() -> bool:
-    """Enter a protected region (on the main thread; elsewhere a no-op).
-    Returns what :func:`leave` needs. Local."""
-    if _get_ident() != _MAIN:
-        return False
-    if not _DEPTH[0] and _changed(_getsignal, SIGNALS, _GUARDED[0]):
-        _guard()
-    _DEPTH[0] += 1
-    return True
-
-
-def leave_py(entered: bool) -> None:
-    """Leave the region :func:`enter` entered; leaving the outermost one calls
-    the handlers of the signals that arrived inside it (what they raise is
-    raised here). Local."""
-    if not entered:
-        return
-    if _DEPTH[0] < 1:
-        raise RuntimeError("collective_gc: a protected region was left that was not entered")
-    # The handlers run while the region still counts as entered: a signal
-    # arriving meanwhile is deferred, and delivered by the same loop. From the
-    # loop's last look at _DEFERRED to the decrement below no handler can run
-    # (CPython runs them at calls and backward jumps only), so none is left
-    # behind for a later region.
-    first = _deliver() if _DEPTH[0] == 1 and _DEFERRED else None
-    _DEPTH[0] -= 1
-    if first is not None:
-        first.add_note(
-            "collective_gc: its signal arrived while this rank was inside a sync point "
-            "(or another collective of collective_gc), and its handler ran once the "
-            "collectives were done, so that every rank left them alike"
-        )
-        try:
-            raise first
-        finally:
-            first = None
-
-
-# enter() and leave() in C where the extension is built (the same steps; it
-# calls _guard and leave_py for the rare ones): a sync point enters and leaves
-# a region, and the Python pair costs about 0.5 us, the C one about 0.2 us.
-enter: Callable[[], bool] = enter_py
-leave: Callable[[bool], None] = leave_py
-if SPEEDUPS is not None:
-    SPEEDUPS.region_setup(
-        _MAIN or 0, _DEPTH, _DEFERRED, SIGNALS, _GUARDED, _getsignal, _guard, leave_py
-    )
-    enter = SPEEDUPS.region_enter
-    leave = SPEEDUPS.region_leave
-
-
 def deferred() -> int:
     """How many signals wait for the end of the current region."""
-    return len(_DEFERRED)
+    return len(REGION.deferred)
 
 
 def _deliver() -> BaseException | None:
@@ -245,8 +180,9 @@ def _deliver() -> BaseException | None:
     one (and those of signals arriving meanwhile); return the first exception
     (the others as its notes)."""
     first: BaseException | None = None
-    while _DEFERRED:
-        handler, signum, frame = _DEFERRED.pop(0)
+    deferred = REGION.deferred
+    while deferred:
+        handler, signum, frame = deferred.pop(0)
         try:
             handler(signum, frame)
         except BaseException as exc:  # every handler runs; the first is raised
@@ -260,3 +196,11 @@ def _deliver() -> BaseException | None:
         return first
     finally:
         first = None
+
+
+# The main thread's regions (in C where the extension is built: a sync point
+# enters and leaves one, and the Python pair costs about 0.5 us, the C one
+# about 0.2 us); it calls _guard and _deliver for the rare steps.
+REGION = Region(_MAIN or 0, SIGNALS, _getsignal, _guard, _deliver)
+enter: Callable[[], bool] = REGION.enter
+leave: Callable[[bool], None] = REGION.leave

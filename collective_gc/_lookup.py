@@ -36,6 +36,8 @@ def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
     # An MPI attribute delete callback: record only, never call MPI here.
     _manager.comm_was_freed(mgr)
     _FREED.append(mgr)
+    if _LAST[1] is mgr:
+        _LAST[0] = _LAST[1] = None  # the cache never gives a freed communicator's manager
 
 
 def _keyval() -> int:
@@ -62,7 +64,7 @@ def lookup(comm: MPI.Comm) -> Manager | None:
     """The manager of ``comm`` if it has one, else None. Local."""
     last = _LAST
     mgr = last[1]
-    if mgr is not None and last[0]() is comm and not mgr.comm_freed:
+    if mgr is not None and last[0]() is comm:
         return mgr  # type: ignore[no-any-return]
     c = check_comm(comm)
     if not _KEYVAL:
@@ -78,9 +80,10 @@ def manager(comm: MPI.Comm) -> Manager:
     one with its private duplicate, at its first registration or sync point,
     which are collective anyway).
     """
-    # The cache, inline: this runs at every registration.
+    # The cache, inline: this runs at every registration and sync point
+    # (a freed communicator's manager leaves it: _delete_attr).
     mgr = _LAST[1]
-    if mgr is not None and _LAST[0]() is comm and not mgr.comm_freed:
+    if mgr is not None and _LAST[0]() is comm:
         return mgr  # type: ignore[no-any-return]
     c = check_comm(comm)
     if _FREED:

@@ -34,8 +34,7 @@ from mpi4py import MPI
 from . import _interrupts
 from ._collective import Collective, State, family_of, leak_text
 from ._errors import CollectiveGCError, ExitLeakWarning
-from ._registration import DESTROYED, DETACHED, Registration, check_name, owned_by
-from ._registry import add_plain
+from ._registration import DETACHED, Registration, check_name, owned_by
 from ._syncpoint import CollectStats, Participant, what_raised
 from ._transport import Deadline
 
@@ -190,7 +189,7 @@ class Manager:
     def next_key(self) -> int:
         """The key the next registration will get (the registrations made so
         far on this communicator's family, which share one counter)."""
-        return 0 if self._fam is None else self._fam.registry.next_key
+        return 0 if self._fam is None else self._fam.core.next_key
 
     @property
     def registered(self) -> int:
@@ -201,7 +200,7 @@ class Manager:
     @property
     def destroyed(self) -> int:
         """Destroys run on this communicator's family (by sync points and explicit calls)."""
-        return 0 if self._fam is None else self._fam.destroyed
+        return 0 if self._fam is None else self._fam.core.destroyed
 
     @property
     def message(self) -> tuple[int, int, int] | None:
@@ -210,10 +209,11 @@ class Manager:
         ``[lo, lo + bits)`` the next one carries as a bitmap (a key pending
         outside it goes through a second round). None on a communicator of
         size 1, or before the first collective. Local."""
-        agreement = None if self._fam is None else self._fam.agreement
-        if agreement is None:
+        core = None if self._fam is None else self._fam.core
+        if core is None or core.comm is None:
             return None
-        return agreement.words, agreement.window.lo, agreement.window.bits
+        lo, bits = core.window
+        return core.words, lo, bits
 
     @property
     def cyclic(self) -> int:
@@ -308,6 +308,13 @@ class Manager:
         participants of a family may not vote in the same field."""
         self._family(None).add_participant(participant, self)
 
+    def remove_participant(self, participant: Participant) -> None:
+        """``participant`` takes part in no more sync points of the family.
+        Collective in effect, as adding it is: remove it on every rank, at the
+        same point. Removing one that is not there does nothing."""
+        if self._fam is not None:
+            self._fam.remove_participant(participant)
+
     @property
     def participants(self) -> tuple[Participant, ...]:
         """The participants added on this communicator, in order."""
@@ -386,17 +393,13 @@ class Manager:
         kwargs: dict[str, Any],
         name: str | None,
     ) -> Registration:
-        if (
-            self._state is not _OPEN
-            or fam.state is not _OPEN
-            or fam.destroying
-            or MPI.Is_finalized()
-        ):
+        core = fam.core
+        if self._state is not _OPEN or core.code or core.destroying or MPI.Is_finalized():
             self.refuse_if_unusable("register an object")
         if not kwargs:
-            reg = add_plain(fam.registry, self._proxy, self._tag, obj, destroy, args, name)
+            reg = core.add_plain(self._proxy, self._tag, obj, destroy, args, name)
             if reg is not None:
-                return reg
+                return reg  # type: ignore[no-any-return]
         return fam.registry.add(self._proxy, self._tag, obj, destroy, args, kwargs, name)
 
     def destroy_registration(self, reg: Registration) -> None:
@@ -408,12 +411,7 @@ class Manager:
             if not reg.alive:
                 return
             self.refuse_if_unusable(f"destroy key {reg.key} ({reg.name!r})")
-            call = fam.registry.retire(reg, DESTROYED)
-            if call is not None:
-                fam.destroyed += 1
-                fn, args = call
-                del call
-                fn(*args)
+            fam.core.destroy_now(reg)
 
     def detach_registration(self, reg: Registration) -> bool:
         """``reg.detach()``: forget it without running it. Local."""
@@ -690,7 +688,7 @@ def comm_was_freed(mgr: Manager) -> None:
     mgr._comm_freed = True
     fam = mgr._fam
     if fam is not None:
-        fam.leaving.append(functools.partial(release, mgr))
+        fam.leave_later(functools.partial(release, mgr))
 
 
 def release(mgr: Manager) -> bool:

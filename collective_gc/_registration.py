@@ -1,59 +1,52 @@
-"""Registrations and the finalizer that only records.
+"""Registrations: the finalizer that only records, and the checks of a destroy.
 
 A :class:`Registration` is itself the weak reference to the managed object (a
 ``weakref.ref`` subclass, like ``weakref.WeakMethod``), so one allocation carries
-the key, the destroy call and the state. Its callback, :func:`_py_on_finalize` (or
-the same function in C, from ``collective_gc._speedups``), is
-the only code that runs when the object dies, on whatever thread and inside
+the key, the destroy call and the state; its fields are
+:class:`collective_gc._state.RegistrationFields` (declared in C where the
+extension is built). Its callback, :meth:`GcState.finalize
+<collective_gc._state.GcState.finalize>` of the process's :data:`GC`, is the
+only code that runs when the object dies, on whatever thread and inside
 whichever collector: it notes whether the cyclic collector is running on this
 thread and pushes the registration onto its owner's inbox. It takes no lock,
 makes no MPI call and runs no destroy, so it is safe at any point at which
 Python can run a finalizer (including inside our own sync points).
 
-The inbox is a ``list`` (collective managers) or a ``queue.SimpleQueue`` (the
+The inbox is a ``list`` (a family's) or a ``queue.SimpleQueue`` (the
 rank-local reaper); both have an append/put that is atomic under the GIL and
-safe to call re-entrantly from a finalizer.
-
-A registration leaves the ALIVE state in one of two ways, both here: one at
-a time through :meth:`Ledger.claim` (an explicit destroy or detach, the
-rank-local reaper), or as an agreed batch through :func:`take_batch_py` or
-its C twin (a sync point). Its private slots are touched nowhere else (and in
-``collective_gc._speedups``, which mirrors this module).
+safe to call re-entrantly from a finalizer. A registration leaves the alive
+state through its family's state (an explicit destroy or detach, a sync
+point's agreed batch) or, rank-local, through a :class:`Ledger`.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import os
 import threading
 import traceback
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._errors import RegistrationError
+from ._state import ALIVE, DESTROYED, DETACHED, GcState, RegistrationFields, new_registration
 from ._switch import PURE_PYTHON, SPEEDUPS, speedups
 
 __all__ = [
     "Registration",
     "Ledger",
+    "GC",
     "make_registration",
     "check_destroy",
     "check_name",
-    "take_batch_py",
     "track_origins",
     "shut_down",
     "set_shut_down",
     "after_fork",
     "speedups",
-    "finalizer",
     "gc_hook_back",
-    "new_registration_py",
-    "construct",
-    "plain_adder",
     "owned_by",
     "where",
     "SPEEDUPS",
@@ -63,41 +56,14 @@ __all__ = [
     "DETACHED",
 ]
 
-ALIVE = 0  # the destroy has not run: the object lives, or died and is queued
-DESTROYED = 2  # the destroy has run (or is running)
-DETACHED = 3  # detach() was called, or the owner was shut down or forked away
-
 _STATE_NAMES = ("alive", "queued", "destroyed", "detached")
 
-# Process-wide switches the finalizer reads. A list, bound as a default argument
-# of the finalizer, so it still works while modules are torn down at exit.
-# [0]: ident of the thread running the cyclic collector, or 0.
-# [1]: nonzero once collective_gc has shut down (at exit) or in a forked child:
-#      finalizers then do nothing at all.
-_FLAGS: list[int] = [0, 0]
-
-# How many collections the collector hook (_gc_phase) saw start.
-_SEEN: list[int] = [0]
-
-# Whether register() records a stack summary (set by collective_scope's
-# track_origins, or by tests). Off by default: extracting a stack costs many
-# times a registration.
-TRACK_ORIGINS: list[bool] = [False]
-
-
-def _gc_phase(
-    phase: str, info: dict[str, Any], _flags: list[int] = _FLAGS, _seen: list[int] = _SEEN
-) -> None:
-    # The collector runs finalizers on the thread that started it, between its
-    # "start" and "stop" callbacks; recording that thread lets a finalizer tell
-    # a cyclic-GC death from a refcount death that happens on another thread
-    # while the collector is paused between bytecodes.
-    if phase == "start":
-        _flags[0] = threading.get_ident()
-        _seen[0] += 1
-    else:
-        _flags[0] = 0
-
+# The process's collector state, which every finalizer reads: the thread
+# running the cyclic collector (its hook in gc.callbacks), whether finalizers
+# are switched off (at exit, in a forked child), whether registrations record
+# where they were made (collective_scope's track_origins, the pytest plugin).
+GC = GcState(threading.main_thread().ident or 0)
+_gc_phase = GC.phase
 
 # The hook lives in a list the program owns: anyone may clear gc.callbacks, or
 # assign it a new content (``gc.callbacks[:] = [mine]``, as a test framework
@@ -122,7 +88,7 @@ def _collections() -> int:
 
 # Collections that ran without the hook: (all collections) - (those it saw),
 # as of the last time it was put in place.
-_UNSEEN_BASE = [_collections() - _SEEN[0]]
+_UNSEEN_BASE = [_collections() - GC.seen]
 _CALLBACKS.append(_gc_phase)
 
 
@@ -136,7 +102,7 @@ def gc_hook_back() -> int:
     _CALLBACKS.append(_gc_phase)
     # A collection under way (this called from one of its finalizers) is
     # counted by gc.get_stats() only once it ends: it is not counted as lost.
-    now = _collections() - _SEEN[0]
+    now = _collections() - GC.seen
     lost = max(0, now - _UNSEEN_BASE[0])
     _UNSEEN_BASE[0] = max(now, _UNSEEN_BASE[0])
     return lost
@@ -145,25 +111,22 @@ def gc_hook_back() -> int:
 def track_origins(on: bool | None = None) -> bool:
     """Whether new registrations record where they are made; ``on`` sets it.
     Returns the setting before the call."""
-    was = TRACK_ORIGINS[0]
-    if on is not None:
-        TRACK_ORIGINS[0] = bool(on)
-    return was
+    return GC.origins if on is None else GC.track(on)
 
 
 def shut_down() -> bool:
     """Whether finalizers are switched off (at exit, in a forked child)."""
-    return bool(_FLAGS[1])
+    return bool(GC.off)
 
 
 def set_shut_down(off: bool) -> None:
     """Switch every finalizer off (they then do nothing at all), or on again."""
-    _FLAGS[1] = int(off)
+    GC.switch_off(off)
 
 
 def after_fork() -> None:
     """In a forked child: only this thread exists, and it is not collecting."""
-    _FLAGS[0] = 0
+    GC.forked()
 
 
 class Owner(Protocol):
@@ -174,29 +137,7 @@ class Owner(Protocol):
     def describe(self) -> str: ...
 
 
-def _py_on_finalize(
-    reg: Registration,
-    _flags: list[int] = _FLAGS,
-    _ident: Callable[[], int] = threading.get_ident,
-) -> None:
-    # Only record and queue: see the module docstring. collective_gc._speedups
-    # has the same function in C (a third of the cost per dropped object); keep
-    # the two alike.
-    if _flags[1] or reg._state:
-        return  # shut down, or destroyed or detached already: nothing to queue
-    if _flags[0] and _flags[0] == _ident():
-        reg.cyclic = True  # the sync point that drains it reports it
-    reg._push(reg)
-
-
-# The one C/Python decision (collective_gc._switch): the C finalizer reads the
-# same list of flags the Python one does, since they change at run time (the
-# collector's thread, shut down).
-if SPEEDUPS is not None:
-    SPEEDUPS.set_flags(_FLAGS)
-
-
-class Registration(weakref.ref):  # type: ignore[type-arg]
+class Registration(RegistrationFields):
     """A managed object's destroy request, created by :func:`collective_gc.register`.
 
     It holds a weak reference to the object, never a strong one, and nothing
@@ -212,35 +153,7 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         queued_at: the sync point that took its destroy request in, or -1.
     """
 
-    __slots__ = (
-        "key",
-        "name",
-        "origin",
-        "cyclic",
-        "queued_at",
-        "_state",
-        "_owner",
-        "_push",
-        "_destroy",
-        "_args",
-        "_typename",
-    )
-
-    key: int
-    name: str
-    origin: traceback.StackSummary | None
-    cyclic: bool
-    queued_at: int
-    _state: int
-    _owner: Owner
-    _push: Callable[[Registration], object]
-    # The destroy and its arguments (kwargs folded in with functools.partial),
-    # None and () once it has run or was dropped. No tuple is made per
-    # registration: args is the caller's own (usually the empty singleton), as
-    # each allocation of a tracked object brings Python's collector nearer.
-    _destroy: Callable[..., object] | None
-    _args: tuple[Any, ...]
-    _typename: str
+    __slots__ = ()
 
     @property
     def alive(self) -> bool:
@@ -281,7 +194,7 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
         """
         if self._state != ALIVE:
             return False
-        return self._owner.detach_registration(self)
+        return bool(self._owner.detach_registration(self))
 
     def __repr__(self) -> str:
         try:
@@ -300,12 +213,6 @@ class Registration(weakref.ref):  # type: ignore[type-arg]
     __hash__ = object.__hash__
 
 
-if SPEEDUPS is not None:
-    # Where the C code finds the slots, by name (an ImportError naming the
-    # slot if this class and the built extension disagree).
-    SPEEDUPS.set_registration_type(Registration)
-
-
 def make_registration(
     obj: object,
     owner: Owner,
@@ -319,9 +226,12 @@ def make_registration(
     """Create a registration (the weak reference to ``obj``) in the ALIVE state."""
     if kwargs:
         destroy = functools.partial(destroy, **kwargs)
-    origin = _origin() if TRACK_ORIGINS[0] else None
+    origin = _origin() if GC.origins else None
     try:
-        return _NEW(_ON_FINALIZE, obj, owner, push, key, destroy, args, name, origin)
+        reg: Registration = new_registration(
+            Registration, GC.finalize, obj, owner, push, key, destroy, args, name, origin
+        )
+        return reg
     except TypeError:
         if not isinstance(args, tuple):
             raise
@@ -344,72 +254,10 @@ def _origin() -> traceback.StackSummary:
     return traceback.StackSummary.from_list(frames[-12:])
 
 
-def new_registration_py(
-    callback: Callable[[Registration], None],
-    obj: object,
-    owner: Owner,
-    push: Callable[[Registration], object],
-    key: int,
-    destroy: Callable[..., object],
-    args: tuple[Any, ...],
-    name: str | None,
-    origin: traceback.StackSummary | None,
-) -> Registration:
-    """What ``_speedups.new_registration`` does, from Python (tests compare the two)."""
-    # The C constructor of weakref.ref, then plain slot stores: no Python-level
-    # __new__/__init__, since registration is on the hot path of every object.
-    reg = Registration(obj, callback)
-    typename = type(obj).__name__
-    reg.key = key
-    reg.name = typename if name is None else name
-    reg._typename = typename
-    reg.origin = origin
-    reg.cyclic = False
-    reg.queued_at = -1
-    reg._state = ALIVE
-    reg._owner = owner
-    reg._push = push
-    reg._destroy = destroy
-    reg._args = args
-    return reg
-
-
-# The finalizer and the constructor every registration gets, bound once.
-_ON_FINALIZE: Callable[[Registration], None] = (
-    _py_on_finalize if SPEEDUPS is None else SPEEDUPS.on_finalize
-)
-_NEW: Callable[..., Registration] = (
-    new_registration_py if SPEEDUPS is None else SPEEDUPS.new_registration
-)
-
-# ``construct(obj, owner, push, key, destroy, args, name, origin)``: the
-# constructor with its finalizer bound (one C call where the extension is
-# loaded); a registry calls it directly when there are no keyword arguments to
-# fold in and no origin to record. TypeError if obj cannot be weakly referenced.
-construct: Callable[..., Registration] = functools.partial(_NEW, _ON_FINALIZE)
-
-
-def plain_adder(
-    registry_type: type, python: Callable[..., Registration | None]
-) -> Callable[..., Registration | None]:
-    """``add(registry, owner, tag, obj, destroy, args, name)``: a registration
-    made and stored in one C call in the common case (see
-    ``_speedups.add_plain``), or ``python``, its twin, without the
-    extension. An ImportError naming the slot if ``registry_type`` lacks
-    one that the C code stores into."""
-    if SPEEDUPS is None:
-        return python
-    # TRACK_ORIGINS is a list because it changes at run time (collective_scope,
-    # the pytest plugin): add_plain reads it per call. The finalizer does not.
-    SPEEDUPS.set_registry_type(registry_type, TRACK_ORIGINS, _ON_FINALIZE)
-    add: Callable[..., Registration | None] = SPEEDUPS.add_plain
-    return add
-
-
 def where(reg: Registration) -> str:
     """The communicator ``reg`` was made on, in words (for messages)."""
     try:
-        return reg._owner.describe()
+        return str(reg._owner.describe())
     except ReferenceError:  # its owner is gone (a forked child's old reaper)
         return "an owner that is gone"
 
@@ -417,11 +265,6 @@ def where(reg: Registration) -> str:
 def owned_by(regs: list[Registration], owner: Owner) -> list[Registration]:
     """Those of ``regs`` made on ``owner`` (by identity: a manager's proxy)."""
     return [r for r in regs if r._owner is owner]
-
-
-def finalizer() -> Callable[[Registration], None]:
-    """The finalizer every registration gets (for tests that build registrations)."""
-    return _ON_FINALIZE
 
 
 _METHOD_TYPES = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
@@ -549,46 +392,3 @@ class Ledger:
                 reg._destroy, reg._args = None, ()
             self.live.clear()
         return regs
-
-
-_Taken = tuple[
-    list[Registration],
-    list[Callable[..., object]],
-    list[tuple[Any, ...]],
-    "list[tuple[int, int, int]] | None",
-]
-
-
-def take_batch_py(
-    regs: dict[int, Registration], keys: list[int], state: int, batched: tuple[object, ...]
-) -> _Taken:
-    """What ``_speedups.take_batch`` does, from Python (tests compare the two).
-
-    For each key still in ``regs``, in order: pop it, set its state, take its
-    destroy call out. A key whose registration is gone, or has no destroy
-    left, was destroyed or detached explicitly meanwhile, on every rank, and
-    is skipped. Also returns the runs of consecutive calls to the same
-    batched destroy (``batched``, by identity) as (start, end, index)
-    triples, index -1 for a run of other destroys.
-    """
-    taken: list[Registration] = []
-    fns: list[Callable[..., object]] = []
-    argss: list[tuple[Any, ...]] = []
-    for key in keys:
-        reg = regs.get(key)
-        if reg is None or reg._destroy is None:
-            continue
-        del regs[key]
-        reg._state = state
-        fns.append(reg._destroy)
-        argss.append(reg._args)
-        reg._destroy, reg._args = None, ()
-        taken.append(reg)
-    ids = [id(f) for f in batched]
-    segments: list[tuple[int, int, int]] = []
-    start = 0
-    for index, group in itertools.groupby(ids.index(id(f)) if id(f) in ids else -1 for f in fns):
-        end = start + sum(1 for _ in group)
-        segments.append((start, end, index))
-        start = end
-    return taken, fns, argss, segments

@@ -75,42 +75,68 @@ set_timeout_source(_innermost_timeout)
 
 
 class _Seen(Participant):
-    """Notes the agreed flags. In strict mode, when they say that a managed
-    object died in the cyclic collector, it also gathers every rank's list of
-    those, inside the sync point, for the scope to raise once it returns: an
-    interrupt the sync point holds then cannot make one rank skip a
-    collective the others make."""
+    """A scope's participant at one of its sync points: notes the agreed
+    flags (what its identity says also tells a scope's exit from its other
+    sync points: see _Exit)."""
 
-    # With the agreed flags all 0 its finish would only note them: the
-    # steady state may skip it (the scope resets what it notes first).
+    # With its byte and the sync point's flags all 0 its finish would only
+    # note them: the steady state may skip it (the scope resets what it notes first).
     quiet_finish = True
 
-    def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
+    def __init__(self) -> None:
         self.flags = 0
-        self.gather_cyclic = gather_cyclic
-        self.timeout = timeout
-        self.cyclic_rows: list[tuple[int, str, str, int, str]] = []
 
     def reset(self) -> None:
         """Forget what the last sync point noted (one object serves the
         scope's every sync point)."""
         self.flags = 0
-        if self.cyclic_rows:
-            self.cyclic_rows = []
+
+    def may_raise(self, flags: int) -> bool:
+        return False
+
+    def finish(self, mgr: Manager, flags: int) -> None:
+        self.flags = flags
+
+
+class _Watch(Participant):
+    """While a strict scope is open, a participant of its family: every
+    sync point of the family, on any of its communicators (a library's
+    ``Dup`` of the scope's, a ``@sync_point(comm=d)`` on it), notes the
+    cyclic deaths it drained, for the scope to report at its next sync point
+    or its exit. With ``strict=True`` every rank's, gathered inside that sync
+    point (the agreed flags tell every rank to), so that every rank holds
+    the same list and raises alike; an interrupt the sync point holds cannot
+    make one rank skip a collective the others make. Issue 39, item 3: such
+    a sync point used to drain the death unseen."""
+
+    quiet_finish = True  # it acts only on the sync point's own flags (FLAG_CYCLIC)
+
+    def __init__(self, gather: bool, timeout: float | None) -> None:
+        self.gather = gather
+        self.timeout = timeout
+        self.rows: list[tuple[int, str, str, int, str]] = []
 
     def may_raise(self, flags: int) -> bool:
         return False
 
     def identity(self) -> str:
         # Whether it gathers (strict=True) changes its collectives.
-        return super().identity() + ("/strict" if self.gather_cyclic else "")
+        return super().identity() + ("/gather" if self.gather else "/warn")
 
     def finish(self, mgr: Manager, flags: int) -> None:
-        self.flags = flags
-        if self.gather_cyclic and flags & FLAG_CYCLIC:
-            rows = [(mgr.rank, t, n, k, _origin(o)) for t, n, k, o in mgr.last_cyclic]
-            gathered = mgr.allgather(rows, self.timeout)
-            self.cyclic_rows = [row for per in gathered for row in per]
+        if not flags & FLAG_CYCLIC:
+            return
+        mine = [(mgr.rank, t, n, k, _origin(o)) for t, n, k, o in mgr.last_cyclic]
+        if self.gather:
+            gathered = mgr.allgather(mine, self.timeout)
+            self.rows.extend(row for per in gathered for row in per)
+        else:
+            self.rows.extend(mine)
+
+    def take(self) -> list[tuple[int, str, str, int, str]]:
+        """What it noted since the last take (it leaves it)."""
+        rows, self.rows = self.rows, []
+        return rows
 
 
 class _Exit(_Seen):
@@ -130,8 +156,8 @@ class _Policy(_Seen):
 
     field = FIELD_GC
 
-    def __init__(self, gather_cyclic: bool = False, timeout: float | None = None) -> None:
-        super().__init__(gather_cyclic, timeout)
+    def __init__(self) -> None:
+        super().__init__()
         self.collected = False
 
     def reset(self) -> None:
@@ -223,10 +249,11 @@ class collective_scope:
             raise ValueError(f"exit_collect must be 0, 1, 2 or None, not {exit_collect!r}")
         self.exit_collect = exit_collect
         self.manager: Manager = manager(comm)
-        # Its sync points' own participant (strict=True gathers: "warn" only
-        # warns, on each rank alone).
-        gather = strict is True
-        self._seen = _Policy(gather, timeout) if gc == "managed" else _Seen(gather, timeout)
+        # Its sync points' own participant; and while it is open, in strict
+        # mode, its family's (see _Watch: strict=True gathers every rank's
+        # cyclic deaths, "warn" notes this rank's).
+        self._seen = _Policy() if gc == "managed" else _Seen()
+        self._watch = _Watch(strict is True, timeout) if strict else None
         self.syncs = 0
         self.destroyed = 0
         self.cyclic = 0
@@ -265,6 +292,14 @@ class collective_scope:
         self._state = "open"
         try:
             _gcpolicy.POLICY.enter(self.gc)
+            if self._watch is not None:
+                try:
+                    # Collective, as entering is (it may make the family's
+                    # first collective): the same participants on every rank.
+                    self.manager.add_participant(self._watch)
+                except BaseException:
+                    _gcpolicy.POLICY.leave(self.gc)
+                    raise
         except BaseException:
             stack.remove(self)
             self._state = "exited"
@@ -310,6 +345,8 @@ class collective_scope:
             self._state = "exited"
             _registration.track_origins(self._origins_were)
             _gcpolicy.POLICY.leave(self.gc)
+            if self._watch is not None:
+                self.manager.remove_participant(self._watch)  # (local: as every rank leaves)
         if misuse is not None:
             raise CollectiveGCError(misuse)
 
@@ -341,7 +378,7 @@ class collective_scope:
             self.collections += 1
         seen: _Seen
         if collect:
-            seen = _Exit(self.strict is True, self.timeout)
+            seen = _Exit()
         else:
             seen = self._seen  # the same participant at each of its sync points
             seen.reset()
@@ -368,20 +405,19 @@ class collective_scope:
         if self._unseen and self.strict:
             _warn_unseen(self, self._unseen)
             self._unseen = 0
-        if seen.flags & FLAG_CYCLIC and self.strict:
-            self._report_cyclic(seen.cyclic_rows)
+        rows = [] if self._watch is None else self._watch.take()
+        if rows:
+            self._report_cyclic(rows)
         return stats
 
     def _report_cyclic(self, rows: list[tuple[int, str, str, int, str]]) -> None:
         rank = self.manager.rank
         seq = self.manager.sync_count - 1
         if self.strict == "warn":
-            mine = list(self.manager.last_cyclic)
-            if mine:
-                warnings.warn(
-                    CyclicFinalizationWarning(_describe_cyclic(rank, mine, seq)),
-                    stacklevel=4,
-                )
+            # This rank's, noted by any sync point of the family since the last.
+            warnings.warn(
+                CyclicFinalizationWarning(_describe_cyclic(rank, rows, seq)), stacklevel=4
+            )
             return
         # strict=True: every rank saw (through the header) that some rank had
         # one, so every rank raises, with the whole list its sync point gathered.
@@ -389,11 +425,19 @@ class collective_scope:
             f"  rank {r}: {t} {n!r} (key {k})" + (f", registered at\n{o}" if o else "")
             for r, t, n, k, o in rows
         )
+        # A row is one rank's finalization: an object registered on a
+        # communicator of 4 ranks and finalized cyclically on each of them is
+        # 4 rows and one object (one key: keys are the family's, the same on
+        # every rank).
+        objects = len({k for _, _, _, k, _ in rows})
+        ranks = sorted({r for r, _, _, _, _ in rows})
         raise CyclicFinalizationError(
-            f"{len(rows)} managed object(s) were finalized by the cyclic collector before sync "
-            f"point {seq} of {self!r} (strict mode); their destroys ran, "
-            "but when they die depends on each rank's allocations. Break the reference "
-            "cycles (cgc.find_cycles(obj) on a live instance shows them):\n" + lines
+            f"{objects} managed object(s) were finalized by the cyclic collector on "
+            f"{len(ranks)} of {self.manager.size} rank(s) ({ranks}; {len(rows)} "
+            f"finalization(s), one per object per rank, below) before sync point {seq} of "
+            f"{self!r} (strict mode); their destroys ran, but when they die depends on each "
+            "rank's allocations. Break the reference cycles (cgc.find_cycles(obj) on a live "
+            "instance shows them):\n" + lines
         )
 
 
@@ -418,16 +462,13 @@ def _origin(origin: traceback.StackSummary | None) -> str:
     return "".join(traceback.format_list(origin[-3:])).rstrip()
 
 
-def _describe_cyclic(
-    rank: int, mine: list[tuple[str, str, int, traceback.StackSummary | None]], seq: int
-) -> str:
+def _describe_cyclic(rank: int, mine: list[tuple[int, str, str, int, str]], seq: int) -> str:
     parts = [
-        f"{t} {n!r} (key {k})" + (f" registered at\n{_origin(o)}" if o else "")
-        for t, n, k, o in mine
+        f"{t} {n!r} (key {k})" + (f" registered at\n{o}" if o else "") for _, t, n, k, o in mine
     ]
     return (
-        f"rank {rank}: {len(mine)} managed object(s) finalized by the cyclic collector before "
-        f"sync point {seq}: " + "; ".join(parts)
+        f"rank {rank}: {len(mine)} managed object(s) finalized by the cyclic collector on this "
+        f"rank before sync point {seq}: " + "; ".join(parts)
     )
 
 
@@ -444,30 +485,132 @@ def sync_point(
     or makes the next sync point raise :class:`CollectiveMismatchError`).
     After it returns, the innermost open :class:`collective_scope` of this
     thread (on ``comm``, if given) syncs; with no such scope, ``comm`` is
-    required and :func:`collective_gc.collect` runs on it. ``comm`` may be a
-    communicator or a callable that gets the function's arguments and returns
-    one (``comm=lambda self, *a: self.comm``).
+    required and :func:`collective_gc.collect` runs on it.
+
+    ``comm`` may be a communicator or a callable that gets the function's
+    arguments and returns one (``comm=lambda self, *args: self.comm``): the
+    arguments the function takes by position are passed to it by position
+    however the call spelled them (``solve(b=b, x=x)`` too), keyword-only ones
+    by keyword where the callable takes them (by name or ``**kwargs``) and not
+    at all where it does not. The communicator is found before the function
+    runs: if the callable raises, or returns something that is not a
+    communicator, or there is neither a communicator nor an open scope, the
+    call raises (:class:`CollectiveGCError` for the last) without running the
+    function, so that no rank does the function's collective work and then
+    skips its sync point.
     If the function raises, no sync point runs.
     """
+    import inspect
+    import sys
+
+    def signature(of: Callable[..., Any]) -> inspect.Signature | None:
+        try:
+            return inspect.signature(of)
+        except (TypeError, ValueError):  # a builtin without one
+            return None
+
+    def takes(of: inspect.Signature | None) -> Callable[[str], bool]:
+        # Which keyword arguments the comm callable can be given.
+        if of is None or any(p.kind is p.VAR_KEYWORD for p in of.parameters.values()):
+            return lambda name: True
+        names = {
+            p.name
+            for p in of.parameters.values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        }
+        return names.__contains__
 
     def decorate(f: F) -> F:
+        # Both signatures are read at the first keyword call, never before:
+        # the common call, positional only, pays nothing for them.
+        fitted: list[tuple[inspect.Signature | None, Callable[[str], bool]]] = []
+
+        def comm_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> MPI.Comm | None:
+            if not callable(comm):
+                return comm
+            if kwargs:
+                if not fitted:
+                    fitted.append((signature(f), takes(signature(comm))))
+                of_f, accepts = fitted[0]
+                if of_f is not None:
+                    try:
+                        bound = of_f.bind(*args, **kwargs)
+                    except TypeError:
+                        pass  # the call does not fit f: f raises that itself, below
+                    else:
+                        args, kwargs = bound.args, bound.kwargs
+                kwargs = {k: v for k, v in kwargs.items() if accepts(k)}
+            try:
+                c = comm(*args, **kwargs)
+            except Exception as exc:
+                exc.add_note(
+                    f"collective_gc: raised by the comm= callable of @sync_point on "
+                    f"{_name(f)}, which runs before {f.__qualname__} does: {f.__qualname__} "
+                    "was not called"
+                )
+                raise
+            if c is not None and not isinstance(c, MPI.Comm):
+                raise TypeError(
+                    f"the comm= callable of @sync_point on {_name(f)} returned {c!r}, not an "
+                    f"MPI communicator; {f.__qualname__} was not called"
+                )
+            return c
+
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            c = comm_for(args, kwargs)
+            if c is None and not _stack():
+                raise _no_scope(f, sys._getframe(1), ran=False)
             result = f(*args, **kwargs)
-            c = comm(*args, **kwargs) if callable(comm) else comm
             scope = current_scope(c)
             if scope is not None:
                 scope.sync()
             elif c is not None:
                 collect(c)
-            else:
-                raise CollectiveGCError(
-                    f"{f.__qualname__} is a sync point, but no collective_scope is open in "
-                    "this thread and no comm was given to @sync_point"
-                )
+            else:  # f itself closed the scope it was called in
+                raise _no_scope(f, sys._getframe(1), ran=True)
             return result
 
         return wrapper  # type: ignore[return-value]
+
+    def _name(f: Callable[..., Any], qualname: str | None = None) -> str:
+        module = getattr(f, "__module__", None)
+        name = qualname or str(getattr(f, "__qualname__", repr(f)))
+        return name if module in (None, "__main__") else f"{module}.{name}"
+
+    def _no_scope(f: Callable[..., Any], caller: Any, *, ran: bool) -> CollectiveGCError:
+        # What the user called: the decorated function, or, for a private one
+        # wrapped by a public function of its own module (collective_gc.petsc's
+        # solve around _solve), that public function, whose comm= is the fix.
+        wrapped_by = None
+        if f.__name__.startswith("_") and caller.f_globals.get("__name__") == f.__module__:
+            code = caller.f_code
+            if not code.co_name.startswith("_"):
+                wrapped_by = _name(f, code.co_qualname)
+        if wrapped_by is not None:
+            what = f"{wrapped_by}() ends in a sync point"
+            fix = (
+                f"pass it the communicator to sync on ({wrapped_by}(..., comm=comm)), or call "
+                "it inside `with collective_gc.collective_scope(comm):`"
+            )
+        else:
+            what = f"{_name(f)}() is a sync point (@collective_gc.sync_point)"
+            fix = (
+                "give the decorator the communicator to sync on "
+                "(@collective_gc.sync_point(comm=comm), or "
+                "comm=lambda self, *args: self.comm for a method), or call "
+                f"{f.__qualname__} inside `with collective_gc.collective_scope(comm):`"
+            )
+        called = wrapped_by or _name(f)
+        when = (
+            f"{called} ran, but the scope it was called in was closed inside it"
+            if ran
+            else f"Nothing ran: the call was refused before {called} started"
+        )
+        return CollectiveGCError(
+            f"{what}, but no collective_scope is open in this thread and no comm was "
+            f"given: {fix}. {when}."
+        )
 
     if fn is not None:
         return decorate(fn)

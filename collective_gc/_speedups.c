@@ -1,417 +1,270 @@
-/* collective_gc._speedups: the per-object hot spots of collective_gc, in C.
+/* collective_gc._speedups: collective_gc's typed state, in C.
  *
- * Optional: without it (no C compiler at install) the package does the same
- * from Python, more slowly. Python's GIL is held throughout.
+ * Built with MPI's compiler wrapper and mpi4py's C API (see setup.py); where
+ * it is not built, or its MPI is not the one mpi4py uses, the Python twins in
+ * collective_gc/_state.py do the same (collective_gc/_switch.py decides once).
  *
- * new_registration: a Registration with its slots set, in one call (see
- * collective_gc._registration.make_registration).
+ * Who owns what. Each type is the one writer of its declared fields, as
+ * mpi4py's Comm keeps MPI_Comm ob_mpi; the C reads no other Python object's
+ * attributes, by name or by offset. It reaches communicators and requests
+ * through mpi4py's C API (PyMPIComm_Get), and calls into Python only to run
+ * destroys and what participants must run in Python (their votes and
+ * finishes), plus the rare steps a twin hands back (wrapping signal
+ * handlers, delivering deferred ones).
  *
- * on_finalize: the weak-reference callback of every Registration (see
- * collective_gc._registration._py_on_finalize, the Python version it mirrors line by
- * line). It runs once per dropped managed object; from C it costs about a
- * third of the Python function's call.
+ * GcState            one per process: the thread running the cyclic collector
+ *                    (its gc.callbacks hook, `phase`), finalizers off, origins
+ *                    tracked; `finalize`, every registration's weak-reference
+ *                    callback: record and queue, nothing else.
+ * RegistrationFields the fields of a registration (a weakref.ref subclass);
+ *                    collective_gc._registration.Registration adds methods.
+ * Region             one per process: the depth of protected regions and the
+ *                    signals deferred to their end (collective_gc._interrupts).
+ * FamilyState        one per family of congruent communicators: usable or not
+ *                    and why; the sync-point count, the region flag (inside),
+ *                    the destroys; the registrations (key counter, order
+ *                    fingerprint, registering thread, inbox, live ones, the
+ *                    pending keys); the agreement (private communicator,
+ *                    message buffer, persistent request, key window); the
+ *                    watch (the standing receive of a rank's notice). Its
+ *                    `steady` runs a sync point whose every step takes its fast
+ *                    case, in one call: prepare, agree, destroy, finish (the
+ *                    steps of collective_gc._syncpoint, named alike below), and
+ *                    hands anything unusual back to them (`progress`).
+ * PetscReader        how many garbage entries PETSc holds on a communicator,
+ *                    read where PETSc keeps them (its keyvals' addresses given
+ *                    at construction).
+ * destroy_each       a run of PETSc destroys in one loop (PetscObjectDestroy on
+ *                    petsc4py's handle slot, through addresses given per call).
  *
- * keys_of: the keys a sync point drains from its inbox, in one pass.
- *
- * pack_window, window_keys: the agreement's bitmap of pending keys, packed
- * and read back (see collective_gc._agree, whose numpy version they mirror):
- * a handful of numpy calls per sync point cost more than the work when
- * numpy's own code and data are out of cache, as after many destroys.
- *
- * take_batch, run_each: a sync point's bookkeeping for the keys every rank
- * agreed on, in one pass, and the calls of their destroys (see
- * collective_gc._registration.take_batch_py and collective_gc._destroy.run_each_py,
- * the Python versions).
- *
- * handlers_changed, region_enter, region_leave: a protected region's entry and
- * exit (see collective_gc._interrupts, whose Python versions they mirror): a
- * sync point enters and leaves one, and in Python the two cost more than the
- * rest of an empty sync point's bookkeeping.
- *
- * destroy_each: a sync point that destroys many PETSc objects spends more time
- * calling obj.destroy() from Python than it must. This runs a batch in one C
- * loop: for each object, PETSc's PetscObjectDestroy() on the handle slot
- * petsc4py gives through its C API (PyPetscObject_GetPtr), which is what
- * petsc4py's destroy() methods do (XDestroy(&handle): the handle is nulled, a
- * second destroy is a no-op). Objects of other types, and petsc4py subclasses
- * that override destroy(), get their own destroy() method called. It needs
- * neither PETSc's nor petsc4py's headers at build time: the three C functions
- * come in as addresses, found at run time by collective_gc.petsc.
- *
- * petsc_garbage: what the PETSc participant's vote reads at every sync point
- * (PETSc's inner communicator of a user's one, and how many entries its
- * garbage map holds), from C: through ctypes the same reads cost a quarter
- * of an empty sync point. It mirrors collective_gc.petsc._internals.
- * Internals.garbage_py; MPI_Comm_get_attr and PETSc's keyvals come in as
- * addresses (set_petsc_reader), found at run time by that module.
+ * The GIL is held throughout, except in a wait's polling. Every method does
+ * what its Python twin does; where the two must agree on layout (the message),
+ * collective_gc/_agree.py has the table.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h> /* T_OBJECT_EX */
-#include <limits.h> /* LLONG_MAX */
+#include <structmember.h>
 #include <stdint.h>
-#include <string.h> /* memset, strcmp */
-#ifdef CGC_HAVE_MPI
-#include <time.h> /* clock_gettime, nanosleep */
-#include <sched.h> /* sched_yield */
+#include <string.h>
+#include <time.h>
+#include <sched.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
+
+#define WORDS 9             /* the message's header (collective_gc._agree) */
+#define FLAG_DEADLINE 4     /* collective_gc._agree.FLAG_DEADLINE */
+#define SYNC_FLAGS 0xFF     /* the sync point's own flags: the low byte */
+#define ALIVE 0
+#define DESTROYED 2
+#define DETACHED 3
+#define OPEN 0
+#define HOLD_LEAVING 1
+#define HOLD_PARTS 2
+#define HOLD_GONE 8
+#define WINDOW_MIN 256
+#define WINDOW_LIMIT (1 << 20)
+#define MEMORY 8
+#define SPAN 4
+#define TAG_GAVE_UP 25
+#define GAVE_UP 0
+#define LEFT 1
+#define WOKEN 2
+#define DONE 0
+#define WATCHED 1
+#define LATE 2
+#define STEP_AGREE 1        /* collective_gc._syncpoint.AGREE */
+#define STEP_REPORT 7       /* collective_gc._syncpoint.REPORT */
+#define SPIN_S 0.05         /* a wait only yields the core this long (_transport.SPIN) */
+#define SLICE_S 0.01        /* the GIL is taken back this often to run handlers */
+#define QUICK_TESTS 32      /* Tests before a wait yields or releases the GIL */
+#define KEY_HASH 0x9E3779B97F4A7C15ULL
+/* MPI-4's persistent collectives: MPICH 4, and Open MPI 5 (which still says MPI 3.1). */
+#if MPI_VERSION >= 4 || (defined(OMPI_MAJOR_VERSION) && OMPI_MAJOR_VERSION >= 5)
+#define HAVE_PERSISTENT 1
+#else
+#define HAVE_PERSISTENT 0
 #endif
 
-typedef void *PetscObject;
-typedef int (*destroy_fn)(PetscObject *);
-typedef PetscObject *(*getptr_fn)(PyObject *);
-typedef int (*seterr_fn)(int);
+static double
+now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
-/* -- petsc_garbage ------------------------------------------------------- */
-
-/* MPI_Comm is a pointer in Open MPI and an int in MPICH: MPI_Comm_get_attr is
- * called through the type that matches (int_handles). */
-typedef int (*get_attr_ptr_fn)(void *, int, void *, int *);
-typedef int (*get_attr_int_fn)(int, int, void *, int *);
-
-static void *pr_get_attr = NULL; /* NULL until set_petsc_reader */
-static const int *pr_inner_kv, *pr_counter_kv, *pr_garbage_kv;
-static int pr_invalid, pr_int_handles;
-
-/* The khash table behind PETSc's PetscHMapObj, as _internals._KHash reads it. */
-typedef struct {
-    uint32_t n_buckets, size, n_occupied, upper_bound;
-    uint32_t *flags;
-    int64_t *keys;
-    void **vals;
-} khash_obj;
-
-PyDoc_STRVAR(set_petsc_reader_doc,
-"set_petsc_reader(get_attr, inner_kv, counter_kv, garbage_kv, invalid, int_handles)\n\n"
-"The addresses petsc_garbage reads through: MPI_Comm_get_attr, and PETSc's\n"
-"Petsc_InnerComm_keyval, Petsc_Counter_keyval and Petsc_Garbage_HMap_keyval\n"
-"(ints PETSc sets when it first needs them; read at each call). ``invalid``\n"
-"is MPI_KEYVAL_INVALID; ``int_handles`` whether MPI_Comm is an int.");
-
+/* The exception set, normalized, with its traceback on it (taken: none is set after). */
 static PyObject *
-set_petsc_reader(PyObject *module, PyObject *args)
-{
-    unsigned long long get_attr, inner, counter, garbage;
-    int invalid, int_handles;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "KKKKip:set_petsc_reader", &get_attr, &inner, &counter,
-                          &garbage, &invalid, &int_handles)) {
-        return NULL;
-    }
-    if (!get_attr || !inner || !counter || !garbage) {
-        PyErr_SetString(PyExc_ValueError, "set_petsc_reader: a null address");
-        return NULL;
-    }
-    pr_inner_kv = (const int *)(uintptr_t)inner;
-    pr_counter_kv = (const int *)(uintptr_t)counter;
-    pr_garbage_kv = (const int *)(uintptr_t)garbage;
-    pr_invalid = invalid;
-    pr_int_handles = int_handles;
-    pr_get_attr = (void *)(uintptr_t)get_attr;
-    Py_RETURN_NONE;
-}
-
-/* The attribute ``*kvp`` of the communicator ``handle`` into ``*out``: 1 if
- * it is set, 0 if not (or PETSc has not made that keyval yet). */
-static int
-petsc_attr(long long handle, const int *kvp, uintptr_t *out)
-{
-    int kv = *kvp;
-    if (kv == pr_invalid) {
-        return 0;
-    }
-    void *value = NULL;
-    int flag = 0, err;
-    if (pr_int_handles) {
-        err = ((get_attr_int_fn)pr_get_attr)((int)handle, kv, &value, &flag);
-    }
-    else {
-        err = ((get_attr_ptr_fn)pr_get_attr)((void *)(intptr_t)handle, kv, &value, &flag);
-    }
-    if (err || !flag) {
-        return 0;
-    }
-    *out = (uintptr_t)value;
-    return 1;
-}
-
-PyDoc_STRVAR(petsc_garbage_doc,
-"petsc_garbage(handle) -> int: see collective_gc.petsc._internals.Internals.garbage_py.");
-
-static PyObject *
-petsc_garbage(PyObject *module, PyObject *arg)
-{
-    (void)module;
-    if (pr_get_attr == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "petsc_garbage: set_petsc_reader was not called");
-        return NULL;
-    }
-    long long handle = PyLong_AsLongLong(arg);
-    if (handle == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    uintptr_t raw = 0;
-    long long inner;
-    if (petsc_attr(handle, pr_inner_kv, &raw)) {
-        /* PETSc keeps an MPI_Comm in a union with a void *: for int handles
-         * the value is in the low 32 bits. */
-        inner = pr_int_handles ? (long long)(int32_t)(uint32_t)raw : (long long)(intptr_t)raw;
-    }
-    else if (petsc_attr(handle, pr_counter_kv, &raw)) {
-        inner = handle; /* the communicator is itself a PETSc inner one */
-    }
-    else {
-        return PyLong_FromLong(-1);
-    }
-    if (!petsc_attr(inner, pr_garbage_kv, &raw) || raw == 0) {
-        return PyLong_FromLong(0);
-    }
-    const khash_obj *kh = (const khash_obj *)raw;
-    uint32_t n = kh->n_buckets;
-    /* As _internals.Internals._table: anything but a whole khash table is
-     * not the table we know, and nothing more of it is read. */
-    if ((n & (n - 1)) || !(kh->size <= kh->n_occupied && kh->n_occupied <= n)
-        || (n && !(kh->flags && kh->keys && kh->vals))) {
-        return PyLong_FromLong(-2);
-    }
-    return PyLong_FromUnsignedLong(kh->size);
-}
-
-/* Take the pending exception as (index, exception) and append it to failures. */
-static int
-record_failure(PyObject *failures, Py_ssize_t index)
+take_exception(void)
 {
     PyObject *type, *value, *tb;
-    if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_SystemError, "destroy_each: a destroy failed without an exception");
-    }
     PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
-        PyErr_SetString(PyExc_SystemError, "destroy_each: an exception could not be normalized");
-        return -1;
+    if (type == NULL) {
+        return NULL;
     }
-    if (tb != NULL) {
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) {
         PyException_SetTraceback(value, tb);
     }
     Py_XDECREF(type);
     Py_XDECREF(tb);
-    PyObject *item = Py_BuildValue("(nN)", index, value);
-    if (item == NULL) {
-        return -1;
-    }
-    int rc = PyList_Append(failures, item);
-    Py_DECREF(item);
-    return rc;
+    return value;
 }
 
-/* After the loop: every call was made. If some failures could not be
- * recorded (out of memory), say so by raising MemoryError, which the caller
- * counts as a failure of the batch: no rank may believe its destroys all
- * succeeded when one did not. */
-static PyObject *
-finish(PyObject *failures, Py_ssize_t unrecorded)
+static void
+restore_exception(PyObject *exc)
 {
-    if (unrecorded == 0) {
-        return failures;
-    }
-    Py_DECREF(failures);
-    PyErr_Format(PyExc_MemoryError, "%zd destroy failure(s) could not be recorded", unrecorded);
-    return NULL;
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
 }
 
 static int
-is_fast(PyObject *obj, PyObject *fast_types)
+no_keywords(const char *what, PyObject *kw)
 {
-    PyObject *tp = (PyObject *)Py_TYPE(obj);
-    Py_ssize_t n = PyTuple_GET_SIZE(fast_types);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyTuple_GET_ITEM(fast_types, i) == tp) {
-            return 1;
-        }
+    if (kw != NULL && PyDict_GET_SIZE(kw)) {
+        PyErr_Format(PyExc_TypeError, "%s takes no keyword arguments", what);
+        return 0;
     }
-    return 0;
+    return 1;
 }
 
-PyDoc_STRVAR(destroy_each_doc,
-"destroy_each(calls, pos, fast_types, getptr, destroy, seterr) -> failures\n\n"
-"For each tuple in the list ``calls``, destroy the petsc4py object at index\n"
-"``pos`` of the tuple, in list order: with PETSc's PetscObjectDestroy when\n"
-"its exact type is in the tuple ``fast_types``, else with its destroy()\n"
-"method. Every object is tried, whatever raises (KeyboardInterrupt too);\n"
-"returns a list of (index, exception) for those that raised, or raises\n"
-"MemoryError after trying them all if a failure could not be recorded.\n"
-"``getptr``, ``destroy`` and ``seterr`` are the addresses\n"
-"of petsc4py's PyPetscObject_GetPtr, PETSc's PetscObjectDestroy and\n"
-"petsc4py's PyPetscError_Set.");
-
-static PyObject *
-destroy_each(PyObject *module, PyObject *args)
+static int
+as_int(PyObject *o)
 {
-    PyObject *calls, *fast_types;
-    Py_ssize_t pos;
-    unsigned long long a_getptr, a_destroy, a_seterr;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!nO!KKK:destroy_each", &PyList_Type, &calls, &pos,
-                          &PyTuple_Type, &fast_types, &a_getptr, &a_destroy, &a_seterr)) {
-        return NULL;
-    }
-    if (!a_getptr || !a_destroy || !a_seterr) {
-        PyErr_SetString(PyExc_ValueError, "destroy_each: a null function address");
-        return NULL;
-    }
-    getptr_fn getptr = (getptr_fn)(uintptr_t)a_getptr;
-    destroy_fn destroy = (destroy_fn)(uintptr_t)a_destroy;
-    seterr_fn seterr = (seterr_fn)(uintptr_t)a_seterr;
-
-    PyObject *failures = PyList_New(0);
-    if (failures == NULL) {
-        return NULL;
-    }
-    Py_ssize_t unrecorded = 0;
-    /* The list is ours (the caller built it), but a destroy runs arbitrary
-     * code: hold each item while we use it and re-read the size every turn. */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(calls); i++) {
-        PyObject *call = PyList_GET_ITEM(calls, i);
-        Py_INCREF(call);
-        int failed = 0;
-        if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) <= pos || pos < 0) {
-            PyErr_Format(PyExc_TypeError, "destroy_each: item %zd is not a tuple of more "
-                         "than %zd items", i, pos);
-            failed = 1;
-        }
-        else {
-            PyObject *obj = PyTuple_GET_ITEM(call, pos);
-            if (is_fast(obj, fast_types)) {
-                PetscObject *slot = getptr(obj);
-                if (slot == NULL) {
-                    failed = 1; /* getptr set the exception */
-                }
-                else if (*slot != NULL) {
-                    int ierr = destroy(slot);
-                    if (!ierr && PyErr_Occurred()) {
-                        failed = 1; /* Python code in the destroy raised, PETSc did not say */
-                    }
-                    else if (ierr) {
-                        /* A Python-context object's destroy leaves its Python
-                         * exception set; for a PETSc error, let petsc4py make
-                         * its PETSc.Error, as CHKERR does. */
-                        if (!PyErr_Occurred()) {
-                            seterr(ierr);
-                        }
-                        if (!PyErr_Occurred()) {
-                            PyErr_Format(PyExc_RuntimeError, "PETSc error code %d", ierr);
-                        }
-                        failed = 1;
-                    }
-                }
-            }
-            else {
-                PyObject *res = PyObject_CallMethod(obj, "destroy", NULL);
-                if (res == NULL) {
-                    failed = 1;
-                }
-                Py_XDECREF(res);
-            }
-        }
-        Py_DECREF(call);
-        if (failed && record_failure(failures, i) < 0) {
-            PyErr_Clear(); /* go on: every object must be tried */
-            unrecorded++;
-        }
-    }
-    return finish(failures, unrecorded);
+    long v = PyLong_AsLong(o);
+    return (int)v;
 }
 
-/* -- Registration's slots --------------------------------------------------- */
+static uint64_t
+order_step(uint64_t key, uint64_t tag)
+{
+    if (tag == 0) {
+        return 0;
+    }
+    uint64_t x = key * KEY_HASH + tag;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
 
-/* Where collective_gc._registration.Registration keeps its slots, by offset
- * (set_registration_type); reg_type is NULL until then. */
-static PyTypeObject *reg_type = NULL;
-static Py_ssize_t off_state = -1, off_destroy = -1, off_args = -1;
-static Py_ssize_t off_key = -1, off_name = -1, off_origin = -1, off_cyclic = -1,
-                  off_queued_at = -1, off_owner = -1, off_push = -1, off_typename = -1;
+static int
+cmp_keys(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
 
-#define SLOT(reg, off) (*(PyObject **)((char *)(reg) + (off)))
+/* Ascending: the keys finalizers queue are often in one order or the other. */
+static void
+sort_keys(int64_t *k, Py_ssize_t n)
+{
+    Py_ssize_t i = 1;
+    while (i < n && k[i - 1] <= k[i]) {
+        i++;
+    }
+    if (i >= n) {
+        return;
+    }
+    for (i = 1; i < n && k[i - 1] >= k[i]; i++) {
+    }
+    if (i >= n) {
+        for (Py_ssize_t a = 0, b = n - 1; a < b; a++, b--) {
+            int64_t t = k[a];
+            k[a] = k[b];
+            k[b] = t;
+        }
+        return;
+    }
+    qsort(k, (size_t)n, sizeof(int64_t), cmp_keys);
+}
 
-/* -- on_finalize ---------------------------------------------------------- */
+/* ======================================================================== */
+/* GcState                                                                   */
 
-/* collective_gc._registration._FLAGS: [ident of the thread running the cyclic
- * collector or 0, nonzero once shut down or forked]. Set once by set_flags. */
-static PyObject *flags = NULL;
-static PyObject *s_state, *s_cyclic, *s_push;
+typedef struct {
+    PyObject_HEAD
+    unsigned long main;
+    unsigned long collecting;
+    char off;
+    char origins;
+    Py_ssize_t seen;
+} GcState;
 
-PyDoc_STRVAR(set_flags_doc,
-"set_flags(flags) -> None\n\n"
-"Give on_finalize collective_gc._registration's process-wide flags list.");
+static PyTypeObject GcStateType;
+static PyTypeObject RegType;
+
+typedef struct {
+    PyWeakReference wr;
+    long long key;
+    long long queued_at;
+    int state;
+    char cyclic;
+    PyObject *name, *origin, *owner, *push, *destroy, *args, *typename;
+} Reg;
 
 static PyObject *
-set_flags(PyObject *module, PyObject *list)
+gc_phase(GcState *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    (void)module;
-    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) < 2) {
-        PyErr_SetString(PyExc_TypeError, "set_flags: expected a list of two ints");
+    if (nargs != 2 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "phase(phase, info)");
         return NULL;
     }
-    Py_INCREF(list);
-    Py_XSETREF(flags, list);
+    if (PyUnicode_CompareWithASCIIString(args[0], "start") == 0) {
+        self->collecting = PyThread_get_thread_ident();
+        self->seen++;
+    }
+    else {
+        self->collecting = 0;
+    }
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(on_finalize_doc,
-"on_finalize(reg) -> None\n\n"
-"The weak-reference callback of a Registration: record and queue, nothing else.");
+static PyObject *
+gc_switch_off(GcState *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+    self->off = (char)on;
+    Py_RETURN_NONE;
+}
 
 static PyObject *
-on_finalize(PyObject *module, PyObject *reg)
+gc_track(GcState *self, PyObject *arg)
 {
-    (void)module;
-    if (flags == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "on_finalize: set_flags was not called");
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
         return NULL;
     }
-    /* Shut down or forked: do nothing at all. */
-    int off = PyObject_IsTrue(PyList_GET_ITEM(flags, 1));
-    if (off != 0) {
-        return off < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *was = PyBool_FromLong(self->origins);
+    self->origins = (char)on;
+    return was;
+}
+
+static PyObject *
+gc_forked(GcState *self, PyObject *unused)
+{
+    self->collecting = 0;
+    Py_RETURN_NONE;
+}
+
+/* Record whether the cyclic collector runs on this thread, and queue: the
+ * only code that runs when a managed object dies (no lock, no MPI, no destroy). */
+static PyObject *
+gc_finalize(GcState *self, PyObject *arg)
+{
+    if (self->off || !PyObject_TypeCheck(arg, &RegType)) {
+        Py_RETURN_NONE;
     }
-    /* An exact Registration has its slots where set_registration_type found
-     * them: read them in place (a lookup by name costs more than the rest of
-     * the callback); anything else goes by name. */
-    int exact = Py_TYPE(reg) == reg_type && SLOT(reg, off_state) != NULL
-                && SLOT(reg, off_push) != NULL;
-    /* Destroyed or detached already: nothing to queue. */
-    PyObject *state = exact ? Py_NewRef(SLOT(reg, off_state)) : PyObject_GetAttr(reg, s_state);
-    if (state == NULL) {
-        return NULL;
+    Reg *reg = (Reg *)arg;
+    if (reg->state != ALIVE || reg->push == NULL) {
+        Py_RETURN_NONE;
     }
-    int done = PyObject_IsTrue(state);
-    Py_DECREF(state);
-    if (done != 0) {
-        return done < 0 ? NULL : Py_NewRef(Py_None);
+    if (self->collecting && self->collecting == PyThread_get_thread_ident()) {
+        reg->cyclic = 1;
     }
-    /* Inside the cyclic collector on this very thread: a cyclic-GC death. */
-    unsigned long collecting = PyLong_AsUnsignedLong(PyList_GET_ITEM(flags, 0));
-    if (collecting == (unsigned long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (collecting && collecting == PyThread_get_thread_ident()) {
-        if (exact) {
-            Py_XSETREF(SLOT(reg, off_cyclic), Py_NewRef(Py_True)); /* was False: no code runs */
-        }
-        else if (PyObject_SetAttr(reg, s_cyclic, Py_True) < 0) {
-            return NULL;
-        }
-    }
-    PyObject *push = exact ? Py_NewRef(SLOT(reg, off_push)) : PyObject_GetAttr(reg, s_push);
-    if (push == NULL) {
-        return NULL;
-    }
-    PyObject *res = PyObject_CallOneArg(push, reg);
-    Py_DECREF(push);
+    PyObject *res = PyObject_CallOneArg(reg->push, arg);
     if (res == NULL) {
         return NULL;
     }
@@ -419,1240 +272,1470 @@ on_finalize(PyObject *module, PyObject *reg)
     Py_RETURN_NONE;
 }
 
-/* -- take_batch, run_each -------------------------------------------------- */
-
-/* The offset of the writable object slot ``name`` of ``type``'s instances,
- * defined by the type or a base (a Registry's ``live`` is its Ledger's).
- * The C code stores into these slots in place, so a class that lacks one (the
- * Python file changed, the extension was built from another version) must
- * not get this far: ImportError, raised while collective_gc imports, naming
- * the slot and the way out. */
-static Py_ssize_t
-slot_offset(PyTypeObject *type, const char *name)
-{
-    PyObject *descr = PyObject_GetAttrString((PyObject *)type, name);
-    if (descr == NULL) {
-        PyErr_Clear();
-    }
-    Py_ssize_t off = -1;
-    if (descr != NULL && PyObject_TypeCheck(descr, &PyMemberDescr_Type)
-        && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
-        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
-        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
-            off = m->offset;
-        }
-    }
-    Py_XDECREF(descr);
-    if (off < 0) {
-        PyErr_Format(PyExc_ImportError,
-                     "collective_gc._speedups does not match the Python code: %s has no "
-                     "writable object slot '%s' (declare it in __slots__, or rebuild the "
-                     "extension from this source; COLLECTIVE_GC_PURE_PYTHON=1 runs without it)",
-                     type->tp_name, name);
-    }
-    return off;
-}
-
-PyDoc_STRVAR(set_registration_type_doc,
-"set_registration_type(cls) -> None\n\n"
-"Tell take_batch where collective_gc's Registration keeps _state, _destroy\n"
-"and _args.");
-
 static PyObject *
-set_registration_type(PyObject *module, PyObject *cls)
+gc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    (void)module;
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "set_registration_type: expected a class");
+    unsigned long main_ident;
+    if (!no_keywords("GcState", kw) || !PyArg_ParseTuple(args, "k:GcState", &main_ident)) {
         return NULL;
     }
-    PyTypeObject *type = (PyTypeObject *)cls;
-    Py_ssize_t s = slot_offset(type, "_state");
-    Py_ssize_t d = s < 0 ? -1 : slot_offset(type, "_destroy");
-    Py_ssize_t a = d < 0 ? -1 : slot_offset(type, "_args");
-    Py_ssize_t k = a < 0 ? -1 : slot_offset(type, "key");
-    Py_ssize_t n = k < 0 ? -1 : slot_offset(type, "name");
-    Py_ssize_t o = n < 0 ? -1 : slot_offset(type, "origin");
-    Py_ssize_t c = o < 0 ? -1 : slot_offset(type, "cyclic");
-    Py_ssize_t q = c < 0 ? -1 : slot_offset(type, "queued_at");
-    Py_ssize_t w = q < 0 ? -1 : slot_offset(type, "_owner");
-    Py_ssize_t p = w < 0 ? -1 : slot_offset(type, "_push");
-    Py_ssize_t t = p < 0 ? -1 : slot_offset(type, "_typename");
-    if (t < 0) {
-        return NULL;
+    GcState *g = (GcState *)type->tp_alloc(type, 0);
+    if (g != NULL) {
+        g->main = main_ident;
     }
-    off_key = k;
-    off_name = n;
-    off_origin = o;
-    off_cyclic = c;
-    off_queued_at = q;
-    off_owner = w;
-    off_push = p;
-    off_typename = t;
-    Py_INCREF(cls);
-    Py_XSETREF(reg_type, type);
-    off_state = s;
-    off_destroy = d;
-    off_args = a;
-    Py_RETURN_NONE;
+    return (PyObject *)g;
 }
 
+static PyMethodDef gc_methods[] = {
+    {"phase", (PyCFunction)(void (*)(void))gc_phase, METH_FASTCALL, "The gc.callbacks hook."},
+    {"switch_off", (PyCFunction)gc_switch_off, METH_O, "Finalizers off (exit, fork), or on."},
+    {"track", (PyCFunction)gc_track, METH_O, "Record origins or not; the setting before."},
+    {"forked", (PyCFunction)gc_forked, METH_NOARGS, "In a forked child: nobody collects."},
+    {"finalize", (PyCFunction)gc_finalize, METH_O, "Every registration's callback."},
+    {NULL},
+};
 
-/* Move an object slot's value out (the caller takes the reference) and put
- * ``value`` in its place. Runs no Python code. */
-static PyObject *
-swap_slot(PyObject *reg, Py_ssize_t off, PyObject *value)
-{
-    PyObject *old = SLOT(reg, off);
-    SLOT(reg, off) = Py_NewRef(value);
-    return old;
-}
+static PyMemberDef gc_members[] = {
+    {"main", T_ULONG, offsetof(GcState, main), READONLY, NULL},
+    {"collecting", T_ULONG, offsetof(GcState, collecting), READONLY, NULL},
+    {"off", T_BOOL, offsetof(GcState, off), READONLY, NULL},
+    {"origins", T_BOOL, offsetof(GcState, origins), READONLY, NULL},
+    {"seen", T_PYSSIZET, offsetof(GcState, seen), READONLY, NULL},
+    {NULL},
+};
 
-static Py_ssize_t
-batch_index(PyObject *fn, PyObject *batched)
+static PyTypeObject GcStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.GcState",
+    .tp_basicsize = sizeof(GcState),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "collective_gc._state.GcState, in C.",
+    .tp_methods = gc_methods,
+    .tp_members = gc_members,
+    .tp_new = gc_new,
+};
+
+/* ======================================================================== */
+/* RegistrationFields                                                        */
+
+static int
+reg_traverse(Reg *self, visitproc visit, void *arg)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(batched);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyTuple_GET_ITEM(batched, i) == fn) {
-            return i;
-        }
-    }
-    return -1;
+    Py_VISIT(self->name);
+    Py_VISIT(self->origin);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->push);
+    Py_VISIT(self->destroy);
+    Py_VISIT(self->args);
+    Py_VISIT(self->typename);
+    return _PyWeakref_RefType.tp_traverse((PyObject *)self, visit, arg);
 }
 
 static int
-add_segment(PyObject *segments, Py_ssize_t start, Py_ssize_t end, Py_ssize_t index)
+reg_clear(Reg *self)
 {
-    PyObject *seg = Py_BuildValue("(nnn)", start, end, index);
-    if (seg == NULL) {
-        return -1;
-    }
-    int rc = PyList_Append(segments, seg);
-    Py_DECREF(seg);
-    return rc;
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->origin);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->push);
+    Py_CLEAR(self->destroy);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->typename);
+    return _PyWeakref_RefType.tp_clear((PyObject *)self);
 }
 
-static PyObject *
-segments_of(PyObject *fns, PyObject *batched)
+static void
+reg_dealloc(Reg *self)
 {
-    PyObject *segments = PyList_New(0);
-    if (segments == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(fns), start = 0, current = -2;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t index = batch_index(PyList_GET_ITEM(fns, i), batched);
-        if (index != current) {
-            if (current != -2 && add_segment(segments, start, i, current) < 0) {
-                Py_DECREF(segments);
-                return NULL;
-            }
-            start = i;
-            current = index;
-        }
-    }
-    if (current != -2 && add_segment(segments, start, n, current) < 0) {
-        Py_DECREF(segments);
-        return NULL;
-    }
-    return segments;
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->origin);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->push);
+    Py_CLEAR(self->destroy);
+    Py_CLEAR(self->args);
+    Py_CLEAR(self->typename);
+    /* weakref's own dealloc unlinks it from its referent and frees it */
+    _PyWeakref_RefType.tp_dealloc((PyObject *)self);
 }
 
-PyDoc_STRVAR(new_registration_doc,
-"new_registration(callback, obj, owner, push, key, destroy, args, name, origin) -> reg\n\n"
-"What collective_gc._registration.make_registration does once kwargs are folded\n"
-"in: a Registration (weak reference to obj with callback) in the alive state,\n"
-"its slots set directly. TypeError if obj cannot be weakly referenced.");
+static PyMemberDef reg_members[] = {
+    {"key", T_LONGLONG, offsetof(Reg, key), 0, NULL},
+    {"queued_at", T_LONGLONG, offsetof(Reg, queued_at), 0, NULL},
+    {"_state", T_INT, offsetof(Reg, state), 0, NULL},
+    {"cyclic", T_BOOL, offsetof(Reg, cyclic), 0, NULL},
+    {"name", T_OBJECT, offsetof(Reg, name), 0, NULL},
+    {"origin", T_OBJECT, offsetof(Reg, origin), 0, NULL},
+    {"_owner", T_OBJECT, offsetof(Reg, owner), 0, NULL},
+    {"_push", T_OBJECT, offsetof(Reg, push), 0, NULL},
+    {"_destroy", T_OBJECT, offsetof(Reg, destroy), 0, NULL},
+    {"_args", T_OBJECT, offsetof(Reg, args), 0, NULL},
+    {"_typename", T_OBJECT, offsetof(Reg, typename), 0, NULL},
+    {NULL},
+};
 
-/* A Registration (weak reference to obj with callback) in the alive state,
- * its slots set directly; NULL with TypeError if obj cannot be weakly referenced. */
+static PyTypeObject RegType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.RegistrationFields",
+    .tp_basicsize = sizeof(Reg),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "collective_gc._state.RegistrationFields, in C.",
+    .tp_traverse = (traverseproc)reg_traverse,
+    .tp_clear = (inquiry)reg_clear,
+    .tp_dealloc = (destructor)reg_dealloc,
+    .tp_members = reg_members,
+};
+
+/* A registration of ``cls`` (a subclass of RegType) with its fields set;
+ * NULL with TypeError if obj cannot be weakly referenced. */
 static PyObject *
-build_registration(PyObject *callback, PyObject *obj, PyObject *owner, PyObject *push,
-                   PyObject *key, PyObject *destroy, PyObject *fargs, PyObject *name,
-                   PyObject *origin)
+make_reg(PyTypeObject *cls, PyObject *callback, PyObject *obj, PyObject *owner, PyObject *push,
+         long long key, PyObject *destroy, PyObject *args, PyObject *name, PyObject *origin)
 {
     PyObject *typename = PyType_GetName(Py_TYPE(obj));
     if (typename == NULL) {
         return NULL;
     }
-    PyObject *ctor_args[2] = {obj, callback};
-    PyObject *reg = PyObject_Vectorcall((PyObject *)reg_type, ctor_args, 2, NULL);
+    PyObject *pair = PyTuple_Pack(2, obj, callback);
+    if (pair == NULL) {
+        Py_DECREF(typename);
+        return NULL;
+    }
+    /* weakref's tp_new takes (obj, callback) and allocates cls; no __init__. */
+    Reg *reg = (Reg *)cls->tp_new(cls, pair, NULL);
+    Py_DECREF(pair);
     if (reg == NULL) {
         Py_DECREF(typename);
         return NULL;
     }
-    /* A new object: its slots are all NULL, so plain stores, nothing to release. */
-    SLOT(reg, off_key) = Py_NewRef(key);
-    SLOT(reg, off_name) = Py_NewRef(name == Py_None ? typename : name);
-    SLOT(reg, off_typename) = typename; /* the reference PyType_GetName gave */
-    SLOT(reg, off_origin) = Py_NewRef(origin);
-    SLOT(reg, off_cyclic) = Py_NewRef(Py_False);
-    SLOT(reg, off_queued_at) = PyLong_FromLong(-1);
-    SLOT(reg, off_state) = PyLong_FromLong(0);
-    SLOT(reg, off_owner) = Py_NewRef(owner);
-    SLOT(reg, off_push) = Py_NewRef(push);
-    SLOT(reg, off_destroy) = Py_NewRef(destroy);
-    SLOT(reg, off_args) = Py_NewRef(fargs);
-    return reg;
+    reg->key = key;
+    reg->queued_at = -1;
+    reg->state = ALIVE;
+    reg->cyclic = 0;
+    Py_XSETREF(reg->name, Py_NewRef(name == Py_None ? typename : name));
+    Py_XSETREF(reg->typename, typename);
+    Py_XSETREF(reg->origin, Py_NewRef(origin));
+    Py_XSETREF(reg->owner, Py_NewRef(owner));
+    Py_XSETREF(reg->push, Py_NewRef(push));
+    Py_XSETREF(reg->destroy, Py_NewRef(destroy));
+    Py_XSETREF(reg->args, Py_NewRef(args));
+    return (PyObject *)reg;
 }
 
 static PyObject *
-new_registration(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+new_registration(PyObject *module, PyObject *const *a, Py_ssize_t n)
 {
-    (void)module;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "new_registration: expected 9 arguments");
-        return NULL;
-    }
-    if (reg_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "new_registration: set_registration_type was not called");
-        return NULL;
-    }
-    if (!PyTuple_Check(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "new_registration: args must be a tuple");
-        return NULL;
-    }
-    /* The callback first, so that functools.partial can bind it. */
-    return build_registration(args[0], args[1], args[2], args[3], args[4], args[5], args[6],
-                              args[7], args[8]);
-}
-
-/* -- add_plain ------------------------------------------------------------- */
-
-/* collective_gc._registry.Registry's slots, by offset (set_registry_type),
- * the finalizer new registrations get (fixed for the process), and
- * _registration.TRACK_ORIGINS, a one-item list because it changes at run time
- * (collective_scope and the pytest plugin turn origin tracking on and off). */
-static PyTypeObject *registry_type = NULL;
-static Py_ssize_t off_live = -1, off_next_key = -1, off_busy = -1, off_rpush = -1,
-                  off_thread = -1, off_order = -1;
-static PyObject *origins_switch = NULL, *plain_callback = NULL;
-
-PyDoc_STRVAR(set_registry_type_doc,
-"set_registry_type(cls, track_origins, callback) -> None\n\n"
-"Tell add_plain where collective_gc's Registry keeps its slots (ImportError\n"
-"naming a slot it lacks), give it the one-item list that says whether\n"
-"origins are tracked (read per call) and the finalizer new registrations get.");
-
-static PyObject *
-set_registry_type(PyObject *module, PyObject *args)
-{
-    PyObject *cls, *origins, *callback;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!O:set_registry_type", &PyType_Type, &cls, &PyList_Type,
-                          &origins, &callback)) {
-        return NULL;
-    }
-    if (PyList_GET_SIZE(origins) != 1 || !PyCallable_Check(callback)) {
+    if (n != 10 || !PyType_Check(a[0]) || !PyType_IsSubtype((PyTypeObject *)a[0], &RegType)
+        || !PyTuple_Check(a[7])) {
         PyErr_SetString(PyExc_TypeError,
-                        "set_registry_type: expected a one-item list and a callable");
+                        "new_registration(cls, callback, obj, owner, push, key, destroy, args, "
+                        "name, origin): cls a RegistrationFields type, args a tuple");
         return NULL;
     }
-    Py_ssize_t l = slot_offset((PyTypeObject *)cls, "live");
-    Py_ssize_t k = l < 0 ? -1 : slot_offset((PyTypeObject *)cls, "next_key");
-    Py_ssize_t b = k < 0 ? -1 : slot_offset((PyTypeObject *)cls, "busy");
-    Py_ssize_t p = b < 0 ? -1 : slot_offset((PyTypeObject *)cls, "push");
-    Py_ssize_t t = p < 0 ? -1 : slot_offset((PyTypeObject *)cls, "thread");
-    Py_ssize_t o = t < 0 ? -1 : slot_offset((PyTypeObject *)cls, "order");
-    if (o < 0) {
+    long long key = PyLong_AsLongLong(a[5]);
+    if (key == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    off_live = l;
-    off_next_key = k;
-    off_busy = b;
-    off_rpush = p;
-    off_thread = t;
-    off_order = o;
-    Py_INCREF(cls);
-    Py_XSETREF(registry_type, (PyTypeObject *)cls);
-    Py_INCREF(origins);
-    Py_XSETREF(origins_switch, origins);
-    Py_INCREF(callback);
-    Py_XSETREF(plain_callback, callback);
+    return make_reg((PyTypeObject *)a[0], a[1], a[2], a[3], a[4], key, a[6], a[7], a[8], a[9]);
+}
+
+/* ======================================================================== */
+/* Region                                                                    */
+
+typedef struct {
+    PyObject_HEAD
+    unsigned long main;
+    long depth;
+    PyObject *deferred, *signals, *guarded, *getsignal, *guard, *deliver;
+} Region;
+
+static int
+region_traverse(Region *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->deferred);
+    Py_VISIT(self->signals);
+    Py_VISIT(self->guarded);
+    Py_VISIT(self->getsignal);
+    Py_VISIT(self->guard);
+    Py_VISIT(self->deliver);
+    return 0;
+}
+
+static int
+region_clear(Region *self)
+{
+    Py_CLEAR(self->deferred);
+    Py_CLEAR(self->signals);
+    Py_CLEAR(self->guarded);
+    Py_CLEAR(self->getsignal);
+    Py_CLEAR(self->guard);
+    Py_CLEAR(self->deliver);
+    return 0;
+}
+
+static void
+region_dealloc(Region *self)
+{
+    PyObject_GC_UnTrack(self);
+    region_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+region_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    unsigned long main_ident;
+    PyObject *signals, *getsignal, *guard, *deliver;
+    if (!no_keywords("Region", kw)
+        || !PyArg_ParseTuple(args, "kO!OOO:Region", &main_ident, &PyTuple_Type, &signals,
+                             &getsignal, &guard, &deliver)) {
+        return NULL;
+    }
+    Region *self = (Region *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->main = main_ident;
+    self->deferred = PyList_New(0);
+    Py_ssize_t n = PyTuple_GET_SIZE(signals);
+    self->guarded = PyTuple_New(n);
+    if (self->deferred == NULL || self->guarded == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *mark = PyBaseObject_Type.tp_alloc(&PyBaseObject_Type, 0); /* matches no handler */
+        if (mark == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(self->guarded, i, mark);
+    }
+    self->signals = Py_NewRef(signals);
+    self->getsignal = Py_NewRef(getsignal);
+    self->guard = Py_NewRef(guard);
+    self->deliver = Py_NewRef(deliver);
+    return (PyObject *)self;
+}
+
+/* Whether getsignal(s) is not guarded[i] for some signal (identity). */
+static int
+handlers_changed(Region *self)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(self->signals);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyObject_CallOneArg(self->getsignal, PyTuple_GET_ITEM(self->signals, i));
+        if (h == NULL) {
+            return -1;
+        }
+        int changed = h != PyTuple_GET_ITEM(self->guarded, i);
+        Py_DECREF(h);
+        if (changed) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+region_enter(Region *self, PyObject *unused)
+{
+    if (PyThread_get_thread_ident() != self->main) {
+        Py_RETURN_FALSE;
+    }
+    if (self->depth == 0) {
+        int changed = handlers_changed(self);
+        if (changed < 0) {
+            return NULL;
+        }
+        if (changed) {
+            PyObject *g = PyObject_CallNoArgs(self->guard);
+            if (g == NULL) {
+                return NULL;
+            }
+            if (!PyTuple_Check(g)) {
+                Py_DECREF(g);
+                PyErr_SetString(PyExc_TypeError, "Region: guard() must return a tuple");
+                return NULL;
+            }
+            Py_SETREF(self->guarded, g);
+        }
+    }
+    self->depth++;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+region_leave(Region *self, PyObject *entered)
+{
+    if (entered != Py_True) {
+        Py_RETURN_NONE;
+    }
+    if (self->depth < 1) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "collective_gc: a protected region was left that was not entered");
+        return NULL;
+    }
+    PyObject *first = NULL;
+    if (self->depth == 1 && PyList_GET_SIZE(self->deferred) > 0) {
+        /* Delivered while the region still counts as entered: a signal
+         * arriving meanwhile is deferred, and delivered by the same loop. */
+        first = PyObject_CallNoArgs(self->deliver);
+        if (first == NULL) {
+            self->depth--;
+            return NULL;
+        }
+    }
+    self->depth--;
+    if (first == NULL || first == Py_None) {
+        Py_XDECREF(first);
+        Py_RETURN_NONE;
+    }
+    PyObject *r = PyObject_CallMethod(
+        first, "add_note", "s",
+        "collective_gc: its signal arrived while this rank was inside a sync point (or another "
+        "collective of collective_gc), and its handler ran once the collectives were done, so "
+        "that every rank left them alike");
+    Py_XDECREF(r);
+    PyErr_Clear();
+    PyErr_SetObject((PyObject *)Py_TYPE(first), first);
+    Py_DECREF(first);
+    return NULL;
+}
+
+static PyMethodDef region_methods[] = {
+    {"enter", (PyCFunction)region_enter, METH_NOARGS, "Enter a protected region."},
+    {"leave", (PyCFunction)region_leave, METH_O, "Leave the region enter() entered."},
+    {NULL},
+};
+
+static PyMemberDef region_members[] = {
+    {"main", T_ULONG, offsetof(Region, main), READONLY, NULL},
+    {"depth", T_LONG, offsetof(Region, depth), READONLY, NULL},
+    {"deferred", T_OBJECT, offsetof(Region, deferred), READONLY, NULL},
+    {"signals", T_OBJECT, offsetof(Region, signals), READONLY, NULL},
+    {"guarded", T_OBJECT, offsetof(Region, guarded), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject RegionType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.Region",
+    .tp_basicsize = sizeof(Region),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "collective_gc._state.Region, in C.",
+    .tp_traverse = (traverseproc)region_traverse,
+    .tp_clear = (inquiry)region_clear,
+    .tp_dealloc = (destructor)region_dealloc,
+    .tp_methods = region_methods,
+    .tp_members = region_members,
+    .tp_new = region_new,
+};
+
+/* ======================================================================== */
+/* FamilyState                                                               */
+
+static PyTypeObject PetscRunType;
+static PyObject *petsc_run_any(PyObject *runner, PyObject *argss);
+
+typedef struct FamilyState {
+    PyObject_HEAD
+    int rank, size;
+    int code;
+    PyObject *reason;
+    long long seq;
+    char inside;
+    unsigned long destroying;
+    long long destroyed;
+    int progress;
+    long hold;
+    PyObject *unreported; /* list of (seq, failure) */
+    PyObject *failed;     /* list of failures of the last steady() */
+    /* registrations and the queue */
+    long long next_key;
+    unsigned long long order;
+    long thread;
+    int busy;
+    PyObject *live;  /* dict: key -> registration */
+    PyObject *inbox; /* list */
+    PyObject *push;  /* inbox.append */
+    PyObject *finalize; /* gc.finalize, every registration's callback */
+    char stale, cyclic_seen;
+    int64_t *pend, *ages; /* pending keys, ascending, and the sync point each was drained at */
+    Py_ssize_t npend, cap;
+    GcState *gc;
+    PyTypeObject *reg_type;
+    PyObject *stats;    /* CollectStats */
+    PyObject *parts;    /* tuple of (shift, vote, finish, raises, name) */
+    PyObject *children; /* tuple of FamilyState */
+    /* the key window */
+    long long marks[SPAN];
+    int nmarks;
+    long long growths[MEMORY];
+    int ngrowths, idle;
+    long long wlo, wbits;
+    /* the agreement */
+    PyObject *comm; /* the private duplicate (mpi4py), or None */
+    MPI_Comm mcomm;
+    long long first, last;
+    int64_t *buf; /* WORDS + nbits / 64 words; dropped (never freed) once abandoned to MPI */
+    Py_ssize_t nwords;
+    long long lo, nbits;
+    char dirty, persistent, have_preq;
+    MPI_Request preq;
+    /* the watch */
+    int64_t *wbuf; /* 3 words the standing receive writes into */
+    MPI_Request wreq;
+    char sent, closed, received; /* received: the standing receive took a notice */
+    long long wseq;
+    PyObject *gone; /* (rank, sync point, why) or None */
+} FamilyState;
+
+static PyTypeObject FamilyStateType;
+
+static int
+fs_traverse(FamilyState *s, visitproc visit, void *arg)
+{
+    Py_VISIT(s->reason);
+    Py_VISIT(s->unreported);
+    Py_VISIT(s->failed);
+    Py_VISIT(s->live);
+    Py_VISIT(s->inbox);
+    Py_VISIT(s->push);
+    Py_VISIT(s->finalize);
+    Py_VISIT(s->gc);
+    Py_VISIT(s->reg_type);
+    Py_VISIT(s->stats);
+    Py_VISIT(s->parts);
+    Py_VISIT(s->children);
+    Py_VISIT(s->comm);
+    Py_VISIT(s->gone);
+    return 0;
+}
+
+static int
+fs_clear(FamilyState *s)
+{
+    Py_CLEAR(s->reason);
+    Py_CLEAR(s->unreported);
+    Py_CLEAR(s->failed);
+    Py_CLEAR(s->live);
+    Py_CLEAR(s->inbox);
+    Py_CLEAR(s->push);
+    Py_CLEAR(s->finalize);
+    Py_CLEAR(s->gc);
+    Py_CLEAR(s->reg_type);
+    Py_CLEAR(s->stats);
+    Py_CLEAR(s->parts);
+    Py_CLEAR(s->children);
+    Py_CLEAR(s->comm);
+    Py_CLEAR(s->gone);
+    return 0;
+}
+
+static void
+fs_dealloc(FamilyState *s)
+{
+    PyObject_GC_UnTrack(s);
+    fs_clear(s);
+    PyMem_Free(s->pend);
+    PyMem_Free(s->ages);
+    /* No MPI here (a finalizer may be what frees it): a buffer MPI may still
+     * use (the watch's receive posted, a request active) is left, not freed. */
+    if (!s->have_preq) {
+        PyMem_Free(s->buf);
+    }
+    if (s->wreq == MPI_REQUEST_NULL) {
+        PyMem_Free(s->wbuf);
+    }
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *
+fs_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    int rank, size;
+    PyObject *gc, *reg_type, *stats;
+    if (!no_keywords("FamilyState", kw)
+        || !PyArg_ParseTuple(args, "iiO!O!O:FamilyState", &rank, &size, &GcStateType, &gc,
+                             &PyType_Type, &reg_type, &stats)) {
+        return NULL;
+    }
+    if (!PyType_IsSubtype((PyTypeObject *)reg_type, &RegType)) {
+        PyErr_SetString(PyExc_TypeError, "FamilyState: reg_type must be a RegistrationFields type");
+        return NULL;
+    }
+    FamilyState *s = (FamilyState *)type->tp_alloc(type, 0);
+    if (s == NULL) {
+        return NULL;
+    }
+    s->rank = rank;
+    s->size = size;
+    s->reason = Py_NewRef(Py_None);
+    s->thread = size > 1 ? 0 : -1;
+    s->unreported = PyList_New(0);
+    s->failed = PyList_New(0);
+    s->live = PyDict_New();
+    s->inbox = PyList_New(0);
+    s->gc = (GcState *)Py_NewRef(gc);
+    s->reg_type = (PyTypeObject *)Py_NewRef(reg_type);
+    s->stats = Py_NewRef(stats);
+    s->parts = PyTuple_New(0);
+    s->children = PyTuple_New(0);
+    s->comm = Py_NewRef(Py_None);
+    s->gone = Py_NewRef(Py_None);
+    s->nmarks = 1;
+    s->wbits = WINDOW_MIN;
+    s->lo = s->nbits = -1;
+    s->preq = MPI_REQUEST_NULL;
+    s->wreq = MPI_REQUEST_NULL;
+    if (s->unreported == NULL || s->failed == NULL || s->live == NULL || s->inbox == NULL
+        || s->parts == NULL || s->children == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    s->push = PyObject_GetAttrString(s->inbox, "append"); /* a list's own method */
+    s->finalize = PyObject_GetAttrString(gc, "finalize"); /* GcState's own method */
+    if (s->push == NULL || s->finalize == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    return (PyObject *)s;
+}
+
+/* -- usable or not, holds, participants, children ------------------------- */
+
+static PyObject *
+fs_become(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 3) {
+        PyErr_SetString(PyExc_TypeError, "become(code, reason, first)");
+        return NULL;
+    }
+    int code = as_int(a[0]);
+    int first = PyObject_IsTrue(a[2]);
+    if ((code == -1 && PyErr_Occurred()) || first < 0) {
+        return NULL;
+    }
+    if (first && s->reason != Py_None) {
+        Py_RETURN_NONE;
+    }
+    s->code = code;
+    Py_SETREF(s->reason, Py_NewRef(a[1]));
     Py_RETURN_NONE;
 }
 
-/* collective_gc._registry.order_step: what a registration with ``key`` on
- * the member tagged ``tag`` adds to the family's order fingerprint (the
- * finalizer of splitmix64 over key * golden + tag; 0 for tag 0). */
-static uint64_t
-order_step(uint64_t key, uint64_t tag)
-{
-    if (tag == 0) {
-        return 0;
-    }
-    uint64_t x = key * 0x9E3779B97F4A7C15ULL + tag;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
-
-PyDoc_STRVAR(add_plain_doc,
-"add_plain(registry, owner, tag, obj, destroy, args, name) -> reg or None\n\n"
-"Registry.add's common case in one call (see _registry.add_plain_py, its\n"
-"Python twin): ``destroy`` a plain function without a closure, ``args`` a\n"
-"tuple of objects that are not ``obj`` and not callable, ``obj`` weakly\n"
-"referenceable and with no other weak reference, no origin to record, no\n"
-"other registration half-way through on ``registry`` (its busy count 0), and\n"
-"its ``thread`` -1 (any thread may register) or this thread's ident (the\n"
-"thread that has registered since the last sync point). Then the\n"
-"registration of ``owner`` is made, given the next key and stored (and the\n"
-"family's order fingerprint advanced, for a member ``tag`` other than 0),\n"
-"with no Python code run between reading the key and storing the next one\n"
-"(so it needs no lock). Otherwise None, having changed nothing:\n"
-"Registry.add then does it (or says what is wrong).");
-
 static PyObject *
-add_plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+fs_set_hold(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
-    (void)module;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "add_plain: expected 7 arguments");
+    long bit;
+    int on;
+    if (n != 2 || ((bit = PyLong_AsLong(a[0])) == -1 && PyErr_Occurred())
+        || (on = PyObject_IsTrue(a[1])) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "set_hold(bit, on)");
+        }
         return NULL;
     }
-    PyObject *registry = args[0], *owner = args[1], *tag_obj = args[2], *obj = args[3];
-    PyObject *destroy = args[4], *fargs = args[5], *name = args[6];
-    if (registry_type == NULL || reg_type == NULL || Py_TYPE(registry) != registry_type
-        || !PyList_CheckExact(origins_switch) || PyList_GET_SIZE(origins_switch) < 1
-        || PyList_GET_ITEM(origins_switch, 0) != Py_False || !PyLong_CheckExact(tag_obj)) {
-        Py_RETURN_NONE;
+    s->hold = on ? s->hold | bit : s->hold & ~bit;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_set_participants(FamilyState *s, PyObject *parts)
+{
+    if (!PyTuple_Check(parts)) {
+        PyErr_SetString(PyExc_TypeError, "set_participants: a tuple");
+        return NULL;
     }
-    long tag = PyLong_AsLong(tag_obj);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(parts); i++) {
+        PyObject *p = PyTuple_GET_ITEM(parts, i);
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 4) {
+            PyErr_SetString(PyExc_TypeError, "set_participants: tuples (shift, vote, finish, raises)");
+            return NULL;
+        }
+    }
+    Py_SETREF(s->parts, Py_NewRef(parts));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_set_children(FamilyState *s, PyObject *children)
+{
+    if (!PyTuple_Check(children)) {
+        PyErr_SetString(PyExc_TypeError, "set_children: a tuple of FamilyState");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(children); i++) {
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(children, i), &FamilyStateType)) {
+            PyErr_SetString(PyExc_TypeError, "set_children: a tuple of FamilyState");
+            return NULL;
+        }
+    }
+    Py_SETREF(s->children, Py_NewRef(children));
+    Py_RETURN_NONE;
+}
+
+/* A participant's vote: -1 (with an exception, or not an int in 0..255), else it. */
+static int
+vote_of(PyObject *part, long *vote)
+{
+    long shift = PyLong_AsLong(PyTuple_GET_ITEM(part, 0));
+    if (shift == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *vote = 0;
+    if (shift < 0) {
+        return 0;
+    }
+    PyObject *v = PyObject_CallNoArgs(PyTuple_GET_ITEM(part, 1));
+    if (v == NULL) {
+        return -1;
+    }
+    long x = PyLong_CheckExact(v) ? PyLong_AsLong(v) : -1;
+    Py_DECREF(v);
+    if (x < 0 || x > 0xFF) {
+        PyErr_Clear();
+        return -1;
+    }
+    *vote = x << shift;
+    return 0;
+}
+
+static int fs_wants_c(FamilyState *s);
+
+/* Whether every child on this rank is idle: there, and wanting nothing. */
+static int
+children_idle(FamilyState *s)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->children); i++) {
+        FamilyState *c = (FamilyState *)PyTuple_GET_ITEM(s->children, i);
+        if (c->hold & HOLD_GONE) {
+            return 0;
+        }
+        int w = fs_wants_c(c);
+        if (w != 0) {
+            return w < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+static int
+fs_wants_c(FamilyState *s)
+{
+    if (s->reason != Py_None || (s->hold & HOLD_GONE)) {
+        return 0;
+    }
+    if (PyList_GET_SIZE(s->inbox) || s->stale || PyList_GET_SIZE(s->unreported)
+        || (s->hold & (HOLD_LEAVING | HOLD_PARTS))) {
+        return 1;
+    }
+    if (s->comm != Py_None && s->marks[s->nmarks - 1] != s->next_key) {
+        return 1; /* registered since its last sync point */
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->parts); i++) {
+        long v;
+        if (vote_of(PyTuple_GET_ITEM(s->parts, i), &v) < 0) {
+            if (PyErr_Occurred()) {
+                return -1;
+            }
+            return 1; /* a bad vote: the steps say so */
+        }
+        if (v) {
+            return 1;
+        }
+    }
+    int idle = children_idle(s);
+    return idle < 0 ? -1 : !idle;
+}
+
+static PyObject *
+fs_wants(FamilyState *s, PyObject *unused)
+{
+    int w = fs_wants_c(s);
+    return w < 0 ? NULL : PyBool_FromLong(w);
+}
+
+/* -- registrations ---------------------------------------------------------- */
+
+static PyObject *
+fs_take_key(FamilyState *s, PyObject *arg)
+{
+    long long tag = PyLong_AsLongLong(arg);
+    if (tag == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long key = s->next_key++;
+    s->order += order_step((uint64_t)key, (uint64_t)tag);
+    return PyLong_FromLongLong(key);
+}
+
+static PyObject *
+fs_give_back(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    long long key, tag;
+    if (n != 2 || ((key = PyLong_AsLongLong(a[0])) == -1 && PyErr_Occurred())
+        || ((tag = PyLong_AsLongLong(a[1])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "give_back(key, tag)");
+        }
+        return NULL;
+    }
+    if (s->next_key == key + 1) {
+        s->next_key = key;
+        s->order -= order_step((uint64_t)key, (uint64_t)tag);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_begin_interval(FamilyState *s, PyObject *arg)
+{
+    long t = PyLong_AsLong(arg);
+    if (t == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    s->thread = t;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_add_busy(FamilyState *s, PyObject *arg)
+{
+    long d = PyLong_AsLong(arg);
+    if (d == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    s->busy += (int)d;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_store(FamilyState *s, PyObject *reg)
+{
+    if (!PyObject_TypeCheck(reg, &RegType)) {
+        PyErr_SetString(PyExc_TypeError, "store: a registration");
+        return NULL;
+    }
+    PyObject *key = PyLong_FromLongLong(((Reg *)reg)->key);
+    if (key == NULL) {
+        return NULL;
+    }
+    int rc = PyDict_SetItem(s->live, key, reg);
+    Py_DECREF(key);
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* functools.partial, looked up once when the module is made: what the
+ * destroy check looks into, with functions and methods. */
+static PyObject *partial_type = NULL;
+
+/* Whether an argument is ``obj`` or what collective_gc._registration's
+ * destroy check looks into for a reference to it (exact types, as there):
+ * then the guarded path registers it (a petsc4py KSP, callable, is neither). */
+static int
+inspected(PyObject *x, PyObject *obj)
+{
+    PyTypeObject *t = Py_TYPE(x);
+    return x == obj || t == &PyFunction_Type || t == &PyMethod_Type || t == &PyCFunction_Type
+           || t == &_PyMethodWrapper_Type
+           || (partial_type != NULL && PyObject_TypeCheck(x, (PyTypeObject *)partial_type));
+}
+
+/* Registration's common case in one call (see the Python twin's docstring),
+ * or None having changed nothing. From reading the key to storing the next
+ * one no Python code runs (an int's allocation does not start the collector),
+ * so no other thread can take a key in between: no lock. */
+static PyObject *
+fs_add_plain(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 6) {
+        PyErr_SetString(PyExc_TypeError, "add_plain(owner, tag, obj, destroy, args, name)");
+        return NULL;
+    }
+    PyObject *owner = a[0], *obj = a[2], *destroy = a[3], *fargs = a[4], *name = a[5];
+    long long tag = PyLong_AsLongLong(a[1]);
     if (tag < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    /* What check_destroy would find nothing to refuse in, decided without
-     * calling anything: it looks only into callables (and obj itself). */
-    if (!Py_IS_TYPE(destroy, &PyFunction_Type) || PyFunction_GET_CLOSURE(destroy) != NULL
-        || !PyTuple_CheckExact(fargs) || !(name == Py_None || PyUnicode_CheckExact(name))) {
+    if (s->gc->origins || !Py_IS_TYPE(destroy, &PyFunction_Type)
+        || PyFunction_GET_CLOSURE(destroy) != NULL || !PyTuple_CheckExact(fargs)
+        || !(name == Py_None || PyUnicode_CheckExact(name))) {
         Py_RETURN_NONE;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fargs); i++) {
-        PyObject *a = PyTuple_GET_ITEM(fargs, i);
-        if (a == obj || Py_TYPE(a)->tp_call != NULL) {
+        if (inspected(PyTuple_GET_ITEM(fargs, i), obj)) {
             Py_RETURN_NONE;
         }
     }
-    PyObject *push = SLOT(registry, off_rpush);
-    if (push == NULL) {
-        Py_RETURN_NONE;
-    }
-    Py_INCREF(owner);
-    Py_INCREF(push);
-    PyObject *callback = Py_NewRef(plain_callback);
     /* Allocating it may start the collector, whose finalizers may run Python
-     * code and let other threads run: nothing of the registry is read before. */
-    PyObject *reg = build_registration(callback, obj, owner, push, Py_None, destroy, fargs, name,
-                                       Py_None);
-    Py_DECREF(callback);
-    Py_DECREF(owner);
-    Py_DECREF(push);
+     * code and let other threads run: nothing is read before. */
+    Reg *reg = (Reg *)make_reg(s->reg_type, s->finalize, obj, owner, s->push, -1, destroy, fargs,
+                               name, Py_None);
     if (reg == NULL) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear(); /* not weakly referenceable: Registry.add says so */
+            PyErr_Clear(); /* not weakly referenceable: the guarded path says so */
             Py_RETURN_NONE;
         }
         return NULL;
     }
-    PyObject *next = NULL, *order_next = NULL;
-    /* From here to the stores, no Python code runs (an int's allocation does
-     * not start the collector, an int key's hash and comparison call nothing),
-     * so no other thread can take a key in between. */
     PyWeakReference *wr = (PyWeakReference *)reg;
-    PyObject *busy = SLOT(registry, off_busy);
-    PyObject *key = SLOT(registry, off_next_key);
-    PyObject *live = SLOT(registry, off_live);
-    PyObject *thread = SLOT(registry, off_thread);
-    PyObject *order = SLOT(registry, off_order);
-    if (wr->wr_prev != NULL || wr->wr_next != NULL /* another weak reference to obj */
-        || busy == NULL || !PyLong_CheckExact(busy) || PyLong_AsLong(busy) != 0
-        || key == NULL || !PyLong_CheckExact(key) || live == NULL || !PyDict_CheckExact(live)
-        || thread == NULL || !PyLong_CheckExact(thread) || order == NULL
-        || !PyLong_CheckExact(order)) {
-        /* (busy: another registration is between taking its key and storing
-         * the next one, on another thread or below us on this one) */
-        goto slow;
-    }
-    /* The one thread that registers between two sync points on a family of
-     * size > 1 (ranks would number two threads' objects in different
-     * orders): another one goes to Registry.add, which refuses it. */
-    /* PyLong_AsLong: PyLong_AsLongLong goes through a byte array for a
-     * two-digit int such as a thread ident (about 40 ns here). */
-    long owner_ident = PyLong_AsLong(thread);
-    if (owner_ident == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        goto slow;
-    }
-    /* 0: the first registration since the last sync point, which
-     * Registry.add makes (it records the thread's name, for a refusal). */
-    if (owner_ident == 0
-        || (owner_ident != -1 && (unsigned long)owner_ident != PyThread_get_thread_ident())) {
-        goto slow;
-    }
-    long long k = PyLong_AsLongLong(key);
-    if (k < 0 || k == LLONG_MAX) {
-        PyErr_Clear();
-        goto slow;
-    }
-    if (tag != 0) {
-        unsigned long long before = PyLong_AsUnsignedLongLong(order);
-        if (before == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            goto slow;
-        }
-        order_next = PyLong_FromUnsignedLongLong(
-            (unsigned long long)((uint64_t)before + order_step((uint64_t)k, (uint64_t)tag)));
-        if (order_next == NULL) {
-            Py_DECREF(reg);
-            return NULL;
-        }
-    }
-    next = PyLong_FromLongLong(k + 1);
-    if (next == NULL) {
-        Py_XDECREF(order_next);
-        Py_DECREF(reg);
-        return NULL;
-    }
-    Py_INCREF(key);
-    Py_SETREF(SLOT(reg, off_key), key); /* was None */
-    if (PyDict_SetItem(live, key, reg) < 0) {
-        Py_XDECREF(order_next);
-        Py_DECREF(next);
-        Py_DECREF(reg);
-        return NULL;
-    }
-    Py_SETREF(SLOT(registry, off_next_key), next);
-    if (order_next != NULL) {
-        Py_SETREF(SLOT(registry, off_order), order_next);
-    }
-    return reg;
-slow:
-    Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(take_batch_doc,
-"take_batch(regs, keys, state, batched) -> (taken, fns, argss, segments)\n\n"
-"For each key of the list ``keys`` still in the dict ``regs``, in order: pop\n"
-"its registration, set its _state to ``state``, take its _destroy and _args\n"
-"(leaving None and ()). Returns the registrations, their destroys, their\n"
-"argument tuples, and the runs of destroys as (start, end, index) triples:\n"
-"index is the position in the tuple ``batched`` of the destroy function\n"
-"(identity) of every call of the run, or -1 for a run of others.\n"
-"``segments`` is None if it could not be made (out of memory): then run\n"
-"every call one by one. Nothing can fail, and no Python code runs, between\n"
-"the first key popped and the last, so no registration is ever lost. If\n"
-"``regs`` is then empty, it is cleared (its memory given back).");
-
-static PyObject *
-take_batch(PyObject *module, PyObject *args)
-{
-    PyObject *regs, *keys, *state, *batched;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!OO!:take_batch", &PyDict_Type, &regs, &PyList_Type, &keys,
-                          &state, &PyTuple_Type, &batched)) {
-        return NULL;
-    }
-    if (reg_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "take_batch: set_registration_type was not called");
-        return NULL;
-    }
-    /* Everything that can fail (or start Python's collector) first. */
-    Py_ssize_t nkeys = PyList_GET_SIZE(keys);
-    PyObject *empty = PyTuple_New(0);
-    PyObject *taken = PyList_New(nkeys);
-    PyObject *fns = PyList_New(nkeys);
-    PyObject *argss = PyList_New(nkeys);
-    PyObject *result = PyTuple_New(4);
-    if (empty == NULL || taken == NULL || fns == NULL || argss == NULL || result == NULL) {
-        Py_XDECREF(empty);
-        Py_XDECREF(taken);
-        Py_XDECREF(fns);
-        Py_XDECREF(argss);
-        Py_XDECREF(result);
-        return NULL;
-    }
-    Py_ssize_t count = 0;
-    for (Py_ssize_t i = 0; i < nkeys; i++) {
-        /* Keys are ints: looking them up and deleting them runs no Python code. */
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        PyObject *reg = PyDict_GetItemWithError(regs, key); /* borrowed */
-        if (reg == NULL || Py_TYPE(reg) != reg_type || SLOT(reg, off_destroy) == NULL
-            || SLOT(reg, off_destroy) == Py_None || SLOT(reg, off_args) == NULL) {
-            /* Destroyed explicitly meanwhile (registrations are always exact
-             * Registrations with a destroy while in the dict). */
-            PyErr_Clear();
-            continue;
-        }
-        Py_INCREF(reg);
-        if (PyDict_DelItem(regs, key) < 0) {
-            PyErr_Clear(); /* present a moment ago: cannot fail */
-        }
-        Py_XDECREF(swap_slot(reg, off_state, state)); /* a small int: no code runs */
-        PyList_SET_ITEM(taken, count, reg);
-        PyList_SET_ITEM(fns, count, swap_slot(reg, off_destroy, Py_None));
-        PyList_SET_ITEM(argss, count, swap_slot(reg, off_args, empty));
-        count++;
-    }
-    Py_DECREF(empty);
-    if (PyDict_GET_SIZE(regs) == 0) {
-        /* A dict never shrinks: an empty one gives a large backlog's memory
-         * back here, where no registration can be stored in between (one
-         * stored while Python code runs after the check would be wiped). */
-        PyDict_Clear(regs);
-    }
-    /* Cut the lists to the keys taken: their tail is still NULL, and a list
-     * may be shorter than its allocation, so this cannot fail (PyList_SetSlice
-     * may allocate, and failing here would leave NULLs in the lists). */
-    Py_SET_SIZE((PyVarObject *)taken, count);
-    Py_SET_SIZE((PyVarObject *)fns, count);
-    Py_SET_SIZE((PyVarObject *)argss, count);
-    PyObject *segments = segments_of(fns, batched);
-    if (segments == NULL) {
-        PyErr_Clear(); /* the caller runs every call one by one */
-        segments = Py_NewRef(Py_None);
-    }
-    PyTuple_SET_ITEM(result, 0, taken);
-    PyTuple_SET_ITEM(result, 1, fns);
-    PyTuple_SET_ITEM(result, 2, argss);
-    PyTuple_SET_ITEM(result, 3, segments);
-    return result;
-}
-
-PyDoc_STRVAR(run_each_doc,
-"run_each(fns, argss) -> failures\n\n"
-"Call fns[i](*argss[i]) for each i, in order, whatever raises (KeyboardInterrupt\n"
-"too); returns (index, exception) for the calls that raised, or raises\n"
-"MemoryError after making them all if a failure could not be recorded.");
-
-static PyObject *
-run_each(PyObject *module, PyObject *args)
-{
-    PyObject *fns, *argss;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!:run_each", &PyList_Type, &fns, &PyList_Type, &argss)) {
-        return NULL;
-    }
-    PyObject *failures = PyList_New(0);
-    if (failures == NULL) {
-        return NULL;
-    }
-    Py_ssize_t unrecorded = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(fns) && i < PyList_GET_SIZE(argss); i++) {
-        PyObject *fn = PyList_GET_ITEM(fns, i);
-        PyObject *a = PyList_GET_ITEM(argss, i);
-        Py_INCREF(fn);
-        Py_INCREF(a);
-        PyObject *res;
-        if (PyTuple_Check(a)) {
-            res = PyObject_Call(fn, a, NULL);
-        }
-        else {
-            res = NULL;
-            PyErr_SetString(PyExc_TypeError, "run_each: arguments are not a tuple");
-        }
-        Py_DECREF(fn);
-        Py_DECREF(a);
-        if (res != NULL) {
-            Py_DECREF(res);
-        }
-        else if (record_failure(failures, i) < 0) {
-            PyErr_Clear(); /* go on: every call must be made */
-            unrecorded++;
-        }
-    }
-    return finish(failures, unrecorded);
-}
-
-/* Ascending in place if the keys are in one order or the other (a list is
- * freed from its end, so finalizers queue its keys descending); 0 if they are
- * in neither, left as they are for a sort that finds runs (numpy's stable
- * sort), which a qsort here would be slower than. */
-static int
-sort_keys(int64_t *keys, Py_ssize_t n)
-{
-    Py_ssize_t i = 1;
-    while (i < n && keys[i - 1] <= keys[i]) {
-        i++;
-    }
-    if (i >= n) {
-        return 1;
-    }
-    for (i = 1; i < n && keys[i - 1] >= keys[i]; i++) {
-    }
-    if (i < n) {
-        return 0;
-    }
-    for (Py_ssize_t a = 0, b = n - 1; a < b; a++, b--) {
-        int64_t t = keys[a];
-        keys[a] = keys[b];
-        keys[b] = t;
-    }
-    return 1;
-}
-
-PyDoc_STRVAR(keys_of_doc,
-"keys_of(regs) -> (keys, cyclic, ascending)\n\n"
-"The keys of the Registrations in the list ``regs`` as a bytearray of native\n"
-"int64 (writable, for numpy.frombuffer), whether any has its ``cyclic`` flag\n"
-"set, and whether the keys are ascending: they are made so if they were in\n"
-"one order or the other, else left in list order. What a sync point's drain\n"
-"reads of its inbox.\n"
-"TypeError if an item is not an exact Registration with its key and flag\n"
-"set (the caller then reads them from Python).");
-
-static PyObject *
-keys_of(PyObject *module, PyObject *regs)
-{
-    (void)module;
-    if (reg_type == NULL || !PyList_CheckExact(regs)) {
-        PyErr_SetString(PyExc_TypeError, "keys_of: expected a list of Registrations");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(regs);
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
-    if (out == NULL) {
-        return NULL;
-    }
-    /* No Python code runs from here on (a bytearray is not tracked by the
-     * collector, and exact ints convert without calls): the list cannot change. */
-    int64_t *keys = (int64_t *)PyByteArray_AS_STRING(out);
-    int cyclic = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *reg = PyList_GET_ITEM(regs, i);
-        PyObject *key = Py_TYPE(reg) == reg_type ? SLOT(reg, off_key) : NULL;
-        PyObject *flag = key == NULL ? NULL : SLOT(reg, off_cyclic);
-        if (flag == NULL || !PyLong_CheckExact(key)) {
-            Py_DECREF(out);
-            PyErr_SetString(PyExc_TypeError, "keys_of: not a Registration with a key");
-            return NULL;
-        }
-        long long k = PyLong_AsLongLong(key);
-        if (k == -1 && PyErr_Occurred()) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        keys[i] = (int64_t)k;
-        cyclic |= flag == Py_True;
-    }
-    int sorted = sort_keys(keys, n);
-    return Py_BuildValue("(NOO)", out, cyclic ? Py_True : Py_False,
-                         sorted ? Py_True : Py_False);
-}
-
-/* -- the agreement's key window -------------------------------------------- */
-
-/* A contiguous int64 buffer of the object, for reading or writing; -1 if not. */
-static int
-int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
-                                          | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        return -1;
-    }
-    const char *f = view->format == NULL ? "B" : view->format;
-    if (*f == '<' || *f == '=' || *f == '@') {
-        f++;
-    }
-    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-        PyBuffer_Release(view);
-        PyErr_Format(PyExc_TypeError, "%s: expected a buffer of int64", what);
-        return -1;
-    }
-    return 0;
-}
-
-#if defined(__GNUC__) || defined(__clang__)
-#define POPCOUNT64(x) __builtin_popcountll(x)
-#define LOWEST_BIT64(x) __builtin_ctzll(x)
-#else
-static int
-POPCOUNT64(uint64_t x)
-{
-    int c = 0;
-    for (; x; x &= x - 1) {
-        c++;
-    }
-    return c;
-}
-static int
-LOWEST_BIT64(uint64_t x)
-{
-    int b = 0;
-    while (!(x & 1)) {
-        x >>= 1;
-        b++;
-    }
-    return b;
-}
-#endif
-
-/* Fibonacci hashing into 64 bits, as collective_gc._agree's filter does. */
-#define KEY_HASH 0x9E3779B97F4A7C15ULL
-
-PyDoc_STRVAR(pack_window_doc,
-"pack_window(keys, lo, nbits, buf, at) -> (first, last, filter)\n\n"
-"For the ascending int64 ``keys``: zero the nbits // 64 words of the int64\n"
-"buffer ``buf`` from word ``at`` and set bit k - lo (bit i is bit i % 64 of\n"
-"word i // 64) for each key k in [lo, lo + nbits); return the index range of\n"
-"those keys in ``keys`` and the 64-bit hash filter of the others, as\n"
-"collective_gc._agree's Python version does.");
-
-static PyObject *
-pack_window(PyObject *module, PyObject *args)
-{
-    PyObject *keys_obj, *buf_obj;
-    long long lo;
-    Py_ssize_t nbits, at;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OLnOn:pack_window", &keys_obj, &lo, &nbits, &buf_obj, &at)) {
-        return NULL;
-    }
-    Py_buffer kv, bv;
-    if (int64_buffer(keys_obj, &kv, 0, "pack_window") < 0) {
-        return NULL;
-    }
-    if (int64_buffer(buf_obj, &bv, 1, "pack_window") < 0) {
-        PyBuffer_Release(&kv);
-        return NULL;
-    }
-    Py_ssize_t nwords = nbits / 64, n = kv.len / 8;
-    if (nbits < 0 || nbits % 64 || at < 0 || at + nwords > bv.len / 8) {
-        PyBuffer_Release(&kv);
-        PyBuffer_Release(&bv);
-        PyErr_SetString(PyExc_ValueError, "pack_window: the window does not fit the buffer");
-        return NULL;
-    }
-    const int64_t *keys = (const int64_t *)kv.buf;
-    uint64_t *words = (uint64_t *)bv.buf + at;
-    memset(words, 0, (size_t)nwords * 8);
-    Py_ssize_t first = 0, last;
-    while (first < n && keys[first] < lo) {
-        first++;
-    }
-    uint64_t filter = 0;
-    for (Py_ssize_t i = 0; i < first; i++) {
-        filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
-    }
-    for (last = first; last < n && keys[last] - lo < nbits; last++) {
-        uint64_t bit = (uint64_t)(keys[last] - lo);
-        words[bit >> 6] |= 1ULL << (bit & 63);
-    }
-    for (Py_ssize_t i = last; i < n; i++) {
-        filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
-    }
-    PyBuffer_Release(&kv);
-    PyBuffer_Release(&bv);
-    return Py_BuildValue("(nnL)", first, last, (long long)filter);
-}
-
-PyDoc_STRVAR(window_keys_doc,
-"window_keys(buf, at, nbits, lo) -> bytearray\n\n"
-"The keys lo + i, ascending, for each bit i set in the nbits // 64 words of\n"
-"the int64 buffer ``buf`` from word ``at`` (the layout of pack_window), as\n"
-"native int64.");
-
-static PyObject *
-window_keys(PyObject *module, PyObject *args)
-{
-    PyObject *buf_obj;
-    long long lo;
-    Py_ssize_t nbits, at;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "OnnL:window_keys", &buf_obj, &at, &nbits, &lo)) {
-        return NULL;
-    }
-    Py_buffer bv;
-    if (int64_buffer(buf_obj, &bv, 0, "window_keys") < 0) {
-        return NULL;
-    }
-    Py_ssize_t nwords = nbits / 64;
-    if (nbits < 0 || nbits % 64 || at < 0 || at + nwords > bv.len / 8) {
-        PyBuffer_Release(&bv);
-        PyErr_SetString(PyExc_ValueError, "window_keys: the window does not fit the buffer");
-        return NULL;
-    }
-    const uint64_t *words = (const uint64_t *)bv.buf + at;
-    Py_ssize_t count = 0;
-    for (Py_ssize_t w = 0; w < nwords; w++) {
-        count += POPCOUNT64(words[w]);
-    }
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, count * 8);
-    if (out == NULL) {
-        PyBuffer_Release(&bv);
-        return NULL;
-    }
-    int64_t *keys = (int64_t *)PyByteArray_AS_STRING(out);
-    Py_ssize_t j = 0;
-    for (Py_ssize_t w = 0; w < nwords; w++) {
-        uint64_t word = words[w];
-        while (word) {
-            int b = LOWEST_BIT64(word);
-            keys[j++] = (int64_t)(lo + (long long)w * 64 + b);
-            word &= word - 1;
-        }
-    }
-    PyBuffer_Release(&bv);
-    return out;
-}
-
-/* -- handlers_changed --------------------------------------------------- */
-
-PyDoc_STRVAR(handlers_changed_doc,
-"handlers_changed(getsignal, signals, expected) -> bool\n\n"
-"Whether getsignal(signals[i]) is not expected[i] for some i (identity).");
-
-static PyObject *
-handlers_changed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])
-        || PyTuple_GET_SIZE(args[1]) != PyTuple_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "handlers_changed: expected getsignal and two tuples of one length");
-        return NULL;
-    }
-    PyObject *getsignal = args[0];
-    Py_ssize_t n = PyTuple_GET_SIZE(args[1]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *handler = PyObject_CallOneArg(getsignal, PyTuple_GET_ITEM(args[1], i));
-        if (handler == NULL) {
-            return NULL;
-        }
-        int changed = handler != PyTuple_GET_ITEM(args[2], i);
-        Py_DECREF(handler);
-        if (changed) {
-            Py_RETURN_TRUE;
-        }
-    }
-    Py_RETURN_FALSE;
-}
-
-/* _interrupts' state, given once by region_setup: the main thread's ident, the
- * one-item depth list, the deferred list, the signals, the one-item list of
- * their expected handlers, getsignal, and the Python functions for the rare
- * steps (wrapping handlers, delivering deferred signals). */
-static unsigned long region_main = 0;
-static PyObject *region_depth = NULL, *region_deferred = NULL, *region_signals = NULL,
-                *region_guarded = NULL, *region_getsignal = NULL, *region_guard = NULL,
-                *region_deliver = NULL;
-
-PyDoc_STRVAR(region_setup_doc,
-"region_setup(main_ident, depth, deferred, signals, guarded, getsignal, guard, deliver)\n\n"
-"Give region_enter and region_leave collective_gc._interrupts' state.");
-
-static PyObject *
-region_setup(PyObject *module, PyObject *args)
-{
-    unsigned long main_ident;
-    PyObject *depth, *deferred, *signals, *guarded, *getsignal, *guard, *deliver;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "kO!O!O!O!OOO:region_setup", &main_ident, &PyList_Type, &depth,
-                          &PyList_Type, &deferred, &PyTuple_Type, &signals, &PyList_Type,
-                          &guarded, &getsignal, &guard, &deliver)) {
-        return NULL;
-    }
-    if (PyList_GET_SIZE(depth) != 1 || PyList_GET_SIZE(guarded) != 1) {
-        PyErr_SetString(PyExc_TypeError, "region_setup: expected one-item lists");
-        return NULL;
-    }
-    region_main = main_ident;
-    Py_XSETREF(region_depth, Py_NewRef(depth));
-    Py_XSETREF(region_deferred, Py_NewRef(deferred));
-    Py_XSETREF(region_signals, Py_NewRef(signals));
-    Py_XSETREF(region_guarded, Py_NewRef(guarded));
-    Py_XSETREF(region_getsignal, Py_NewRef(getsignal));
-    Py_XSETREF(region_guard, Py_NewRef(guard));
-    Py_XSETREF(region_deliver, Py_NewRef(deliver));
-    Py_RETURN_NONE;
-}
-
-/* depth[0] + delta, stored; -1 on error. */
-static long
-region_add(long delta)
-{
-    PyObject *d = PyList_GET_ITEM(region_depth, 0);
-    long depth = PyLong_AsLong(d);
-    if (depth == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (depth + delta < 0) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "collective_gc: a protected region was left that was not entered");
-        return -1;
-    }
-    PyObject *next = PyLong_FromLong(depth + delta);
-    if (next == NULL) {
-        return -1;
-    }
-    PyList_SetItem(region_depth, 0, next); /* steals; the old item is released */
-    return depth + delta;
-}
-
-PyDoc_STRVAR(region_enter_doc, "region_enter() -> bool: see collective_gc._interrupts.enter.");
-
-static PyObject *
-region_enter(PyObject *module, PyObject *unused)
-{
-    (void)module;
-    (void)unused;
-    if (region_depth == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "region_enter: region_setup was not called");
-        return NULL;
-    }
-    if (PyThread_get_thread_ident() != region_main) {
-        Py_RETURN_FALSE;
-    }
-    PyObject *d = PyList_GET_ITEM(region_depth, 0);
-    if (d == NULL || !PyLong_CheckExact(d)) {
-        PyErr_SetString(PyExc_TypeError, "region_enter: the depth is not an int");
-        return NULL;
-    }
-    if (PyLong_AsLong(d) == 0) {
-        PyObject *expected = PyList_GET_ITEM(region_guarded, 0);
-        PyObject *a[3] = {region_getsignal, region_signals, expected};
-        PyObject *changed = handlers_changed(NULL, a, 3);
-        if (changed == NULL) {
-            return NULL;
-        }
-        Py_DECREF(changed);
-        if (changed == Py_True) {
-            PyObject *r = PyObject_CallNoArgs(region_guard);
-            if (r == NULL) {
-                return NULL;
-            }
-            Py_DECREF(r);
-        }
-    }
-    if (region_add(1) < 0) {
-        return NULL;
-    }
-    Py_RETURN_TRUE;
-}
-
-PyDoc_STRVAR(region_leave_doc,
-"region_leave(entered) -> None: see collective_gc._interrupts.leave.");
-
-static PyObject *
-region_leave(PyObject *module, PyObject *entered)
-{
-    (void)module;
-    if (entered != Py_True) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (wr->wr_prev != NULL || wr->wr_next != NULL || s->busy
+        || (s->thread > 0 && (unsigned long)s->thread != me)
+        /* the interval's first: here only on the main thread, whose name a
+         * refusal always finds (others record theirs on the guarded path) */
+        || (s->thread == 0 && me != s->gc->main) || s->next_key < 0) {
+        Py_DECREF(reg); /* unlinked from obj's weak references; its callback never runs */
         Py_RETURN_NONE;
     }
-    PyObject *d = PyList_GET_ITEM(region_depth, 0);
-    if (d == NULL || !PyLong_CheckExact(d)) {
-        PyErr_SetString(PyExc_TypeError, "region_leave: the depth is not an int");
+    long long k = s->next_key;
+    PyObject *key = PyLong_FromLongLong(k);
+    if (key == NULL || PyDict_SetItem(s->live, key, (PyObject *)reg) < 0) {
+        Py_XDECREF(key);
+        Py_DECREF(reg);
         return NULL;
     }
-    if (PyLong_AsLong(d) == 1 && PyList_GET_SIZE(region_deferred) > 0) {
-        /* Rare: the Python version delivers, decrements and raises. */
-        return PyObject_CallOneArg(region_deliver, entered);
+    Py_DECREF(key);
+    if (s->thread == 0) {
+        s->thread = (long)me; /* the interval's first: this thread is its registrar */
     }
-    if (region_add(-1) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    reg->key = k;
+    s->next_key = k + 1;
+    s->order += order_step((uint64_t)k, (uint64_t)tag);
+    return (PyObject *)reg;
 }
 
-/* -- the steady state of a sync point (built with MPI only) ------------------ */
-
-#ifdef CGC_HAVE_MPI
-/* collective_gc._collective.steady_py in C, step for step: see its docstring
- * for what it does and returns. The communicator and the requests are
- * mpi4py's objects, reached through mpi4py's C API (PyMPIComm_Get,
- * PyMPIRequest_Get, PyMPIRequest_New), against the MPI library mpi4py uses
- * (mpi_ready checks that it is the one this module was built with). The
- * message is the agreement's own buffer, with the datatype mpi4py gives its
- * typecode 'q' (MPI_LONG_LONG): a rank in the steady state and one in the
- * Python steps make the same collective. The wait releases the GIL. */
-
-static int mpi_is_ready = 0;
-static PyTypeObject *fam_type = NULL, *agree_type = NULL, *window_type = NULL,
-                    *watch_type = NULL, *stats_type = NULL;
-static Py_ssize_t oc_registry, oc_agreement, oc_seq, oc_destroyed, oc_state, oc_destroying,
-    oc_inside, oc_unreported, oc_leaving, oc_children, oc_participants, oc_owners,
-    oc_fingerprint, oc_reached;
-static Py_ssize_t or_inbox, or_stale, or_last_cyclic, or_pend, or_pend_seq;
-static Py_ssize_t oa_comm, oa_arr, oa_lo, oa_nbits, oa_persistent, oa_preq, oa_window,
-    oa_watch, oa_dirty;
-static Py_ssize_t ow_lo, ow_bits, ow_marks, ow_idle;
-static Py_ssize_t ot_req, ot_gone, ot_seq, ot_closed;
-static long window_memory = 0;
-static PyObject *state_open = NULL, *unreached = NULL, *reach_epoch = NULL, *destroy_run = NULL,
-                *as_keys = NULL, *ages_of = NULL;
-static PyObject *s_quiet_finish = NULL, *s_field = NULL, *s_vote = NULL, *s_advance = NULL,
-                *s_idle = NULL;
-
-PyDoc_STRVAR(mpi_ready_doc,
-"mpi_ready() -> bool\n\n"
-"Whether the steady state can run in this process: mpi4py's C API imported,\n"
-"and MPI_Get_library_version the same for this module as for mpi4py (the\n"
-"module was built against the MPI library mpi4py uses).");
+/* reg alive -> state, once: its (destroy, args), or None. No Python code runs. */
+static PyObject *
+claim_c(FamilyState *s, Reg *reg, int state)
+{
+    if (reg->state != ALIVE) {
+        Py_RETURN_NONE;
+    }
+    PyObject *key = PyLong_FromLongLong(reg->key);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *fn = reg->destroy ? reg->destroy : Py_None;
+    PyObject *args = reg->args ? reg->args : Py_None;
+    PyObject *call = PyTuple_Pack(2, fn, args);
+    PyObject *empty = PyTuple_New(0);
+    if (call == NULL || empty == NULL) {
+        Py_DECREF(key);
+        Py_XDECREF(call);
+        Py_XDECREF(empty);
+        return NULL;
+    }
+    reg->state = state;
+    if (PyDict_DelItem(s->live, key) < 0) {
+        PyErr_Clear();
+    }
+    Py_DECREF(key);
+    Py_XSETREF(reg->destroy, Py_NewRef(Py_None));
+    Py_XSETREF(reg->args, empty);
+    if (PyWeakref_GET_OBJECT((PyObject *)reg) == Py_None) {
+        s->stale = 1; /* its key may be queued: the next drain drops it */
+    }
+    return call;
+}
 
 static PyObject *
-mpi_ready(PyObject *module, PyObject *unused)
+fs_claim(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
-    (void)module;
-    (void)unused;
-    if (mpi_is_ready) {
-        Py_RETURN_TRUE;
-    }
-    if (import_mpi4py() < 0) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-    }
-    char mine[MPI_MAX_LIBRARY_VERSION_STRING];
-    int len = 0;
-    if (MPI_Get_library_version(mine, &len) != MPI_SUCCESS) {
-        Py_RETURN_FALSE;
-    }
-    PyObject *mod = PyImport_ImportModule("mpi4py.MPI");
-    PyObject *theirs = mod == NULL ? NULL : PyObject_CallMethod(mod, "Get_library_version", NULL);
-    Py_XDECREF(mod);
-    if (theirs == NULL) {
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-    }
-    PyObject *ours = PyUnicode_DecodeLatin1(mine, len, NULL);
-    int same = ours != NULL && PyUnicode_Compare(ours, theirs) == 0;
-    Py_XDECREF(ours);
-    Py_DECREF(theirs);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        same = 0;
-    }
-    mpi_is_ready = same;
-    return PyBool_FromLong(same);
-}
-
-static int
-offsets(PyTypeObject *type, const char *const *names, Py_ssize_t *const *outs)
-{
-    for (; *names != NULL; names++, outs++) {
-        Py_ssize_t off = slot_offset(type, *names);
-        if (off < 0) {
-            return -1;
+    int state;
+    if (n != 2 || !PyObject_TypeCheck(a[0], &RegType)
+        || ((state = as_int(a[1])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "claim(reg, state)");
         }
-        **outs = off;
+        return NULL;
     }
-    return 0;
+    return claim_c(s, (Reg *)a[0], state);
 }
 
-PyDoc_STRVAR(steady_setup_doc,
-"steady_setup(Collective, Registry, Agreement, Window, Watch, CollectStats, OPEN,\n"
-"             unreached, reach_epoch, destroy_run, as_keys, ages_of) -> None\n\n"
-"Where steady finds the slots of collective_gc's classes (ImportError naming\n"
-"one they lack), the usable state, the list of unreached families and its\n"
-"epoch (a one-item list), and the\n"
-"Python functions it calls: _destroy.run, and the two that make the pending\n"
-"keys' arrays when a sync point goes on in Python.");
-
 static PyObject *
-steady_setup(PyObject *module, PyObject *args)
+fs_destroy_now(FamilyState *s, PyObject *reg)
 {
-    PyObject *fam, *reg, *agr, *win, *wat, *st, *open_, *unr, *epoch, *run, *keys, *ages;
-    (void)module;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!O!OOO:steady_setup", &PyType_Type, &fam,
-                          &PyType_Type, &reg, &PyType_Type, &agr, &PyType_Type, &win,
-                          &PyType_Type, &wat, &PyType_Type, &st, &open_, &PyList_Type, &unr,
-                          &PyList_Type, &epoch, &run, &keys, &ages)) {
+    if (!PyObject_TypeCheck(reg, &RegType)) {
+        PyErr_SetString(PyExc_TypeError, "destroy_now: a registration");
         return NULL;
     }
-    if (PyList_GET_SIZE(epoch) != 1) {
-        PyErr_SetString(PyExc_ValueError, "steady_setup: reach_epoch must hold one item");
+    PyObject *call = claim_c(s, (Reg *)reg, DESTROYED);
+    if (call == NULL || call == Py_None) {
+        return call;
+    }
+    s->destroyed++;
+    PyObject *fn = Py_NewRef(PyTuple_GET_ITEM(call, 0)), *args = Py_NewRef(PyTuple_GET_ITEM(call, 1));
+    Py_DECREF(call);
+    PyObject *res = PyObject_Call(fn, args, NULL);
+    Py_DECREF(fn);
+    Py_DECREF(args);
+    if (res == NULL) {
         return NULL;
     }
-    static const char *const fnames[] = {"registry", "agreement", "seq", "destroyed", "state",
-        "destroying", "inside", "unreported", "leaving", "children", "participants", "owners",
-        "fingerprint", "reached", NULL};
-    Py_ssize_t *const fouts[] = {&oc_registry, &oc_agreement, &oc_seq, &oc_destroyed, &oc_state,
-        &oc_destroying, &oc_inside, &oc_unreported, &oc_leaving, &oc_children,
-        &oc_participants, &oc_owners, &oc_fingerprint, &oc_reached};
-    static const char *const rnames[] = {"inbox", "stale", "last_cyclic", "pend", "pend_seq",
-        NULL};
-    Py_ssize_t *const routs[] = {&or_inbox, &or_stale, &or_last_cyclic, &or_pend, &or_pend_seq};
-    static const char *const anames[] = {"comm", "_arr", "_lo", "_nbits", "_persistent",
-        "_preq", "window", "watch", "_dirty", NULL};
-    Py_ssize_t *const aouts[] = {&oa_comm, &oa_arr, &oa_lo, &oa_nbits, &oa_persistent, &oa_preq,
-        &oa_window, &oa_watch, &oa_dirty};
-    static const char *const wnames[] = {"lo", "bits", "marks", "idle", NULL};
-    Py_ssize_t *const wouts[] = {&ow_lo, &ow_bits, &ow_marks, &ow_idle};
-    static const char *const tnames[] = {"_req", "gone", "seq", "_closed", NULL};
-    Py_ssize_t *const touts[] = {&ot_req, &ot_gone, &ot_seq, &ot_closed};
-    if (registry_type == NULL || (PyTypeObject *)reg != registry_type) {
-        PyErr_SetString(PyExc_ImportError,
-                        "steady_setup: set_registry_type must be called first, with the same class");
-        return NULL;
-    }
-    if (offsets((PyTypeObject *)fam, fnames, fouts) < 0
-        || offsets((PyTypeObject *)reg, rnames, routs) < 0
-        || offsets((PyTypeObject *)agr, anames, aouts) < 0
-        || offsets((PyTypeObject *)win, wnames, wouts) < 0
-        || offsets((PyTypeObject *)wat, tnames, touts) < 0) {
-        return NULL;
-    }
-    PyObject *memory = PyObject_GetAttrString(win, "MEMORY");
-    if (memory == NULL) {
-        return NULL;
-    }
-    window_memory = PyLong_AsLong(memory);
-    Py_DECREF(memory);
-    if (window_memory == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (!(s_quiet_finish = PyUnicode_InternFromString("quiet_finish"))
-        || !(s_field = PyUnicode_InternFromString("field"))
-        || !(s_vote = PyUnicode_InternFromString("vote"))
-        || !(s_advance = PyUnicode_InternFromString("advance"))
-        || !(s_idle = PyUnicode_InternFromString("idle"))) {
-        return NULL;
-    }
-    Py_XSETREF(fam_type, (PyTypeObject *)Py_NewRef(fam));
-    Py_XSETREF(agree_type, (PyTypeObject *)Py_NewRef(agr));
-    Py_XSETREF(window_type, (PyTypeObject *)Py_NewRef(win));
-    Py_XSETREF(watch_type, (PyTypeObject *)Py_NewRef(wat));
-    Py_XSETREF(stats_type, (PyTypeObject *)Py_NewRef(st));
-    Py_XSETREF(state_open, Py_NewRef(open_));
-    Py_XSETREF(unreached, Py_NewRef(unr));
-    Py_XSETREF(reach_epoch, Py_NewRef(epoch));
-    Py_XSETREF(destroy_run, Py_NewRef(run));
-    Py_XSETREF(as_keys, Py_NewRef(keys));
-    Py_XSETREF(ages_of, Py_NewRef(ages));
+    Py_DECREF(res);
     Py_RETURN_NONE;
 }
 
-/* An exact int's value, or -1 with no error set if it is not one (callers
- * read only non-negative values or compare with small constants). */
-static long long
-int_of(PyObject *o, int *ok)
+static PyObject *
+fs_forget(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
-    if (o == NULL || !PyLong_CheckExact(o)) {
-        *ok = 0;
-        return -1;
+    PyObject *owner = n > 0 ? a[0] : Py_None;
+    PyObject *values = PyDict_Values(s->live); /* a snapshot: allocations below may run code */
+    PyObject *out = values == NULL ? NULL : PyList_New(0);
+    PyObject *empty = PyTuple_New(0);
+    if (out == NULL || empty == NULL) {
+        Py_XDECREF(values);
+        Py_XDECREF(out);
+        Py_XDECREF(empty);
+        return NULL;
     }
-    long long v = PyLong_AsLongLong(o);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        *ok = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
+        Reg *reg = (Reg *)PyList_GET_ITEM(values, i);
+        if (!PyObject_TypeCheck((PyObject *)reg, &RegType)
+            || (owner != Py_None && reg->owner != owner) || reg->state != ALIVE) {
+            continue;
+        }
+        if (PyList_Append(out, (PyObject *)reg) < 0) {
+            goto fail;
+        }
+        reg->state = DETACHED;
+        Py_XSETREF(reg->destroy, Py_NewRef(Py_None));
+        Py_XSETREF(reg->args, Py_NewRef(empty));
+        PyObject *key = PyLong_FromLongLong(reg->key);
+        if (key == NULL) {
+            goto fail;
+        }
+        if (PyDict_DelItem(s->live, key) < 0) {
+            PyErr_Clear();
+        }
+        Py_DECREF(key);
     }
-    return v;
+    if (owner == Py_None) {
+        if (PyList_SetSlice(s->inbox, 0, PyList_GET_SIZE(s->inbox), NULL) < 0) {
+            goto fail;
+        }
+        s->npend = 0;
+    }
+    else if (PyList_GET_SIZE(out)) {
+        s->stale = 1;
+    }
+    Py_DECREF(values);
+    Py_DECREF(empty);
+    return out;
+fail:
+    Py_DECREF(values);
+    Py_DECREF(empty);
+    Py_DECREF(out);
+    return NULL;
 }
 
+/* -- the queue ------------------------------------------------------------ */
+
 static int
-set_int(PyObject *obj, Py_ssize_t off, long long value)
+reserve(FamilyState *s, Py_ssize_t n)
 {
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL) {
+    if (n <= s->cap) {
+        return 0;
+    }
+    Py_ssize_t cap = s->cap ? s->cap : 64;
+    while (cap < n) {
+        cap *= 2;
+    }
+    int64_t *p = PyMem_Realloc(s->pend, (size_t)cap * sizeof(int64_t));
+    if (p == NULL) {
+        PyErr_NoMemory();
         return -1;
     }
-    Py_XSETREF(SLOT(obj, off), v);
+    s->pend = p;
+    int64_t *g = PyMem_Realloc(s->ages, (size_t)cap * sizeof(int64_t));
+    if (g == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->ages = g;
+    s->cap = cap;
     return 0;
 }
 
-/* The drained keys become the registry's pending keys (drained at sync
- * point seq), as Registry.drain makes them: before the sync point goes on in
- * Python, and before any error leaves it, so that none is lost. */
+/* Merge the ascending keys[0..n) (drained at sync point seq) into the pending ones. */
 static int
-store_pending(PyObject *registry, const int64_t *keys, Py_ssize_t n, long long seq)
+add_pending(FamilyState *s, const int64_t *keys, Py_ssize_t n, long long seq)
 {
     if (n == 0) {
         return 0;
     }
-    PyObject *raw = PyByteArray_FromStringAndSize((const char *)keys, n * 8);
-    PyObject *arr = raw == NULL ? NULL : PyObject_CallOneArg(as_keys, raw);
-    Py_XDECREF(raw);
-    PyObject *ages = arr == NULL ? NULL : PyObject_CallFunction(ages_of, "nL", n, seq);
-    if (ages == NULL) {
-        Py_XDECREF(arr);
+    if (reserve(s, s->npend + n) < 0) {
         return -1;
     }
-    Py_XSETREF(SLOT(registry, or_pend), arr);
-    Py_XSETREF(SLOT(registry, or_pend_seq), ages);
+    Py_ssize_t i = s->npend - 1, j = n - 1, w = s->npend + n - 1;
+    while (j >= 0) {
+        if (i >= 0 && s->pend[i] > keys[j]) {
+            s->pend[w] = s->pend[i];
+            s->ages[w] = s->ages[i];
+            i--;
+        }
+        else {
+            s->pend[w] = keys[j];
+            s->ages[w] = seq;
+            j--;
+        }
+        w--;
+    }
+    s->npend += n;
     return 0;
 }
 
-static int
-qsort_cmp(const void *a, const void *b)
+static PyObject *
+fs_drain(FamilyState *s, PyObject *arg)
 {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
-static double
-now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* what time.perf_counter reads on Linux */
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Leave the protected region region_enter entered (``entered``), when
- * nothing has to be delivered: 1 if left, 0 if the caller must leave it
- * (signals are deferred: their handlers run there), -1 with an exception
- * set if a handler raised before it was left.
- *
- * A signal that arrived while the GIL was released (the steady state's
- * wait) has its Python handler run at the next bytecode, which, after a C
- * call that ran no Python code since, is after that call returned: outside
- * the region, where the handler raises between the sync point's end and
- * its caller's bookkeeping (the region left twice). So the handlers run
- * here first, still inside, where the library's wrapper defers them; a
- * handler that is not wrapped raises here, as it would have at any bytecode
- * of the Python twin inside the region. */
-static int
-region_leave_quietly(PyObject *entered)
-{
-    if (entered != Py_True) {
-        return 1;
+    long long seq = PyLong_AsLongLong(arg);
+    if (seq == -1 && PyErr_Occurred()) {
+        return NULL;
     }
-    if (PyErr_CheckSignals() < 0) {
+    s->cyclic_seen = 0;
+    Py_ssize_t n = PyList_GET_SIZE(s->inbox);
+    PyObject *cyclic = PyList_New(0);
+    if (cyclic == NULL) {
+        return NULL;
+    }
+    if (!n && !s->stale) {
+        return cyclic;
+    }
+    PyObject *batch = PyList_GetSlice(s->inbox, 0, n);
+    if (batch == NULL || PyList_SetSlice(s->inbox, 0, n, NULL) < 0) {
+        Py_XDECREF(batch);
+        Py_DECREF(cyclic);
+        return NULL;
+    }
+    n = PyList_GET_SIZE(batch);
+    int64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (keys == NULL) {
+        Py_DECREF(batch);
+        Py_DECREF(cyclic);
+        return PyErr_NoMemory();
+    }
+    int stale = s->stale;
+    s->stale = 0;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Reg *reg = (Reg *)PyList_GET_ITEM(batch, i);
+        if (!PyObject_TypeCheck((PyObject *)reg, &RegType) || (stale && reg->state != ALIVE)) {
+            continue;
+        }
+        if (reg->cyclic && reg->state == ALIVE && PyList_Append(cyclic, (PyObject *)reg) < 0) {
+            goto fail;
+        }
+        keys[m++] = reg->key;
+    }
+    if (stale) {
+        /* Explicit destroys or detaches of dead objects since the last drain:
+         * their keys leave the pending ones too. */
+        Py_ssize_t w = 0;
+        for (Py_ssize_t i = 0; i < s->npend; i++) {
+            PyObject *key = PyLong_FromLongLong(s->pend[i]);
+            if (key == NULL) {
+                goto fail;
+            }
+            int in = PyDict_Contains(s->live, key);
+            Py_DECREF(key);
+            if (in < 0) {
+                goto fail;
+            }
+            if (in) {
+                s->pend[w] = s->pend[i];
+                s->ages[w] = s->ages[i];
+                w++;
+            }
+        }
+        s->npend = w;
+    }
+    sort_keys(keys, m);
+    if (add_pending(s, keys, m, seq) < 0) {
+        goto fail;
+    }
+    PyMem_Free(keys);
+    Py_DECREF(batch);
+    s->cyclic_seen = PyList_GET_SIZE(cyclic) > 0;
+    return cyclic;
+fail:
+    PyMem_Free(keys);
+    Py_DECREF(batch);
+    Py_DECREF(cyclic);
+    return NULL;
+}
+
+static PyObject *
+fs_pending_keys(FamilyState *s, PyObject *unused)
+{
+    /* (A NULL pointer would give None for y#: an empty pair is b"".) */
+    const char *k = s->npend ? (const char *)s->pend : "", *g = s->npend ? (const char *)s->ages : "";
+    return Py_BuildValue("(y#y#)", k, s->npend * 8, g, s->npend * 8);
+}
+
+static int
+as_keys(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) {
         return -1;
     }
-    PyObject *d = PyList_GET_ITEM(region_depth, 0);
-    if (d == NULL || !PyLong_CheckExact(d)
-        || (PyLong_AsLong(d) == 1 && PyList_GET_SIZE(region_deferred) > 0)) {
-        PyErr_Clear();
-        return 0;
+    if (view->len % 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "keys: native int64 bytes");
+        return -1;
     }
-    if (region_add(-1) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
+    return 0;
 }
 
-/* How the steady state waits (as collective_gc._transport.wait without a
- * deadline): MPI_Testany between yields of the core for the first
- * WAIT_SPIN_S seconds (a collective is progressed only inside a test, and
- * the rank it waits for may share this core), then between sleeps that grow
- * to a millisecond; the GIL is taken back every WAIT_SLICE_S seconds to run
- * the signal handlers. A blocking MPI_Waitany runs no handler until it
- * returns: a second Ctrl-C, which the library's wrapper raises at once
- * inside a protected region, would wait for the late rank. */
-#define WAIT_SPIN_S 0.05
-#define WAIT_SLICE_S 0.01
-
-/* Wait until one of ``reqs`` (the allreduce, the watch's receive) completes:
- * an MPI error code (``*index`` as MPI_Testany sets it), or -1 with a Python
- * exception set when a signal handler raised (the requests left as they
- * are, still active). Called with the GIL held. */
-static int
-wait_either(MPI_Request reqs[2], int *index)
+/* The ascending agreed[0..n) leave the pending keys (a subset of them). */
+static void
+remove_pending_c(FamilyState *s, const int64_t *agreed, Py_ssize_t n)
 {
-    int flag = 0, ierr = MPI_SUCCESS;
-    double spin_until = now_seconds() + WAIT_SPIN_S;
+    if (n == 0 || s->npend == 0) {
+        return;
+    }
+    Py_ssize_t w = 0, j = 0;
+    for (Py_ssize_t i = 0; i < s->npend; i++) {
+        while (j < n && agreed[j] < s->pend[i]) {
+            j++;
+        }
+        if (j < n && agreed[j] == s->pend[i]) {
+            continue;
+        }
+        s->pend[w] = s->pend[i];
+        s->ages[w] = s->ages[i];
+        w++;
+    }
+    s->npend = w;
+}
+
+static PyObject *
+fs_remove_pending(FamilyState *s, PyObject *arg)
+{
+    Py_buffer v;
+    if (as_keys(arg, &v) < 0) {
+        return NULL;
+    }
+    remove_pending_c(s, (const int64_t *)v.buf, v.len / 8);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* -- the agreement ---------------------------------------------------------- */
+
+static PyObject *
+fs_open(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    int persistent;
+    if (n != 2 || (persistent = PyObject_IsTrue(a[1])) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "open(comm, persistent)");
+        }
+        return NULL;
+    }
+    MPI_Comm *c = PyMPIComm_Get(a[0]);
+    if (c == NULL) {
+        return NULL;
+    }
+    if (s->wbuf == NULL && (s->wbuf = PyMem_Calloc(3, sizeof(int64_t))) == NULL) {
+        return PyErr_NoMemory();
+    }
+    s->mcomm = *c;
+    Py_SETREF(s->comm, Py_NewRef(a[0]));
+    /* Local: posting a receive waits for nobody. */
+    if (MPI_Irecv(s->wbuf, 3, MPI_INT64_T, MPI_ANY_SOURCE, TAG_GAVE_UP, s->mcomm, &s->wreq)
+        != MPI_SUCCESS) {
+        PyErr_SetString(PyExc_RuntimeError, "open: the watch's receive could not be posted");
+        return NULL;
+    }
+#if HAVE_PERSISTENT
+    s->persistent = (char)persistent;
+#else
+    s->persistent = 0; /* MPI-4's persistent allreduce is not there: Iallreduce */
+#endif
+    Py_RETURN_NONE;
+}
+
+static int
+ready_c(FamilyState *s)
+{
+    return s->nbits == s->wbits && (!s->persistent || s->have_preq);
+}
+
+static PyObject *
+fs_ready(FamilyState *s, PyObject *unused)
+{
+    return PyBool_FromLong(ready_c(s));
+}
+
+static PyObject *
+fs_get_words(FamilyState *s, void *closure)
+{
+    return PyLong_FromSsize_t(s->nwords);
+}
+
+static PyObject *
+fs_get_window(FamilyState *s, void *closure)
+{
+    return Py_BuildValue("(LL)", s->wlo, s->wbits);
+}
+
+static PyObject *
+fs_get_last_key(FamilyState *s, void *closure)
+{
+    return PyLong_FromLongLong(s->marks[s->nmarks - 1]);
+}
+
+/* Once an exchange was left before its allreduce completed (a timeout, a
+ * notice, an interrupt): MPI may still write into the buffer and the request
+ * may be active; neither is used again, and neither is ever freed. */
+static void
+abandon_buffer(FamilyState *s)
+{
+    s->buf = NULL;
+    s->nwords = 0;
+    s->lo = s->nbits = -1;
+    s->have_preq = 0;
+    s->preq = MPI_REQUEST_NULL;
+}
+
+static int
+reshape(FamilyState *s)
+{
+    if (s->have_preq) {
+        MPI_Request_free(&s->preq); /* inactive (completed): local */
+        s->have_preq = 0;
+    }
+    Py_ssize_t nwords = WORDS + (Py_ssize_t)(s->wbits / 64);
+    int64_t *buf = PyMem_Calloc((size_t)nwords, sizeof(int64_t));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(s->buf);
+    s->buf = buf;
+    s->nwords = nwords;
+    s->dirty = 0;
+    s->nbits = s->wbits;
+    return 0;
+}
+
+/* Pack the header and the bitmap of keys[0..n) (ascending) into the buffer. */
+static void
+pack(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long long flags,
+     long long parts, unsigned long long children)
+{
+    int64_t *buf = s->buf;
+    long long lo = s->wlo, nbits = s->nbits;
+    s->lo = lo;
+    s->wseq = s->seq;
+    long long seqword = s->seq * 2 + at_exit;
+    buf[0] = seqword;
+    buf[1] = ~seqword;
+    buf[2] = s->next_key;
+    buf[3] = ~s->next_key;
+    buf[4] = parts;
+    buf[5] = ~parts;
+    buf[6] = ~flags;
+    buf[8] = ~(int64_t)children;
+    uint64_t *words = (uint64_t *)buf + WORDS;
+    Py_ssize_t first = 0, last;
+    uint64_t filter = 0;
+    if (n) {
+        memset(words, 0, (size_t)(nbits / 64) * 8);
+        while (first < n && keys[first] < lo) {
+            filter |= 1ULL << (((uint64_t)keys[first] * KEY_HASH) >> 58);
+            first++;
+        }
+        for (last = first; last < n && keys[last] - lo < nbits; last++) {
+            uint64_t bit = (uint64_t)(keys[last] - lo);
+            words[bit >> 6] |= 1ULL << (bit & 63);
+        }
+        for (Py_ssize_t i = last; i < n; i++) {
+            filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
+        }
+        s->dirty = 1;
+    }
+    else {
+        last = 0;
+        if (s->dirty) { /* the AND of bits this rank sent: clear them */
+            memset(words, 0, (size_t)(nbits / 64) * 8);
+            s->dirty = 0;
+        }
+    }
+    buf[7] = (int64_t)filter;
+    s->first = first;
+    s->last = last;
+}
+
+static int
+fired_c(FamilyState *s)
+{
+    if (s->gone == Py_None && !s->closed && s->wreq != MPI_REQUEST_NULL) {
+        int flag = 0;
+        MPI_Test(&s->wreq, &flag, MPI_STATUS_IGNORE);
+        if (flag) {
+            s->received = 1;
+            PyObject *g = Py_BuildValue("(LLL)", (long long)s->wbuf[0], (long long)s->wbuf[1],
+                                        (long long)s->wbuf[2]);
+            if (g == NULL) {
+                return -1;
+            }
+            Py_SETREF(s->gone, g);
+        }
+    }
+    return s->gone != Py_None;
+}
+
+static PyObject *
+fs_fired(FamilyState *s, PyObject *unused)
+{
+    int f = fired_c(s);
+    return f < 0 ? NULL : PyBool_FromLong(f);
+}
+
+/* Tell every other rank, once, why this one leaves the collectives (see the
+ * Python twin: GAVE_UP, LEFT, WOKEN). Error paths only. */
+/* notice(): what the standing receive took, if a notice came (see the twin). */
+static PyObject *
+fs_notice(FamilyState *s, PyObject *unused)
+{
+    if (s->closed || s->wbuf == NULL) {
+        Py_RETURN_NONE;
+    }
+    int flag = 0;
+    if (s->wreq != MPI_REQUEST_NULL) {
+        MPI_Test(&s->wreq, &flag, MPI_STATUS_IGNORE);
+    }
+    if (flag) {
+        s->received = 1;
+    }
+    if (!s->received) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(LLL)", (long long)s->wbuf[0], (long long)s->wbuf[1],
+                         (long long)s->wbuf[2]);
+}
+
+static int
+announce_c(FamilyState *s, int why)
+{
+    if (s->sent || s->closed || s->comm == Py_None || (s->gone != Py_None && why != WOKEN)) {
+        return 0;
+    }
+    s->sent = 1;
+    if (s->gone == Py_None) {
+        PyObject *g = Py_BuildValue("(iLi)", s->rank, s->wseq, why);
+        if (g == NULL) {
+            return -1;
+        }
+        Py_SETREF(s->gone, g);
+    }
+    /* Kept for the life of the process, as the requests are: a rank that
+     * never waits again never receives. */
+    int64_t *note = PyMem_Malloc(3 * sizeof(int64_t));
+    if (note == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    note[0] = s->rank;
+    note[1] = s->wseq;
+    note[2] = why;
+    for (int other = 0; other < s->size; other++) {
+        if (other != s->rank) {
+            MPI_Request r;
+            MPI_Isend(note, 3, MPI_INT64_T, other, TAG_GAVE_UP, s->mcomm, &r);
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+fs_announce(FamilyState *s, PyObject *arg)
+{
+    long why = PyLong_AsLong(arg);
+    if ((why == -1 && PyErr_Occurred()) || announce_c(s, (int)why) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Start the allreduce and complete it, polling, beside the watch's receive:
+ * DONE, WATCHED, LATE (the deadline ``at`` passed: the others were told), or
+ * -1 with the exception a signal handler raised in the wait. Polls as
+ * collective_gc._transport.poll does: Tests between yields for SPIN_S, then
+ * between sleeps growing to a millisecond; the GIL is released, and taken
+ * back every SLICE_S to run the handlers (a second Ctrl-C leaves). */
+static int
+start_and_wait(FamilyState *s, double at)
+{
+    int ierr;
+    MPI_Request req;
+    if (s->persistent) {
+#if HAVE_PERSISTENT
+        if (!s->have_preq) {
+            ierr = MPI_Allreduce_init(MPI_IN_PLACE, s->buf, (int)s->nwords, MPI_INT64_T, MPI_BAND,
+                                      s->mcomm, MPI_INFO_NULL, &s->preq);
+            if (ierr != MPI_SUCCESS) {
+                /* Not there after all: a new Iallreduce each time, as on every rank. */
+                s->persistent = 0;
+                goto nonpersistent;
+            }
+            s->have_preq = 1;
+        }
+        ierr = MPI_Start(&s->preq);
+        req = s->preq;
+#else
+        ierr = MPI_ERR_OTHER;
+        req = MPI_REQUEST_NULL;
+#endif
+    }
+    else {
+#if HAVE_PERSISTENT
+    nonpersistent:
+#endif
+        ierr = MPI_Iallreduce(MPI_IN_PLACE, s->buf, (int)s->nwords, MPI_INT64_T, MPI_BAND,
+                              s->mcomm, &req);
+    }
+    if (ierr != MPI_SUCCESS) {
+        PyErr_SetString(PyExc_RuntimeError, "the agreement's allreduce could not start");
+        return -1;
+    }
+    s->inside = 1;
+    MPI_Request reqs[2] = {req, s->wreq};
+    int nreq = s->wreq == MPI_REQUEST_NULL || s->closed ? 1 : 2;
+    int index = MPI_UNDEFINED, flag = 0, late = 0;
+    /* A few Tests first, the GIL held and the core kept: a small allreduce
+     * whose ranks all arrived completes within them, and a yield (a system
+     * call) or the GIL's release and retake would cost more than the wait.
+     * A bounded number, so that a rank sharing the core soon gets it. */
+    for (int i = 0; i < QUICK_TESTS && !flag; i++) {
+        ierr = MPI_Testany(nreq, reqs, &index, &flag, MPI_STATUS_IGNORE);
+        if (ierr != MPI_SUCCESS) {
+            break;
+        }
+    }
+    double spin_until = now_seconds() + SPIN_S;
     long delay_ns = 0;
     for (;;) {
+        if (flag || ierr != MPI_SUCCESS) {
+            break;
+        }
         Py_BEGIN_ALLOW_THREADS
-        double slice_end = now_seconds() + WAIT_SLICE_S;
+        double slice_end = now_seconds() + SLICE_S;
         for (;;) {
-            ierr = MPI_Testany(2, reqs, index, &flag, MPI_STATUS_IGNORE);
+            ierr = MPI_Testany(nreq, reqs, &index, &flag, MPI_STATUS_IGNORE);
             if (ierr != MPI_SUCCESS || flag) {
                 break;
             }
             double now = now_seconds();
+            if (at >= 0 && now > at) {
+                late = 1;
+                break;
+            }
             if (now >= slice_end) {
                 break;
             }
@@ -1669,513 +1752,1245 @@ wait_either(MPI_Request reqs[2], int *index)
             }
         }
         Py_END_ALLOW_THREADS
-        if (ierr != MPI_SUCCESS || flag) {
-            return ierr;
+        if (flag || late || ierr != MPI_SUCCESS) {
+            break;
         }
         if (PyErr_CheckSignals() < 0) {
+            abandon_buffer(s);
             return -1;
         }
     }
-}
-
-PyDoc_STRVAR(steady_doc,
-"steady(family, t0, collected, extra, owner, fingerprint, entered) -> None | CollectStats | tuple\n\n"
-"collective_gc._collective.steady_py, in C (see there).");
-
-static PyObject *
-steady(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "steady: expected 7 arguments");
-        return NULL;
-    }
-    PyObject *fam = args[0], *collected = args[2], *extra = args[3], *extra_owner = args[4];
-    PyObject *fp_obj = args[5], *entered = args[6];
-    double t0 = PyFloat_AsDouble(args[1]);
-    if (t0 == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
-    /* The caller entered the protected region (``entered``: what
-     * region_enter returned): whatever this returns but a CollectStats leaves
-     * it entered, for the caller to leave once the sync point's steps are
-     * done (so that no signal's handler runs between here and there); a
-     * CollectStats has left it, when no signal is deferred (else ("leave",
-     * stats): the caller's leave runs the handlers). */
-    int finalized = 1;
-    if (!mpi_is_ready || fam_type == NULL || Py_TYPE(fam) != fam_type
-        || MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) {
-        Py_RETURN_NONE; /* the Python steps refuse after MPI_Finalize */
-    }
-    int ok = 1;
-    PyObject *registry = SLOT(fam, oc_registry), *agreement = SLOT(fam, oc_agreement);
-    PyObject *unreported = SLOT(fam, oc_unreported), *leaving = SLOT(fam, oc_leaving);
-    PyObject *children = SLOT(fam, oc_children);
-    if (registry == NULL || Py_TYPE(registry) != registry_type || agreement == NULL
-        || Py_TYPE(agreement) != agree_type || unreported == NULL || !PyList_Check(unreported)
-        || PyList_GET_SIZE(unreported) || leaving == NULL || !PyList_Check(leaving)
-        || PyList_GET_SIZE(leaving) || children == NULL || !PyList_Check(children)
-        || int_of(SLOT(fam, oc_destroying), &ok) != 0 || !ok) {
-        Py_RETURN_NONE;
-    }
-    /* Families waiting to be reached: none this family's sync points have
-     * not looked through yet (see REACH_EPOCH in _syncpoint). */
-    if (PyList_GET_SIZE(unreached)
-        && SLOT(fam, oc_reached) != PyList_GET_ITEM(reach_epoch, 0)) {
-        Py_RETURN_NONE;
-    }
-    /* Derived families: each idle here (nothing for its sync point on this
-     * rank); the agreement tells whether one is wanted on another rank. */
-    if (PyList_GET_SIZE(children)) {
-        Py_INCREF(children); /* the family's list may be replaced while idle() runs */
-        int all_idle = 1;
-        for (Py_ssize_t i = 0; all_idle && i < PyList_GET_SIZE(children); i++) {
-            PyObject *child = Py_NewRef(PyList_GET_ITEM(children, i));
-            PyObject *idle = PyObject_CallMethodNoArgs(child, s_idle);
-            Py_DECREF(child);
-            if (idle == NULL) {
-                Py_DECREF(children);
-                return NULL; /* the caller leaves the region and reports it */
-            }
-            all_idle = idle == Py_True;
-            Py_DECREF(idle);
-        }
-        Py_DECREF(children);
-        if (!all_idle) {
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *inbox = SLOT(registry, or_inbox), *pend = SLOT(registry, or_pend);
-    PyObject *last_cyclic = SLOT(registry, or_last_cyclic);
-    if (inbox == NULL || !PyList_CheckExact(inbox) || SLOT(registry, or_stale) != Py_False
-        || last_cyclic == NULL || !PyList_Check(last_cyclic) || PyList_GET_SIZE(last_cyclic)
-        || pend == NULL) {
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t npend = PyObject_Length(pend);
-    if (npend != 0) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    PyObject *window = SLOT(agreement, oa_window), *watch = SLOT(agreement, oa_watch);
-    PyObject *arr = SLOT(agreement, oa_arr), *persistent = SLOT(agreement, oa_persistent);
-    PyObject *preq_obj = SLOT(agreement, oa_preq), *comm_obj = SLOT(agreement, oa_comm);
-    if (window == NULL || Py_TYPE(window) != window_type || watch == NULL
-        || Py_TYPE(watch) != watch_type || arr == NULL || persistent == NULL
-        || preq_obj == NULL || comm_obj == NULL || SLOT(watch, ot_gone) != Py_None
-        || SLOT(watch, ot_closed) != Py_False || SLOT(watch, ot_req) == NULL) {
-        Py_RETURN_NONE;
-    }
-    long long nbits = int_of(SLOT(window, ow_bits), &ok), lo = int_of(SLOT(window, ow_lo), &ok);
-    long long shaped = int_of(SLOT(agreement, oa_nbits), &ok);
-    if (!ok || nbits != shaped || nbits < 0 || nbits % 64
-        || (persistent != Py_None && preq_obj == Py_None)) {
-        Py_RETURN_NONE;
-    }
-    /* Votes: only participants that a quiet sync point needs nothing of, all 0. */
-    PyObject *parts = SLOT(fam, oc_participants), *owners = SLOT(fam, oc_owners);
-    if (parts == NULL || !PyList_Check(parts) || owners == NULL || !PyList_Check(owners)
-        || PyList_GET_SIZE(owners) != PyList_GET_SIZE(parts)) {
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t nparts = PyList_GET_SIZE(parts);
-    for (Py_ssize_t i = 0; i <= nparts; i++) {
-        PyObject *p = i < nparts ? PyList_GET_ITEM(parts, i) : extra;
-        if (p == Py_None) {
-            break; /* no participant of its own */
-        }
-        PyObject *owner = i < nparts ? PyList_GET_ITEM(owners, i) : extra_owner;
-        Py_INCREF(p);
-        Py_INCREF(owner);
-        PyObject *quiet = PyObject_GetAttr(p, s_quiet_finish);
-        PyObject *field = quiet == NULL ? NULL : PyObject_GetAttr(p, s_field);
-        long long vote = 0;
-        int voted = 1;
-        if (field != NULL && quiet == Py_True && field != Py_None) {
-            PyObject *v = PyObject_CallMethodOneArg(p, s_vote, owner);
-            vote = int_of(v, &voted);
-            if (v == NULL) {
-                voted = 0;
-            }
-            Py_XDECREF(v);
-        }
-        int steady_here = quiet == Py_True && field != NULL && voted && vote == 0;
-        Py_XDECREF(quiet);
-        Py_XDECREF(field);
-        Py_DECREF(owner);
-        Py_DECREF(p);
-        if (PyErr_Occurred()) {
-            /* A vote that raises: the Python steps make the same call and say so. */
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        if (!steady_here) {
-            Py_RETURN_NONE;
-        }
-    }
-    /* Votes may run Python code (and so let other threads register): the
-     * registry is read from here on, with no Python code run before the
-     * inbox is drained. */
-    inbox = SLOT(registry, or_inbox);
-    Py_ssize_t n = PyList_GET_SIZE(inbox);
-    int64_t *keys = NULL;
-    if (n) {
-        keys = PyMem_Malloc((size_t)n * sizeof(int64_t));
-        if (keys == NULL) {
-            return PyErr_NoMemory();
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *reg = PyList_GET_ITEM(inbox, i);
-            PyObject *key = Py_TYPE(reg) == reg_type ? SLOT(reg, off_key) : NULL;
-            PyObject *flag = key == NULL ? NULL : SLOT(reg, off_cyclic);
-            int kok = 1;
-            long long k = int_of(key, &kok);
-            if (flag != Py_False || !kok) {
-                PyMem_Free(keys); /* a cyclic death (or not ours): the Python steps */
-                Py_RETURN_NONE;
-            }
-            keys[i] = (int64_t)k;
-        }
-        if (!sort_keys(keys, n)) {
-            qsort(keys, (size_t)n, sizeof(int64_t), qsort_cmp);
-        }
-        /* Registrations stay in registry.live: removing them from the inbox
-         * frees nothing, so runs no code. */
-        if (PyList_SetSlice(inbox, 0, n, NULL) < 0) {
-            PyMem_Free(keys);
-            return NULL;
-        }
-    }
-    PyObject *result = NULL;
-    long long seq = int_of(SLOT(fam, oc_seq), &ok);
-    long long next_key = int_of(SLOT(registry, off_next_key), &ok);
-    if (fp_obj == Py_None) {
-        fp_obj = SLOT(fam, oc_fingerprint);
-    }
-    PyObject *order_obj = SLOT(registry, off_order);
-    long long fp = fp_obj == NULL ? 0 : PyLong_AsLongLong(fp_obj);
-    unsigned long long order = order_obj == NULL ? 0 : PyLong_AsUnsignedLongLong(order_obj);
-    if (!ok || PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_RuntimeError, "steady: a sync point number or key is not an int");
-        goto fail_store;
-    }
-    Py_buffer view;
-    if (int64_buffer(arr, &view, 1, "steady") < 0) {
-        goto fail_store;
-    }
-    int64_t *buf = (int64_t *)view.buf;
-    Py_ssize_t nwords = view.len / 8, wwords = (Py_ssize_t)(nbits / 64);
-    const Py_ssize_t head = 9; /* _agree.WORDS */
-    if (nwords != head + wwords) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_RuntimeError, "steady: the buffer does not fit the window");
-        goto fail_store;
-    }
-    long long seqword = seq * 2;
-    long long parts_word = (long long)((uint64_t)fp ^ (uint64_t)order);
-    buf[0] = seqword;
-    buf[1] = ~seqword;
-    buf[2] = next_key;
-    buf[3] = ~next_key;
-    buf[4] = parts_word;
-    buf[5] = ~parts_word;
-    buf[6] = ~0LL; /* ~flags: nothing voted */
-    buf[8] = ~0LL; /* ~children: no derived family here */
-    Py_ssize_t first = 0, last = 0;
-    uint64_t filter = 0;
-    uint64_t *words = (uint64_t *)buf + head;
-    if (n) {
-        memset(words, 0, (size_t)wwords * 8);
-        while (first < n && keys[first] < lo) {
-            first++;
-        }
-        for (Py_ssize_t i = 0; i < first; i++) {
-            filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
-        }
-        for (last = first; last < n && keys[last] - lo < nbits; last++) {
-            uint64_t bit = (uint64_t)(keys[last] - lo);
-            words[bit >> 6] |= 1ULL << (bit & 63);
-        }
-        for (Py_ssize_t i = last; i < n; i++) {
-            filter |= 1ULL << (((uint64_t)keys[i] * KEY_HASH) >> 58);
-        }
-        Py_XSETREF(SLOT(agreement, oa_dirty), Py_NewRef(Py_True));
-    }
-    else if (SLOT(agreement, oa_dirty) == Py_True) {
-        memset(words, 0, (size_t)wwords * 8); /* the AND of bits this rank sent */
-        Py_XSETREF(SLOT(agreement, oa_dirty), Py_NewRef(Py_False));
-    }
-    buf[7] = (int64_t)filter;
-    if (set_int(agreement, oa_lo, lo) < 0 || set_int(watch, ot_seq, seq) < 0) {
-        PyBuffer_Release(&view);
-        goto fail_store;
-    }
-    /* From the start of the allreduce, leaving by an exception makes the
-     * family unusable (Collective.sync): the other ranks are in it. */
-    Py_XSETREF(SLOT(fam, oc_inside), Py_NewRef(Py_True));
-    MPI_Comm *comm = PyMPIComm_Get(comm_obj);
-    MPI_Request *wreq = PyMPIRequest_Get(SLOT(watch, ot_req));
-    if (comm == NULL || wreq == NULL) {
-        PyBuffer_Release(&view);
-        goto fail_store;
-    }
-    MPI_Request reqs[2], *preq = NULL;
-    int ierr, index = MPI_UNDEFINED;
-    if (persistent != Py_None) {
-        preq = PyMPIRequest_Get(preq_obj);
-        if (preq == NULL) {
-            PyBuffer_Release(&view);
-            goto fail_store;
-        }
-        ierr = MPI_Start(preq);
-        reqs[0] = *preq;
-    }
-    else {
-        ierr = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)nwords, MPI_LONG_LONG, MPI_BAND, *comm,
-                              &reqs[0]);
-    }
-    if (ierr == MPI_SUCCESS) {
-        reqs[1] = *wreq;
-        ierr = wait_either(reqs, &index);
-        *wreq = reqs[1]; /* MPI nulled it if the notice arrived */
-        if (preq != NULL) {
-            *preq = reqs[0];
-        }
-    }
-    PyBuffer_Release(&view); /* the array is not resized while MPI may write: see _agree */
-    if (ierr == -1) {
-        /* A handler raised in the wait (a second Ctrl-C): the allreduce is
-         * still active; it and its buffer are kept for ever (as "watch"
-         * below), the drained keys are pending again, and the exception
-         * leaves the sync point (Collective.quick makes the family unusable
-         * and tells the other ranks: inside is set). */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *req = preq != NULL ? Py_NewRef(Py_None) : PyMPIRequest_New(reqs[0]);
-        PyObject *kept = req == NULL ? NULL : PyObject_CallMethod(agreement, "abandoned", "O", req);
-        Py_XDECREF(req);
-        Py_XDECREF(kept);
-        PyErr_Clear(); /* the handler's exception matters more */
-        if (store_pending(registry, keys, n, seq) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(type, value, tb);
-        goto fail;
-    }
     if (ierr != MPI_SUCCESS) {
-        char text[MPI_MAX_ERROR_STRING];
-        int tlen = 0;
-        MPI_Error_string(ierr, text, &tlen);
-        PyErr_Format(PyExc_RuntimeError, "steady: the agreement's allreduce failed: %.*s", tlen,
-                     text);
-        goto fail_store;
+        PyErr_SetString(PyExc_RuntimeError, "the agreement's allreduce failed");
+        abandon_buffer(s);
+        return -1;
+    }
+    if (nreq == 2) {
+        s->wreq = reqs[1]; /* MPI nulled it if the notice arrived */
+    }
+    if (s->have_preq) {
+        s->preq = reqs[0];
+    }
+    if (late) {
+        abandon_buffer(s);
+        if (announce_c(s, GAVE_UP) < 0) {
+            return -1;
+        }
+        return LATE;
     }
     if (index == 1) {
-        /* A rank gave up (or left) while this one waited: the allreduce is
-         * still active, and is handed back to be kept for ever. */
-        if (store_pending(registry, keys, n, seq) < 0) {
-            goto fail;
+        s->received = 1;
+        PyObject *g = Py_BuildValue("(LLL)", (long long)s->wbuf[0], (long long)s->wbuf[1],
+                                    (long long)s->wbuf[2]);
+        if (g == NULL) {
+            return -1;
         }
-        PyObject *req = preq != NULL ? Py_NewRef(Py_None) : PyMPIRequest_New(reqs[0]);
-        if (req == NULL) {
-            goto fail;
+        Py_SETREF(s->gone, g);
+        abandon_buffer(s);
+        return WATCHED;
+    }
+    return DONE;
+}
+
+static int
+exchange_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long long flags,
+           long long parts, unsigned long long children, double at)
+{
+    if ((s->nbits != s->wbits || s->buf == NULL) && reshape(s) < 0) {
+        return -1;
+    }
+    if (at >= 0) {
+        flags |= FLAG_DEADLINE;
+    }
+    pack(s, keys, n, at_exit, flags, parts, children);
+    return start_and_wait(s, at);
+}
+
+/* Collective: the agreement's one allreduce (see the Python twin). */
+static PyObject *
+fs_exchange(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "exchange(at_exit, flags, parts, children, deadline)");
+        return NULL;
+    }
+    int at_exit = PyObject_IsTrue(a[0]);
+    long long flags = PyLong_AsLongLong(a[1]);
+    long long parts = PyLong_AsLongLong(a[2]);
+    unsigned long long children = PyLong_AsUnsignedLongLongMask(a[3]);
+    double at = a[4] == Py_None ? -1.0 : PyFloat_AsDouble(a[4]);
+    if (PyErr_Occurred() || at_exit < 0) {
+        return NULL;
+    }
+    if (s->comm == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "exchange: the family has no private communicator");
+        return NULL;
+    }
+    int found = exchange_c(s, s->pend, s->npend, at_exit, flags, parts, children, at);
+    if (found < 0) {
+        return NULL;
+    }
+    if (PyErr_CheckSignals() < 0) { /* deferred inside the region: its end runs them */
+        return NULL;
+    }
+    return PyLong_FromLong(found);
+}
+
+static PyObject *
+fs_reduced(FamilyState *s, PyObject *unused)
+{
+    if (s->buf == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "reduced: no exchange completed");
+        return NULL;
+    }
+    PyObject *t = PyTuple_New(WORDS);
+    if (t == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < WORDS; i++) {
+        PyObject *w = PyLong_FromLongLong(s->buf[i]);
+        if (w == NULL) {
+            Py_DECREF(t);
+            return NULL;
         }
-        result = Py_BuildValue("(sN)", "watch", req);
-        goto done;
+        PyTuple_SET_ITEM(t, i, w);
     }
-    Py_ssize_t agreed = 0;
-    int unusual = buf[6] != ~0LL || buf[7] != 0 || buf[8] != ~0LL || buf[0] != ~buf[1]
-                  || buf[2] != ~buf[3] || buf[4] != ~buf[5];
-    if (!unusual && last > first) {
-        for (Py_ssize_t w = 0; w < wwords; w++) {
-            agreed += POPCOUNT64(words[w]);
+    return t;
+}
+
+static Py_ssize_t
+count_window(FamilyState *s)
+{
+    Py_ssize_t c = 0;
+    const uint64_t *words = (const uint64_t *)s->buf + WORDS;
+    for (long long w = 0; w < s->nbits / 64; w++) {
+        c += __builtin_popcountll(words[w]);
+    }
+    return c;
+}
+
+static PyObject *
+fs_window_keys(FamilyState *s, PyObject *unused)
+{
+    if (s->last <= s->first || s->buf == NULL) {
+        return PyBytes_FromStringAndSize(NULL, 0);
+    }
+    Py_ssize_t count = count_window(s);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 8);
+    if (out == NULL) {
+        return NULL;
+    }
+    int64_t *keys = (int64_t *)PyBytes_AS_STRING(out);
+    const uint64_t *words = (const uint64_t *)s->buf + WORDS;
+    Py_ssize_t j = 0;
+    for (long long w = 0; w < s->nbits / 64; w++) {
+        uint64_t word = words[w];
+        while (word) {
+            keys[j++] = s->lo + w * 64 + __builtin_ctzll(word);
+            word &= word - 1;
         }
     }
-    if (unusual || agreed != n) {
-        /* The Python steps go on from the agreement, with these keys pending. */
-        if (store_pending(registry, keys, n, seq) < 0) {
-            goto fail;
-        }
-        result = Py_BuildValue("(snn)", "resume", first, last);
-        goto done;
-    }
-    /* The steady state: every drained key agreed, nothing else. */
-    PyObject *marks = SLOT(window, ow_marks);
-    long long idle = int_of(SLOT(window, ow_idle), &ok);
-    long long last_mark = -1;
-    if (marks != NULL && PyList_Check(marks) && PyList_GET_SIZE(marks)) {
-        last_mark = int_of(PyList_GET_ITEM(marks, PyList_GET_SIZE(marks) - 1), &ok);
-    }
-    if (!(ok && next_key == last_mark && idle == window_memory)) {
-        PyObject *nk = PyLong_FromLongLong(next_key);
-        PyObject *r = nk == NULL ? NULL : PyObject_CallMethodOneArg(window, s_advance, nk);
-        Py_XDECREF(nk);
-        if (r == NULL) {
-            goto fail;
-        }
-        Py_DECREF(r);
-    }
-    ok = 1;
-    long long thread = int_of(SLOT(registry, off_thread), &ok);
-    if (ok && thread > 0 && set_int(registry, off_thread, 0) < 0) { /* new_interval */
-        goto fail;
-    }
-    if (set_int(fam, oc_seq, seq + 1) < 0) {
-        goto fail;
-    }
-    Py_XSETREF(SLOT(fam, oc_inside), Py_NewRef(Py_False));
-    long long count = 0;
-    PyObject *failures = NULL;
-    if (n) {
-        PyObject *raw = PyByteArray_FromStringAndSize((const char *)keys, n * 8);
-        PyObject *karr = raw == NULL ? NULL : PyObject_CallOneArg(as_keys, raw);
-        Py_XDECREF(raw);
-        if (karr == NULL || set_int(fam, oc_destroying, (long long)PyThread_get_thread_ident()) < 0) {
-            Py_XDECREF(karr);
-            goto fail;
-        }
-        PyObject *ran = PyObject_CallFunctionObjArgs(destroy_run, registry, karr, NULL);
-        Py_DECREF(karr);
-        set_int(fam, oc_destroying, 0);
-        if (ran == NULL) {
-            goto fail;
-        }
-        int cok = 1;
-        count = PyTuple_Check(ran) && PyTuple_GET_SIZE(ran) == 3
-                    ? int_of(PyTuple_GET_ITEM(ran, 0), &cok)
-                    : 0;
-        long long before = int_of(SLOT(fam, oc_destroyed), &cok);
-        if (!cok || set_int(fam, oc_destroyed, before + count) < 0) {
-            Py_DECREF(ran);
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_RuntimeError, "steady: _destroy.run returned no count");
+    return out;
+}
+
+static int
+bit_length(unsigned long long x)
+{
+    return x ? 64 - __builtin_clzll(x) : 0;
+}
+
+/* A sync point agreed: the window moves, any one thread may register next,
+ * the sync point is counted (see the Python twin). */
+static void
+agreed_c(FamilyState *s, long long next_key)
+{
+    if (next_key >= 0) {
+        long long last = s->marks[s->nmarks - 1];
+        if (next_key != last || s->idle != MEMORY) {
+            s->idle = next_key == last ? s->idle + 1 : 0;
+            if (s->ngrowths == MEMORY) {
+                memmove(s->growths, s->growths + 1, (MEMORY - 1) * sizeof(long long));
+                s->ngrowths--;
             }
-            goto fail;
-        }
-        PyObject *fl = PyTuple_GET_ITEM(ran, 1), *interrupt = PyTuple_GET_ITEM(ran, 2);
-        if (PyList_Check(fl) && (PyList_GET_SIZE(fl) || interrupt != Py_None)) {
-            failures = PyList_GetSlice(fl, 0, PyList_GET_SIZE(fl));
-            if (failures != NULL && interrupt != Py_None) {
-                PyObject *own = Py_BuildValue(
-                    "(isO)", -1, "the sync point's own steps between its destroys", interrupt);
-                if (own == NULL || PyList_Append(failures, own) < 0) {
-                    Py_CLEAR(failures);
+            s->growths[s->ngrowths++] = next_key - last;
+            if (s->nmarks == SPAN) {
+                memmove(s->marks, s->marks + 1, (SPAN - 1) * sizeof(long long));
+                s->nmarks--;
+            }
+            s->marks[s->nmarks++] = next_key;
+            long long most = s->growths[0];
+            for (int i = 1; i < s->ngrowths; i++) {
+                if (s->growths[i] > most) {
+                    most = s->growths[i];
                 }
-                Py_XDECREF(own);
+            }
+            long long lo = s->marks[0];
+            long long hi = next_key + (2 * most > 1 ? 2 * most : 1);
+            if (hi - lo > WINDOW_LIMIT) {
+                lo = hi - WINDOW_LIMIT;
+            }
+            s->wlo = lo;
+            long long bits = 1LL << bit_length((unsigned long long)(hi - lo - 1));
+            s->wbits = bits > WINDOW_MIN ? bits : WINDOW_MIN;
+        }
+    }
+    if (s->thread > 0) {
+        s->thread = 0;
+    }
+    s->seq++;
+}
+
+static PyObject *
+fs_agreed(FamilyState *s, PyObject *arg)
+{
+    long long k = PyLong_AsLongLong(arg);
+    if (k == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    agreed_c(s, k);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_left(FamilyState *s, PyObject *unused)
+{
+    s->inside = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+fs_close(FamilyState *s, PyObject *arg)
+{
+    int free_comm = PyObject_IsTrue(arg);
+    if (free_comm < 0) {
+        return NULL;
+    }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+        if (s->have_preq) {
+            MPI_Request_free(&s->preq);
+            s->have_preq = 0;
+        }
+        s->closed = 1;
+        if (s->wreq != MPI_REQUEST_NULL) {
+            MPI_Cancel(&s->wreq);
+            MPI_Wait(&s->wreq, MPI_STATUS_IGNORE); /* at once: cancelled, or a notice came */
+        }
+        if (free_comm && s->comm != Py_None) {
+            MPI_Comm *c = PyMPIComm_Get(s->comm);
+            if (c == NULL) {
+                return NULL;
+            }
+            if (*c != MPI_COMM_NULL) {
+                MPI_Comm_free(c);
             }
         }
-        Py_DECREF(ran);
-        if (PyErr_Occurred()) {
-            Py_XDECREF(failures);
-            goto fail;
+    }
+    if (free_comm || finalized) {
+        Py_SETREF(s->comm, Py_NewRef(Py_None));
+    }
+    Py_RETURN_NONE;
+}
+
+/* -- destroys ----------------------------------------------------------------- */
+
+static Py_ssize_t
+batch_index(PyObject *fn, PyObject *batched)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(batched); i++) {
+        if (PyTuple_GET_ITEM(batched, i) == fn) {
+            return i;
         }
     }
-    PyObject *fields = Py_BuildValue("(LnidLOi)", count, PyList_GET_SIZE(inbox), 0,
-                                     now_seconds() - t0, seq, collected, 0);
-    PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-    Py_XDECREF(fields);
-    PyObject *stats = targs == NULL ? NULL : PyTuple_Type.tp_new(stats_type, targs, NULL);
-    Py_XDECREF(targs);
-    if (stats == NULL) {
-        Py_XDECREF(failures);
-        goto fail;
-    }
-    if (failures != NULL) {
-        result = Py_BuildValue("(sNN)", "failed", stats, failures);
-    }
-    else {
-        int left = region_leave_quietly(entered);
-        if (left < 0) {
-            /* The sync point is done (nothing to restore): the handler's
-             * exception is what the call raises; the caller leaves the region. */
-            Py_DECREF(stats);
-            result = NULL;
-        }
-        else if (left) {
-            result = stats;
-        }
-        else {
-            result = Py_BuildValue("(sN)", "leave", stats);
+    return -1;
+}
+
+/* Take the exception set as a failure (key, name, exception) into failures. */
+static int
+record(PyObject *failures, long long key, PyObject *name)
+{
+    PyObject *exc = take_exception();
+    if (exc == NULL) {
+        PyErr_SetString(PyExc_SystemError, "a destroy failed without an exception");
+        exc = take_exception();
+        if (exc == NULL) {
+            return -1;
         }
     }
-    goto done;
-fail_store:
-    /* Nothing may be lost: the keys drained here are pending again. */
-    if (n) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (store_pending(registry, keys, n, seq) < 0) {
+    PyObject *row = Py_BuildValue("(LON)", key, name, exc);
+    if (row == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(failures, row);
+    Py_DECREF(row);
+    return rc;
+}
+
+/* Destroy the registrations of the ascending keys[0..n), newest first, into
+ * failures; returns how many ran, or -1 (memory: every call still made). */
+static Py_ssize_t
+destroy_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, PyObject *batched, PyObject *runners,
+          PyObject *failures)
+{
+    /* Everything that can fail, or start the collector, first. */
+    PyObject *taken = PyList_New(n), *fns = PyList_New(n), *argss = PyList_New(n);
+    PyObject *empty = PyTuple_New(0);
+    if (taken == NULL || fns == NULL || argss == NULL || empty == NULL) {
+        Py_XDECREF(taken);
+        Py_XDECREF(fns);
+        Py_XDECREF(argss);
+        Py_XDECREF(empty);
+        return -1;
+    }
+    s->destroying = PyThread_get_thread_ident();
+    /* From the first key taken to the last no Python code runs: no
+     * registration is lost (int keys: lookups and deletes call nothing). */
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        PyObject *key = PyLong_FromLongLong(keys[i]);
+        if (key == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        Reg *reg = (Reg *)PyDict_GetItemWithError(s->live, key);
+        if (reg == NULL || !PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->destroy == NULL
+            || reg->destroy == Py_None || reg->args == NULL) {
+            PyErr_Clear(); /* destroyed or detached explicitly meanwhile, on every rank */
+            Py_DECREF(key);
+            continue;
+        }
+        Py_INCREF(reg);
+        if (PyDict_DelItem(s->live, key) < 0) {
             PyErr_Clear();
         }
-        PyErr_Restore(type, value, tb);
+        Py_DECREF(key);
+        reg->state = DESTROYED;
+        PyList_SET_ITEM(taken, count, (PyObject *)reg);
+        PyList_SET_ITEM(fns, count, reg->destroy);
+        PyList_SET_ITEM(argss, count, reg->args);
+        reg->destroy = Py_NewRef(Py_None);
+        reg->args = Py_NewRef(empty);
+        count++;
     }
-fail:
-    result = NULL;
-done:
-    PyMem_Free(keys);
-    return result;
+    Py_DECREF(empty);
+    if (PyDict_GET_SIZE(s->live) == 0) {
+        PyDict_Clear(s->live); /* a dict never shrinks: an empty one gives its memory back */
+    }
+    Py_SET_SIZE((PyVarObject *)taken, count);
+    Py_SET_SIZE((PyVarObject *)fns, count);
+    Py_SET_SIZE((PyVarObject *)argss, count);
+    remove_pending_c(s, keys, n);
+    /* The runs: consecutive destroys by one batched function go to its runner. */
+    Py_ssize_t start = 0;
+    while (start < count) {
+        Py_ssize_t index = batch_index(PyList_GET_ITEM(fns, start), batched), end = start + 1;
+        while (end < count && batch_index(PyList_GET_ITEM(fns, end), batched) == index) {
+            end++;
+        }
+        if (index >= 0 && index < PyTuple_GET_SIZE(runners)) {
+            PyObject *runner = PyTuple_GET_ITEM(runners, index);
+            PyObject *chunk = PyList_GetSlice(argss, start, end);
+            PyObject *errs = chunk == NULL ? NULL
+                             : Py_IS_TYPE(runner, &PetscRunType) ? petsc_run_any(runner, chunk)
+                                                                  : PyObject_CallOneArg(runner, chunk);
+            Py_XDECREF(chunk);
+            if (errs == NULL) {
+                /* The runner itself failed (memory), after trying every call. */
+                PyObject *what = PyUnicode_FromFormat("one of %zd destroys", end - start);
+                if (what == NULL || record(failures, -1, what) < 0) {
+                    PyErr_Clear();
+                }
+                Py_XDECREF(what);
+            }
+            else {
+                for (Py_ssize_t e = 0; PyList_Check(errs) && e < PyList_GET_SIZE(errs); e++) {
+                    PyObject *pair = PyList_GET_ITEM(errs, e);
+                    Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+                    Reg *r = at >= 0 && start + at < end ? (Reg *)PyList_GET_ITEM(taken, start + at) : NULL;
+                    PyObject *row = Py_BuildValue("(LOO)", r ? r->key : -1LL,
+                                                  r ? r->name : Py_None, PyTuple_GET_ITEM(pair, 1));
+                    if (row == NULL || PyList_Append(failures, row) < 0) {
+                        PyErr_Clear();
+                    }
+                    Py_XDECREF(row);
+                }
+                Py_DECREF(errs);
+            }
+        }
+        else {
+            for (Py_ssize_t i = start; i < end; i++) {
+                PyObject *res = PyObject_Call(PyList_GET_ITEM(fns, i), PyList_GET_ITEM(argss, i), NULL);
+                if (res != NULL) {
+                    Py_DECREF(res);
+                }
+                else {
+                    Reg *r = (Reg *)PyList_GET_ITEM(taken, i);
+                    if (record(failures, r->key, r->name) < 0) {
+                        PyErr_Clear(); /* go on: every call must be made */
+                    }
+                }
+            }
+        }
+        start = end;
+    }
+    s->destroying = 0;
+    s->destroyed += count;
+    Py_DECREF(fns);
+    Py_DECREF(argss); /* the destroyed objects go here, unless someone else holds them */
+    Py_DECREF(taken);
+    return count;
 }
-#endif /* CGC_HAVE_MPI */
+
+static PyObject *
+fs_destroy(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 3 || !PyTuple_Check(a[1]) || !PyTuple_Check(a[2])) {
+        PyErr_SetString(PyExc_TypeError, "destroy(keys, batched, runners)");
+        return NULL;
+    }
+    Py_buffer v;
+    if (as_keys(a[0], &v) < 0) {
+        return NULL;
+    }
+    PyObject *failures = PyList_New(0);
+    if (failures == NULL) {
+        PyBuffer_Release(&v);
+        return NULL;
+    }
+    Py_ssize_t count = destroy_c(s, (const int64_t *)v.buf, v.len / 8, a[1], a[2], failures);
+    PyBuffer_Release(&v);
+    if (count < 0) {
+        Py_DECREF(failures);
+        return NULL;
+    }
+    return Py_BuildValue("(nNO)", count, failures, Py_None);
+}
+
+/* -- failures kept ------------------------------------------------------------ */
+
+static PyObject *
+fs_keep(FamilyState *s, PyObject *arg)
+{
+    Py_ssize_t n = PyList_GET_SIZE(s->unreported);
+    if (PyList_SetSlice(s->unreported, n, n, arg) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+take_list(PyObject **field)
+{
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL) {
+        return NULL;
+    }
+    PyObject *out = *field;
+    *field = fresh;
+    return out;
+}
+
+static PyObject *
+fs_take_unreported(FamilyState *s, PyObject *unused)
+{
+    return take_list(&s->unreported);
+}
+
+static PyObject *
+fs_take_failed(FamilyState *s, PyObject *unused)
+{
+    return take_list(&s->failed);
+}
+
+static PyObject *
+fs_after_fork(FamilyState *s, PyObject *unused)
+{
+    PyObject *r = fs_forget(s, NULL, 0);
+    Py_XDECREF(r);
+    return r == NULL ? NULL : Py_NewRef(Py_None);
+}
+
+/* -- the steady state ------------------------------------------------------- */
+
+/* Whether nothing unusual is known on this rank before any collective: the
+ * steady state's first look (the steps take every case this refuses). */
+static int
+quiet(FamilyState *s)
+{
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (s->code != OPEN || s->destroying || s->hold || PyList_GET_SIZE(s->unreported) || s->stale
+        || s->cyclic_seen || s->npend || s->comm == Py_None || s->gone != Py_None || !ready_c(s)
+        || finalized) {
+        return 0;
+    }
+    return children_idle(s);
+}
+
+static PyObject *
+fs_quiet(FamilyState *s, PyObject *unused)
+{
+    int q = quiet(s);
+    return q < 0 ? NULL : PyBool_FromLong(q);
+}
+
+/* Whether the last exchange found nothing unusual anywhere, for the n keys
+ * this rank sent (see the Python twin): the header's half of it. */
+static int
+plain_header(FamilyState *s, Py_ssize_t n)
+{
+    const int64_t *red = s->buf;
+    return red != NULL && red[0] == ~red[1] && red[2] == ~red[3] && red[4] == ~red[5]
+           && red[7] == 0 && red[8] == ~0LL && !((~red[6]) & SYNC_FLAGS)
+           && (s->last - s->first) == n && count_window(s) == n;
+}
+
+static PyObject *
+fs_plain(FamilyState *s, PyObject *votes)
+{
+    if (!PyTuple_Check(votes)) {
+        PyErr_SetString(PyExc_TypeError, "plain(votes): a tuple of (shift, raises)");
+        return NULL;
+    }
+    if (!plain_header(s, s->npend)) {
+        Py_RETURN_FALSE;
+    }
+    long long agreed = ~s->buf[6];
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(votes); i++) {
+        PyObject *v = PyTuple_GET_ITEM(votes, i);
+        long shift = PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2 ? PyLong_AsLong(PyTuple_GET_ITEM(v, 0)) : -1;
+        int raises = PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 2 ? PyObject_IsTrue(PyTuple_GET_ITEM(v, 1)) : 0;
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (shift >= 0 && ((agreed >> shift) & 0xFF) && raises) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+/* A sync point whose every step takes its fast case, in one call, or None
+ * (with ``progress`` saying where the steps go on). */
+static PyObject *
+fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 5 || !PyTuple_Check(a[4]) || PyTuple_GET_SIZE(a[4]) != 2
+        || !PyTuple_Check(PyTuple_GET_ITEM(a[4], 0)) || !PyTuple_Check(PyTuple_GET_ITEM(a[4], 1))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "steady(t0, collected, extra, fingerprint, (batched, runners))");
+        return NULL;
+    }
+    PyObject *batched = PyTuple_GET_ITEM(a[4], 0), *runners = PyTuple_GET_ITEM(a[4], 1);
+    double t0 = PyFloat_AsDouble(a[0]);
+    PyObject *collected = a[1], *extra = a[2];
+    long long fp = PyLong_AsLongLong(a[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    s->progress = 0;
+    /* 1. prepare: nothing unusual here, the votes, the drain. */
+    int q = quiet(s);
+    if (q <= 0) {
+        return q < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    Py_ssize_t np = PyTuple_GET_SIZE(s->parts), all = np + (extra != Py_None);
+    long long flags = 0;
+    for (Py_ssize_t i = 0; i < all; i++) {
+        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
+        long v;
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, &v) < 0) {
+            PyErr_Clear(); /* a vote that raises, or is not a byte: the steps say so */
+            Py_RETURN_NONE;
+        }
+        flags |= v;
+    }
+    /* Votes may run Python code (and let other threads register): the inbox
+     * is read from here on, with no Python code run before it is drained. */
+    Py_ssize_t nk = PyList_GET_SIZE(s->inbox);
+    int64_t *keys = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(int64_t));
+    if (keys == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        Reg *reg = (Reg *)PyList_GET_ITEM(s->inbox, i);
+        if (!PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->cyclic) {
+            PyMem_Free(keys); /* a cyclic death: the steps */
+            Py_RETURN_NONE;
+        }
+        keys[i] = reg->key;
+    }
+    sort_keys(keys, nk);
+    if (nk && PyList_SetSlice(s->inbox, 0, nk, NULL) < 0) { /* frees nothing: live holds them */
+        PyMem_Free(keys);
+        return NULL;
+    }
+    long long seq = s->seq;
+    /* 2. agree. */
+    long long parts = (long long)((uint64_t)fp ^ (uint64_t)s->order);
+    int found = exchange_c(s, keys, nk, 0, flags, parts, 0, -1.0);
+    if (found != DONE) {
+        /* A handler's exception, or a rank gave up: nothing may be lost, the
+         * drained keys are pending again; the steps say what happened. */
+        PyObject *exc = take_exception();
+        int stored = add_pending(s, keys, nk, seq);
+        PyMem_Free(keys);
+        if (exc != NULL) {
+            PyErr_Clear();
+            restore_exception(exc);
+            return NULL;
+        }
+        if (stored < 0) {
+            return NULL;
+        }
+        s->progress = STEP_AGREE;
+        Py_RETURN_NONE;
+    }
+    long long agreed_flags = ~s->buf[6];
+    int unusual = !plain_header(s, nk);
+    for (Py_ssize_t i = 0; !unusual && i < all; i++) {
+        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
+        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
+        int raises = PyObject_IsTrue(PyTuple_GET_ITEM(p, 3));
+        if (shift >= 0 && ((agreed_flags >> shift) & 0xFF) && raises) {
+            unusual = 1; /* its finish needs one more word after it: the steps */
+        }
+    }
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        unusual = 1;
+    }
+    if (unusual) {
+        /* The steps go on from the agreement, with these keys pending. */
+        int stored = add_pending(s, keys, nk, seq);
+        PyMem_Free(keys);
+        if (stored < 0) {
+            return NULL;
+        }
+        s->progress = STEP_AGREE;
+        Py_RETURN_NONE;
+    }
+    agreed_c(s, s->next_key);
+    /* 3. destroy. */
+    PyObject *failures = PyList_New(0);
+    if (failures == NULL) {
+        PyMem_Free(keys);
+        return NULL;
+    }
+    Py_ssize_t count = 0;
+    if (nk) {
+        count = destroy_c(s, keys, nk, batched, runners, failures);
+    }
+    PyMem_Free(keys);
+    /* 7. finish: the participants whose byte is not 0 (quiet ones do nothing else). */
+    for (Py_ssize_t i = 0; i < all && agreed_flags; i++) {
+        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
+        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
+        if (shift < 0 || !((agreed_flags >> shift) & 0xFF)) {
+            continue;
+        }
+        PyObject *f = PyLong_FromLongLong(agreed_flags);
+        PyObject *res = f == NULL ? NULL : PyObject_CallOneArg(PyTuple_GET_ITEM(p, 2), f);
+        Py_XDECREF(f);
+        if (res != NULL) {
+            Py_DECREF(res);
+        }
+        else if (record(failures, -1, PyTuple_GET_ITEM(p, 4)) < 0) {
+            PyErr_Clear();
+        }
+    }
+    s->inside = 0;
+    PyObject *stats = NULL;
+    if (count >= 0) {
+        PyObject *fields = Py_BuildValue("(nnidLOi)", count,
+                                         PyList_GET_SIZE(s->inbox) + s->npend, 0,
+                                         now_seconds() - t0, seq, collected, 0);
+        /* tuple.__new__(CollectStats, fields): no Python-level __new__ runs */
+        PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+        Py_XDECREF(fields);
+        stats = targs == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)s->stats, targs, NULL);
+        Py_XDECREF(targs);
+    }
+    if (PyList_GET_SIZE(failures)) {
+        Py_SETREF(s->failed, failures);
+        s->progress = STEP_REPORT;
+    }
+    else {
+        Py_DECREF(failures);
+    }
+    /* 8. report: failures go to the caller (progress). A signal that came in
+     * the wait is deferred here, inside the region, for its end to run. */
+    if (stats != NULL && PyErr_CheckSignals() < 0) {
+        Py_CLEAR(stats);
+    }
+    return stats;
+}
+
+static PyMethodDef fs_methods[] = {
+    {"become", (PyCFunction)(void (*)(void))fs_become, METH_FASTCALL, NULL},
+    {"set_hold", (PyCFunction)(void (*)(void))fs_set_hold, METH_FASTCALL, NULL},
+    {"set_participants", (PyCFunction)fs_set_participants, METH_O, NULL},
+    {"set_children", (PyCFunction)fs_set_children, METH_O, NULL},
+    {"wants", (PyCFunction)fs_wants, METH_NOARGS, NULL},
+    {"take_key", (PyCFunction)fs_take_key, METH_O, NULL},
+    {"give_back", (PyCFunction)(void (*)(void))fs_give_back, METH_FASTCALL, NULL},
+    {"begin_interval", (PyCFunction)fs_begin_interval, METH_O, NULL},
+    {"add_busy", (PyCFunction)fs_add_busy, METH_O, NULL},
+    {"store", (PyCFunction)fs_store, METH_O, NULL},
+    {"add_plain", (PyCFunction)(void (*)(void))fs_add_plain, METH_FASTCALL, NULL},
+    {"claim", (PyCFunction)(void (*)(void))fs_claim, METH_FASTCALL, NULL},
+    {"destroy_now", (PyCFunction)fs_destroy_now, METH_O, NULL},
+    {"forget", (PyCFunction)(void (*)(void))fs_forget, METH_FASTCALL, NULL},
+    {"drain", (PyCFunction)fs_drain, METH_O, NULL},
+    {"pending_keys", (PyCFunction)fs_pending_keys, METH_NOARGS, NULL},
+    {"remove_pending", (PyCFunction)fs_remove_pending, METH_O, NULL},
+    {"open", (PyCFunction)(void (*)(void))fs_open, METH_FASTCALL, NULL},
+    {"ready", (PyCFunction)fs_ready, METH_NOARGS, NULL},
+    {"exchange", (PyCFunction)(void (*)(void))fs_exchange, METH_FASTCALL, NULL},
+    {"reduced", (PyCFunction)fs_reduced, METH_NOARGS, NULL},
+    {"window_keys", (PyCFunction)fs_window_keys, METH_NOARGS, NULL},
+    {"agreed", (PyCFunction)fs_agreed, METH_O, NULL},
+    {"left", (PyCFunction)fs_left, METH_NOARGS, NULL},
+    {"fired", (PyCFunction)fs_fired, METH_NOARGS, NULL},
+    {"announce", (PyCFunction)fs_announce, METH_O, NULL},
+    {"notice", (PyCFunction)fs_notice, METH_NOARGS, NULL},
+    {"close", (PyCFunction)fs_close, METH_O, NULL},
+    {"destroy", (PyCFunction)(void (*)(void))fs_destroy, METH_FASTCALL, NULL},
+    {"keep", (PyCFunction)fs_keep, METH_O, NULL},
+    {"take_unreported", (PyCFunction)fs_take_unreported, METH_NOARGS, NULL},
+    {"take_failed", (PyCFunction)fs_take_failed, METH_NOARGS, NULL},
+    {"steady", (PyCFunction)(void (*)(void))fs_steady, METH_FASTCALL, NULL},
+    {"quiet", (PyCFunction)fs_quiet, METH_NOARGS, NULL},
+    {"plain", (PyCFunction)fs_plain, METH_O, NULL},
+    {"after_fork", (PyCFunction)fs_after_fork, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef fs_members[] = {
+    {"rank", T_INT, offsetof(FamilyState, rank), READONLY, NULL},
+    {"size", T_INT, offsetof(FamilyState, size), READONLY, NULL},
+    {"code", T_INT, offsetof(FamilyState, code), READONLY, NULL},
+    {"reason", T_OBJECT, offsetof(FamilyState, reason), READONLY, NULL},
+    {"seq", T_LONGLONG, offsetof(FamilyState, seq), READONLY, NULL},
+    {"inside", T_BOOL, offsetof(FamilyState, inside), READONLY, NULL},
+    {"destroying", T_ULONG, offsetof(FamilyState, destroying), READONLY, NULL},
+    {"destroyed", T_LONGLONG, offsetof(FamilyState, destroyed), READONLY, NULL},
+    {"progress", T_INT, offsetof(FamilyState, progress), READONLY, NULL},
+    {"hold", T_LONG, offsetof(FamilyState, hold), READONLY, NULL},
+    {"unreported", T_OBJECT, offsetof(FamilyState, unreported), READONLY, NULL},
+    {"next_key", T_LONGLONG, offsetof(FamilyState, next_key), READONLY, NULL},
+    {"order", T_ULONGLONG, offsetof(FamilyState, order), READONLY, NULL},
+    {"thread", T_LONG, offsetof(FamilyState, thread), READONLY, NULL},
+    {"busy", T_INT, offsetof(FamilyState, busy), READONLY, NULL},
+    {"live", T_OBJECT, offsetof(FamilyState, live), READONLY, NULL},
+    {"inbox", T_OBJECT, offsetof(FamilyState, inbox), READONLY, NULL},
+    {"stale", T_BOOL, offsetof(FamilyState, stale), READONLY, NULL},
+    {"cyclic_seen", T_BOOL, offsetof(FamilyState, cyclic_seen), READONLY, NULL},
+    {"comm", T_OBJECT, offsetof(FamilyState, comm), READONLY, NULL},
+    {"first", T_LONGLONG, offsetof(FamilyState, first), READONLY, NULL},
+    {"last", T_LONGLONG, offsetof(FamilyState, last), READONLY, NULL},
+    {"gone", T_OBJECT, offsetof(FamilyState, gone), READONLY, NULL},
+    {"persistent", T_BOOL, offsetof(FamilyState, persistent), READONLY, NULL},
+    {NULL},
+};
+
+static PyGetSetDef fs_getset[] = {
+    {"words", (getter)fs_get_words, NULL, NULL, NULL},
+    {"window", (getter)fs_get_window, NULL, NULL, NULL},
+    {"last_key", (getter)fs_get_last_key, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject FamilyStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.FamilyState",
+    .tp_basicsize = sizeof(FamilyState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "collective_gc._state.FamilyState, in C.",
+    .tp_traverse = (traverseproc)fs_traverse,
+    .tp_clear = (inquiry)fs_clear,
+    .tp_dealloc = (destructor)fs_dealloc,
+    .tp_methods = fs_methods,
+    .tp_members = fs_members,
+    .tp_getset = fs_getset,
+    .tp_new = fs_new,
+};
+
+/* ======================================================================== */
+/* Petsc                                                                     */
+
+/* The khash table behind PETSc's PetscHMapObj, as petsc/_internals reads it. */
+typedef struct {
+    uint32_t n_buckets, size, n_occupied, upper_bound;
+    uint32_t *flags;
+    int64_t *keys;
+    void **vals;
+} khash_obj;
+
+typedef void *PetscObject;
+typedef int (*destroy_fn)(PetscObject *);
+typedef PetscObject *(*getptr_fn)(PyObject *);
+typedef int (*seterr_fn)(int);
+typedef int (*getcomm_fn)(PetscObject, MPI_Comm *);
+
+/* What collective_gc.petsc reads and runs of PETSc, from C: where PETSc keeps
+ * its keyvals (read at each use: PETSc sets them when it first needs them),
+ * petsc4py's and PETSc's functions (their addresses, found by
+ * collective_gc.petsc at run time: neither's headers are needed here), the
+ * petsc4py classes whose destroy() is PetscObjectDestroy on the handle and
+ * nothing else (``fast``), and the Python function that makes a failed
+ * destroy's wreck safe and says what to report (``failed``). */
+typedef struct {
+    PyObject_HEAD
+    const int *inner_kv, *counter_kv, *garbage_kv;
+    getptr_fn getptr;
+    getcomm_fn getcomm;
+    destroy_fn destroy;
+    seterr_fn seterr;
+    PyObject *fast, *failed;
+} Petsc;
+
+static PyTypeObject PetscType;
+
+static int
+petsc_traverse(Petsc *p, visitproc visit, void *arg)
+{
+    Py_VISIT(p->fast);
+    Py_VISIT(p->failed);
+    return 0;
+}
+
+static int
+petsc_clear(Petsc *p)
+{
+    Py_CLEAR(p->fast);
+    Py_CLEAR(p->failed);
+    return 0;
+}
+
+static void
+petsc_dealloc(Petsc *p)
+{
+    PyObject_GC_UnTrack(p);
+    petsc_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *
+petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    unsigned long long inner, counter, garbage, getptr, getcomm, destroy, seterr;
+    PyObject *fast, *failed;
+    if (!no_keywords("Petsc", kw)
+        || !PyArg_ParseTuple(args, "KKKKKKKO!O:Petsc", &inner, &counter, &garbage, &getptr,
+                             &getcomm, &destroy, &seterr, &PyTuple_Type, &fast, &failed)) {
+        return NULL;
+    }
+    if (!inner || !counter || !garbage || !getptr || !getcomm || !destroy || !seterr) {
+        PyErr_SetString(PyExc_ValueError, "Petsc: a null address");
+        return NULL;
+    }
+    Petsc *p = (Petsc *)type->tp_alloc(type, 0);
+    if (p != NULL) {
+        p->inner_kv = (const int *)(uintptr_t)inner;
+        p->counter_kv = (const int *)(uintptr_t)counter;
+        p->garbage_kv = (const int *)(uintptr_t)garbage;
+        p->getptr = (getptr_fn)(uintptr_t)getptr;
+        p->getcomm = (getcomm_fn)(uintptr_t)getcomm;
+        p->destroy = (destroy_fn)(uintptr_t)destroy;
+        p->seterr = (seterr_fn)(uintptr_t)seterr;
+        p->fast = Py_NewRef(fast);
+        p->failed = Py_NewRef(failed);
+    }
+    return (PyObject *)p;
+}
+
+static int
+petsc_attr(MPI_Comm comm, int kv, void **out)
+{
+    if (kv == MPI_KEYVAL_INVALID) {
+        return 0; /* PETSc has not made that keyval yet: nothing attached */
+    }
+    int flag = 0;
+    if (MPI_Comm_get_attr(comm, kv, out, &flag) != MPI_SUCCESS) {
+        return 0;
+    }
+    return flag;
+}
+
+/* PETSc's inner communicator of comm (itself if it is one): 1, or 0 if none. */
+static int
+inner_of(Petsc *p, MPI_Comm comm, MPI_Comm *inner)
+{
+    void *raw = NULL;
+    if (petsc_attr(comm, *p->inner_kv, &raw)) {
+        /* PETSc keeps an MPI_Comm in a union with a void *. */
+        *inner = sizeof(MPI_Comm) < sizeof(void *) ? (MPI_Comm)(intptr_t)(int32_t)(uintptr_t)raw
+                                                   : (MPI_Comm)(intptr_t)raw;
+        return 1;
+    }
+    if (petsc_attr(comm, *p->counter_kv, &raw)) {
+        *inner = comm;
+        return 1;
+    }
+    return 0;
+}
+
+/* garbage(handle): see petsc/_internals.Internals.garbage_py, its twin. */
+static PyObject *
+petsc_garbage(Petsc *p, PyObject *arg)
+{
+    long long handle = PyLong_AsLongLong(arg);
+    if (handle == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    /* MPI_Comm is a pointer in Open MPI and an int in MPICH: the handle's
+     * integer (MPI._handleof) converts either way. */
+    MPI_Comm inner;
+    if (!inner_of(p, (MPI_Comm)(intptr_t)handle, &inner)) {
+        return PyLong_FromLong(-1);
+    }
+    void *raw = NULL;
+    if (!petsc_attr(inner, *p->garbage_kv, &raw) || raw == NULL) {
+        return PyLong_FromLong(0);
+    }
+    const khash_obj *kh = (const khash_obj *)raw;
+    uint32_t n = kh->n_buckets;
+    if ((n & (n - 1)) || !(kh->size <= kh->n_occupied && kh->n_occupied <= n)
+        || (n && !(kh->flags && kh->keys && kh->vals))) {
+        return PyLong_FromLong(-2); /* not the table we know: nothing more is read */
+    }
+    return PyLong_FromUnsignedLong(kh->size);
+}
+
+static int
+is_fast(Petsc *p, PyObject *obj)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p->fast); i++) {
+        if (PyTuple_GET_ITEM(p->fast, i) == (PyObject *)Py_TYPE(obj)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int
+count_referent(PyObject *o, void *n)
+{
+    (*(Py_ssize_t *)n)++;
+    return 0;
+}
+
+/* sort(objs, comm): 1 if every object is a live petsc4py object of a fast
+ * type on a communicator of size 1, 0 if each is that or lives on comm's
+ * PETSc inner communicator, and none refers to anything in Python (so none
+ * can refer back to its owner); -1 otherwise (collective_gc.petsc.manage's
+ * Python path then looks, and says what is wrong). Local: no message. */
+static PyObject *
+petsc_sort(Petsc *p, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 2 || !PyTuple_Check(a[0])) {
+        PyErr_SetString(PyExc_TypeError, "sort(objs, comm)");
+        return NULL;
+    }
+    MPI_Comm *comm = PyMPIComm_Get(a[1]);
+    if (comm == NULL) {
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    int have_inner = -1, serial = 1;
+    MPI_Comm inner = MPI_COMM_NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a[0]); i++) {
+        PyObject *obj = PyTuple_GET_ITEM(a[0], i);
+        if (!is_fast(p, obj)) {
+            return PyLong_FromLong(-1);
+        }
+        PetscObject *slot = p->getptr(obj);
+        MPI_Comm c;
+        int size = 0;
+        if (slot == NULL || *slot == NULL || p->getcomm(*slot, &c) != 0
+            || MPI_Comm_size(c, &size) != MPI_SUCCESS) {
+            PyErr_Clear();
+            return PyLong_FromLong(-1);
+        }
+        Py_ssize_t refs = 0;
+        if (Py_TYPE(obj)->tp_traverse != NULL) {
+            Py_TYPE(obj)->tp_traverse(obj, count_referent, &refs);
+        }
+        if (refs) {
+            return PyLong_FromLong(-1);
+        }
+        if (size == 1) {
+            continue;
+        }
+        serial = 0;
+        if (have_inner < 0) {
+            have_inner = inner_of(p, *comm, &inner);
+        }
+        if (!have_inner || c != inner) {
+            return PyLong_FromLong(-1);
+        }
+    }
+    return PyLong_FromLong(serial);
+}
+
+/* Destroy obj as petsc4py's destroy() would: 0, or -1 with the exception set. */
+static int
+destroy_petsc(Petsc *p, PyObject *obj)
+{
+    if (!is_fast(p, obj)) {
+        PyObject *res = PyObject_CallMethod(obj, "destroy", NULL);
+        Py_XDECREF(res);
+        return res == NULL ? -1 : 0;
+    }
+    PetscObject *slot = p->getptr(obj);
+    if (slot == NULL) {
+        return -1;
+    }
+    if (*slot == NULL) {
+        return 0; /* destroyed already: petsc4py's destroy() does nothing either */
+    }
+    int ierr = p->destroy(slot); /* PETSc nulls the handle */
+    if (ierr || PyErr_Occurred()) {
+        if (!PyErr_Occurred()) {
+            p->seterr(ierr); /* petsc4py's PETSc.Error, as CHKERR makes it */
+        }
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_RuntimeError, "PETSc error code %d", ierr);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+/* The destroys of a run of managed PETSc registrations: each item of argss
+ * is (obj, state) (``many`` false: collective_gc.petsc's destroy_one) or
+ * (state, obj, ...) (``many``: destroy_many, its objects last first), every
+ * object tried whatever raises. What raised for one registration goes to
+ * ``failed(state, [(obj, exc), ...])`` (Python: the wreck made safe, the
+ * exception to report); returns [(index, exception)]. */
+static PyObject *
+petsc_run(Petsc *p, PyObject *argss, int many)
+{
+    PyObject *failures = PyList_New(0);
+    if (failures == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(argss); i++) {
+        PyObject *call = Py_NewRef(PyList_GET_ITEM(argss, i));
+        PyObject *bad = NULL; /* [(obj, exc)] of this registration */
+        if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) < 2) {
+            PyErr_SetString(PyExc_TypeError, "a managed PETSc destroy without its objects");
+            bad = PyList_New(0);
+            PyObject *exc = take_exception();
+            PyObject *pair = exc == NULL ? NULL : Py_BuildValue("(ON)", Py_None, exc);
+            if (bad == NULL || pair == NULL || PyList_Append(bad, pair) < 0) {
+                PyErr_Clear();
+            }
+            Py_XDECREF(pair);
+        }
+        else {
+            Py_ssize_t n = PyTuple_GET_SIZE(call);
+            for (Py_ssize_t j = many ? n - 1 : 0; many ? j >= 1 : j < 1; many ? j-- : j++) {
+                PyObject *obj = PyTuple_GET_ITEM(call, j);
+                if (destroy_petsc(p, obj) == 0) {
+                    continue;
+                }
+                PyObject *exc = take_exception();
+                if (bad == NULL) {
+                    bad = PyList_New(0);
+                }
+                PyObject *pair = exc == NULL ? NULL : Py_BuildValue("(ON)", obj, exc);
+                if (bad == NULL || pair == NULL || PyList_Append(bad, pair) < 0) {
+                    PyErr_Clear(); /* go on: every object must be tried */
+                }
+                Py_XDECREF(pair);
+            }
+        }
+        if (bad != NULL) {
+            PyObject *state = PyTuple_Check(call) && PyTuple_GET_SIZE(call) >= 2
+                                  ? PyTuple_GET_ITEM(call, many ? 0 : 1)
+                                  : Py_None;
+            PyObject *exc = PyObject_CallFunctionObjArgs(p->failed, state, bad, NULL);
+            if (exc == NULL) {
+                exc = take_exception(); /* its own failure is what is reported */
+            }
+            PyObject *row = exc == NULL ? NULL : Py_BuildValue("(nN)", i, exc);
+            if (row == NULL || PyList_Append(failures, row) < 0) {
+                PyErr_Clear();
+            }
+            Py_XDECREF(row);
+            Py_DECREF(bad);
+        }
+        Py_DECREF(call);
+    }
+    return failures;
+}
+
+/* A run's runner, one of two kinds, for FamilyState.destroy's batches: called
+ * from C directly there, from Python as a callable elsewhere. */
+typedef struct {
+    PyObject_HEAD
+    Petsc *petsc;
+    int many;
+} PetscRun;
+
+static PyTypeObject PetscRunType;
+
+static PyObject *
+petscrun_call(PetscRun *r, PyObject *args, PyObject *kw)
+{
+    PyObject *argss;
+    if (!no_keywords("PetscRun", kw) || !PyArg_ParseTuple(args, "O!:PetscRun", &PyList_Type, &argss)) {
+        return NULL;
+    }
+    return petsc_run(r->petsc, argss, r->many);
+}
+
+static void
+petscrun_dealloc(PetscRun *r)
+{
+    Py_XDECREF(r->petsc);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyTypeObject PetscRunType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.PetscRun",
+    .tp_basicsize = sizeof(PetscRun),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The runner of a run of managed PETSc destroys (Petsc.runner).",
+    .tp_call = (ternaryfunc)petscrun_call,
+    .tp_dealloc = (destructor)petscrun_dealloc,
+};
+
+static PyObject *
+petsc_runner(Petsc *p, PyObject *arg)
+{
+    int many = PyObject_IsTrue(arg);
+    if (many < 0) {
+        return NULL;
+    }
+    PetscRun *r = PyObject_New(PetscRun, &PetscRunType);
+    if (r != NULL) {
+        r->petsc = (Petsc *)Py_NewRef(p);
+        r->many = many;
+    }
+    return (PyObject *)r;
+}
+
+static PyObject *
+petsc_run_any(PyObject *runner, PyObject *argss)
+{
+    return petsc_run(((PetscRun *)runner)->petsc, argss, ((PetscRun *)runner)->many);
+}
+
+static PyMethodDef petsc_methods[] = {
+    {"garbage", (PyCFunction)petsc_garbage, METH_O, NULL},
+    {"sort", (PyCFunction)(void (*)(void))petsc_sort, METH_FASTCALL, NULL},
+    {"runner", (PyCFunction)petsc_runner, METH_O, NULL},
+    {NULL},
+};
+
+static PyTypeObject PetscType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.Petsc",
+    .tp_basicsize = sizeof(Petsc),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "What collective_gc.petsc reads and runs of PETSc, in C.",
+    .tp_traverse = (traverseproc)petsc_traverse,
+    .tp_clear = (inquiry)petsc_clear,
+    .tp_dealloc = (destructor)petsc_dealloc,
+    .tp_methods = petsc_methods,
+    .tp_new = petsc_new,
+};
+
+/* ======================================================================== */
+/* the module                                                                */
 
 static PyMethodDef methods[] = {
-    {"region_setup", region_setup, METH_VARARGS, region_setup_doc},
-    {"region_enter", region_enter, METH_NOARGS, region_enter_doc},
-    {"region_leave", region_leave, METH_O, region_leave_doc},
-    {"handlers_changed", (PyCFunction)(void (*)(void))handlers_changed, METH_FASTCALL,
-     handlers_changed_doc},
-    {"set_registration_type", set_registration_type, METH_O, set_registration_type_doc},
-    {"take_batch", take_batch, METH_VARARGS, take_batch_doc},
     {"new_registration", (PyCFunction)(void (*)(void))new_registration, METH_FASTCALL,
-     new_registration_doc},
-    {"run_each", run_each, METH_VARARGS, run_each_doc},
-    {"set_flags", set_flags, METH_O, set_flags_doc},
-    {"on_finalize", on_finalize, METH_O, on_finalize_doc},
-    {"destroy_each", destroy_each, METH_VARARGS, destroy_each_doc},
-    {"set_petsc_reader", set_petsc_reader, METH_VARARGS, set_petsc_reader_doc},
-    {"petsc_garbage", petsc_garbage, METH_O, petsc_garbage_doc},
-    {"keys_of", keys_of, METH_O, keys_of_doc},
-    {"pack_window", pack_window, METH_VARARGS, pack_window_doc},
-    {"window_keys", window_keys, METH_VARARGS, window_keys_doc},
-    {"set_registry_type", set_registry_type, METH_VARARGS, set_registry_type_doc},
-    {"add_plain", (PyCFunction)(void (*)(void))add_plain, METH_FASTCALL, add_plain_doc},
-#ifdef CGC_HAVE_MPI
-    {"mpi_ready", mpi_ready, METH_NOARGS, mpi_ready_doc},
-    {"steady_setup", steady_setup, METH_VARARGS, steady_setup_doc},
-    {"steady", (PyCFunction)(void (*)(void))steady, METH_FASTCALL, steady_doc},
-#endif
+     "collective_gc._state.new_registration, in C."},
     {NULL, NULL, 0, NULL},
+};
+
+/* The MPI library this module was built against must be mpi4py's, else its
+ * handles would be another MPI's: the import fails, and the Python twins run. */
+static int
+same_mpi(void)
+{
+    char mine[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    if (MPI_Get_library_version(mine, &len) != MPI_SUCCESS) {
+        return 0;
+    }
+    PyObject *mod = PyImport_ImportModule("mpi4py.MPI");
+    PyObject *theirs = mod == NULL ? NULL : PyObject_CallMethod(mod, "Get_library_version", NULL);
+    Py_XDECREF(mod);
+    if (theirs == NULL) {
+        return -1;
+    }
+    PyObject *ours = PyUnicode_DecodeLatin1(mine, len, NULL);
+    int same = ours != NULL && PyUnicode_Compare(ours, theirs) == 0;
+    Py_XDECREF(ours);
+    Py_DECREF(theirs);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    return same;
+}
+
+static int
+exec_module(PyObject *m)
+{
+    if (import_mpi4py() < 0) {
+        return -1;
+    }
+    int same = same_mpi();
+    if (same <= 0) {
+        if (same == 0) {
+            PyErr_SetString(PyExc_ImportError,
+                            "collective_gc._speedups was built against another MPI library than "
+                            "mpi4py's (rebuild it)");
+        }
+        return -1;
+    }
+    PyObject *functools = PyImport_ImportModule("functools");
+    if (functools == NULL) {
+        return -1;
+    }
+    Py_XSETREF(partial_type, PyObject_GetAttrString(functools, "partial"));
+    Py_DECREF(functools);
+    if (partial_type == NULL || !PyType_Check(partial_type)) {
+        return -1;
+    }
+    RegType.tp_base = &_PyWeakref_RefType;
+    PyTypeObject *types[] = {&GcStateType, &RegType, &RegionType, &FamilyStateType, &PetscType,
+                             &PetscRunType};
+    const char *names[] = {"GcState", "RegistrationFields", "Region", "FamilyState", "Petsc",
+                           "PetscRun"};
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (PyType_Ready(types[i]) < 0 || PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+    {0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "collective_gc._speedups",
-    "The per-object hot spots of collective_gc in C (see the source's header).",
-    -1,
-    methods,
-    NULL,
-    NULL,
-    NULL,
-    NULL,
+    .m_name = "collective_gc._speedups",
+    .m_doc = "collective_gc's typed state in C (see the source's header).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = slots,
 };
 
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (!(s_state = PyUnicode_InternFromString("_state"))
-        || !(s_cyclic = PyUnicode_InternFromString("cyclic"))
-        || !(s_push = PyUnicode_InternFromString("_push"))) {
-        return NULL;
-    }
-    PyObject *m = PyModule_Create(&module_def);
-#ifdef CGC_HAVE_MPI
-    const int have_mpi = 1;
-#else
-    const int have_mpi = 0;
-#endif
-    if (m != NULL && PyModule_AddObject(m, "HAVE_MPI", PyBool_FromLong(have_mpi)) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModuleDef_Init(&module_def);
 }

@@ -1,57 +1,54 @@
+# The C twins of collective_gc._state's typed state (see _speedups.c's
+# header). Each C type has its Python twin's fields and methods, which this
+# stub states by deriving from it: mypy then checks every call into C
+# against the same signatures as the twin's.
 from collections.abc import Callable
 from typing import Any
 
-def set_flags(flags: list[int], /) -> None: ...
-def on_finalize(reg: Any, /) -> None: ...
-def destroy_each(
-    calls: list[tuple[Any, ...]],
-    pos: int,
-    fast_types: tuple[type, ...],
-    getptr: int,
-    destroy: int,
-    seterr: int,
-    /,
-) -> list[tuple[int, BaseException]]: ...
-def set_registration_type(cls: type, /) -> None: ...
-def take_batch(
-    regs: dict[int, Any],
-    keys: list[int],
-    state: int,
-    batched: tuple[Any, ...],
-    /,
-) -> tuple[
-    list[Any],
-    list[Callable[..., object]],
-    list[tuple[Any, ...]],
-    list[tuple[int, int, int]] | None,
-]: ...
-def run_each(
-    fns: list[Callable[..., object]], argss: list[tuple[Any, ...]], /
-) -> list[tuple[int, BaseException]]: ...
-def handlers_changed(
-    getsignal: Callable[[int], object], signals: tuple[int, ...], expected: tuple[object, ...], /
-) -> bool: ...
-def region_setup(
-    main_ident: int,
-    depth: list[int],
-    deferred: list[Any],
-    signals: tuple[int, ...],
-    guarded: list[tuple[object, ...]],
-    getsignal: Callable[[int], object],
-    guard: Callable[[], None],
-    deliver: Callable[[bool], None],
-    /,
-) -> None: ...
-def region_enter() -> bool: ...
-def region_leave(entered: bool, /) -> None: ...
-def set_registry_type(
-    cls: type, track_origins: list[bool], callback: Callable[[Any], None], /
-) -> None: ...
-def add_plain(
-    registry: Any,
+from mpi4py import MPI
+
+from . import _state
+
+class GcState(_state.GcState): ...
+class RegistrationFields(_state.RegistrationFields): ...
+class Region(_state.Region): ...
+
+class FamilyState(_state.FamilyState):
+    persistent: bool  # (a property in the twin, a field here)
+
+def new_registration(
+    cls: type[_state.RegistrationFields],
+    callback: Callable[[Any], None],
     obj: object,
+    owner: Any,
+    push: Callable[[Any], object],
+    key: int,
     destroy: Callable[..., object],
     args: tuple[Any, ...],
     name: str | None,
+    origin: Any,
     /,
 ) -> Any: ...
+
+class PetscRun:
+    def __call__(self, argss: list[tuple[Any, ...]], /) -> list[tuple[int, BaseException]]: ...
+
+class Petsc:
+    """What collective_gc.petsc reads and runs of PETSc (addresses given once)."""
+
+    def __init__(
+        self,
+        inner_kv: int,
+        counter_kv: int,
+        garbage_kv: int,
+        getptr: int,
+        getcomm: int,
+        destroy: int,
+        seterr: int,
+        fast: tuple[type, ...],
+        failed: Callable[[Any, list[tuple[Any, BaseException]]], BaseException],
+        /,
+    ) -> None: ...
+    def garbage(self, handle: int, /) -> int: ...
+    def sort(self, objs: tuple[Any, ...], comm: MPI.Comm, /) -> int: ...
+    def runner(self, many: bool, /) -> PetscRun: ...

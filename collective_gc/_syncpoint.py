@@ -6,33 +6,41 @@ object's point of view: its finalizer appended its registration to the
 family's inbox. Then:
 
 1. prepare: the participants' votes, which derived families (strict
-   subsets: ``cgc.split``) this rank has something for, and the drain of
-   the inbox into the pending keys;
+   subsets: ``cgc.split``) this rank has something for, the failures kept
+   from earlier sync points, and the drain of the inbox into the pending keys;
 2. agree: one collective over the private communicator says which keys are
    pending on every rank, ORs the flags, votes and derived families' bits,
-   and checks that every rank is at the same sync point
-   (:meth:`._agree.Agreement.agree`); if some rank holds failures that no
-   sync point has reported yet, they are reported now, on every rank, and
-   nothing else is done;
+   and checks that every rank is at the same sync point; if some rank holds
+   failures that no sync point has reported yet, they are reported now, on
+   every rank, and nothing else is done;
 3. destroy: those keys' destroys, newest first (:func:`._destroy.run`);
 4. visit: the sync points of the derived families some rank wanted;
-5. check (a scope's exit, a close, the exit agreement, or a participant
-   that asks for its votes again): one more word says whether anything
-   failed anywhere, and takes the votes again;
-6. finish: the participants act on the agreed flags (one more word if any
+5. release: what waits to let go (a freed communicator's manager, a dropped
+   ``cgc.dup``) once nothing is registered on it;
+6. check (a final sync point only: a scope's exit, a close, the exit
+   agreement, the pytest plugin): one more word says whether anything
+   failed anywhere;
+7. finish: the participants act on the agreed flags (one more word if any
    of them might raise);
-7. report: what failed is raised on every rank if a collective of this sync
+8. report: what failed is raised on every rank if a collective of this sync
    point said so; else it is kept, and the family's next agreement reports
    it (step 2).
 
-So a sync point whose destroys succeed makes one collective, and one whose
+They are listed once, in :data:`STEPS`; :meth:`SyncPoint.run` runs them in
+that order, and a tracer wraps each. Each step decides from agreed values
+whether it has anything to do, so every rank takes the same branches and
+makes the same collectives; in the steady state (nothing unusual anywhere)
+each takes its fast case. Where the extension is built, a sync point that
+turns out steady runs all of them in one C call
+(:meth:`~collective_gc._state.FamilyState.steady`), which hands the rest to
+these steps, from the step it stopped at, when it finds anything unusual.
+
+A sync point whose destroys succeed makes one collective, and one whose
 destroys fail costs nothing more: its failures are agreed by the next
 collective of the family, which the program makes anyway (the next sync
-point, the scope's exit, a close, exit). Each step decides from agreed
-values only, so every rank takes the same branches and makes the same
-collectives. One :class:`SyncPoint` holds what a sync point carries from
-step to step; the :class:`~collective_gc._collective.Collective` what the
-family's sync points share.
+point, the scope's exit, a close, exit). One :class:`SyncPoint` holds what a
+sync point carries from step to step; the family's
+:class:`~collective_gc._state.FamilyState` what its sync points share.
 
 Participants (:class:`Participant`) are what takes part in a sync point
 beside the destroys: a scope's GC policy, PETSc's own garbage cleanup. Each
@@ -41,7 +49,6 @@ may vote in a byte (its field) of the agreed flags and act on the result.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -49,24 +56,28 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from . import _agree, _destroy
+from . import _agree, _destroy, _tracing, _tree
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
-from ._errors import CollectiveGCError, CollectiveMismatchError
+from ._errors import CollectiveGCError, CollectiveMismatchError, CollectiveTimeoutError
 from ._registration import where
-from ._tracing import TRACER, Phases, Tracer
-from ._transport import Deadline, allgather
+from ._tracing import Phases, Tracer
+from ._transport import DONE, LATE, Deadline, allgather, gave_up_error, late_text
 
 if TYPE_CHECKING:
     from ._collective import Collective
     from ._manager import Manager
+    from ._state import FamilyState
 
 __all__ = [
     "CollectStats",
     "Participant",
     "SyncPoint",
+    "STEPS",
+    "AGREE",
     "identities",
     "what_raised",
-    "add_reacher",
+    "may_raise_ever",
+    "keep_failures",
     "SCOPE_EXIT",
 ]
 
@@ -107,9 +118,11 @@ class Participant:
     participants were added (sync points' own participants last), with the
     manager it was added on (its communicator, rank and size).
 
-    ``quiet_finish``: True if :meth:`finish` does nothing when the agreed
-    flags are all 0 and nothing was destroyed (the steady state), which may
-    then skip it; False (the default) calls it at every sync point.
+    ``quiet_finish``: True if :meth:`finish` does nothing when its own byte
+    of the agreed flags and the sync point's own flags (the low byte) are
+    all 0: then it is not called (so such a sync point can take the steady
+    state, which calls it only when its byte is set); False (the default)
+    calls it at every sync point, which then never takes the steady state.
     """
 
     field: int | None = None
@@ -119,16 +132,8 @@ class Participant:
         """This rank's byte (0..255), ORed over the ranks. Local, no MPI."""
         return 0
 
-    def revote(self, flags: int) -> bool:
-        """Whether, given the agreed ``flags``, the votes must be taken again
-        after the destroys (they may change them: PETSc garbage), with one
-        more word; answer from ``flags`` alone, so that every rank answers
-        alike. The default: False."""
-        return False
-
     def finish(self, mgr: Manager, flags: int) -> None:
-        """After the destroys, with the agreed flags (the votes taken again
-        after the destroys, if :meth:`revote` asked). May make collective
+        """After the destroys, with the agreed flags. May make collective
         calls on ``mgr.comm``.
 
         If it raises on any rank (when :meth:`may_raise` said it could), every
@@ -184,40 +189,21 @@ def identities(parts: Sequence[Participant]) -> str:
     return "\0".join(p.identity() for p in parts)
 
 
+def may_raise_ever(p: Participant) -> bool:
+    """Whether ``p``'s finish may raise for some agreed flags (a
+    ``may_raise`` that raises says yes)."""
+    try:
+        return bool(p.may_raise(-1))
+    except Exception:  # noqa: BLE001 (see Participant.may_raise)
+        return True
+
+
 def what_raised(exc: BaseException) -> str:
     """``"Type: message"`` of ``exc``, whatever its ``str()`` does (it may raise too)."""
     try:
         return f"{type(exc).__name__}: {exc}"
     except Exception:  # noqa: BLE001
         return f"{type(exc).__name__} (whose str() raised)"
-
-
-# Called at the start of each sync point of a family of size > 1 with that
-# family (collective_gc._comms: a communicator a library made, first used
-# before any family containing it existed, is adopted there).
-_REACHERS: list[Callable[[Collective], None]] = []
-# What they look for (collective_gc._comms keeps it): while it is empty a
-# sync point has nothing to reach, and the steady state may run.
-UNREACHED: list[Any] = []
-# Made anew whenever a family joins UNREACHED (add_unreached). A family
-# whose sync point looked through the list at this epoch
-# (Collective.reached) found all it could reach there: what is left belongs
-# to other families' groups, and it needs not look again (nor leave the
-# steady state for it) until the list grows.
-REACH_EPOCH: list[object] = [object()]
-
-
-def add_unreached(entry: Any) -> None:
-    """Put ``entry`` (a ``(family ref, manager ref)`` pair) on UNREACHED. Local."""
-    UNREACHED.append(entry)
-    REACH_EPOCH[0] = object()
-
-
-def add_reacher(reach: Callable[[Collective], None]) -> None:
-    """Call ``reach(family)`` at each sync point of a family of size > 1,
-    before its agreement (at the same point on every rank). Local."""
-    if reach not in _REACHERS:
-        _REACHERS.append(reach)
 
 
 class SyncPoint:
@@ -233,6 +219,7 @@ class SyncPoint:
 
     __slots__ = (
         "fam",
+        "core",
         "dl",
         "at_exit",
         "final",
@@ -248,6 +235,11 @@ class SyncPoint:
         "count",
         "visited",
         "agreed",
+        "resumed",
+        "reporting",
+        "quiet",
+        "way",
+        "phases",
         "bad",
         "failures",
         "caught",
@@ -265,9 +257,10 @@ class SyncPoint:
         sink: list[tuple[int, _destroy.Failure]] | None = None,
     ) -> None:
         self.fam = fam
+        self.core = fam.core
         # Where failures known on this rank only go (see report): the
         # family's, or a parent's visit (it reports them to all its ranks).
-        self.sink = fam.unreported if sink is None else sink
+        self.sink = sink
         self.dl, self.at_exit, self.final = deadline, at_exit, final
         self.parts: Sequence[Participant] = fam.participants
         self.owners: Sequence[Manager] = fam.owners
@@ -279,7 +272,7 @@ class SyncPoint:
             self.owners = fam.owners + [owner] * len(extra)
             self.identities = identities(self.parts)
             self.fingerprint = _agree.fingerprint(self.identities)
-        self.seq = fam.seq
+        self.seq = self.core.seq
         self.flags = 0
         self.wanted = 0  # the derived families' bits: this rank's, then agreed
         self.keys: np.ndarray[Any, Any] = _NO_KEYS
@@ -287,6 +280,16 @@ class SyncPoint:
         self.count = 0
         self.visited = False
         self.agreed = False  # whether a collective of this sync point agreed on its failures
+        self.resumed = False  # the steady state made this sync point's exchange
+        self.reporting = False  # some rank kept failures: this one only reports them
+        # Whether nothing unusual was known here before the exchange (the
+        # steady state's first look), and which way the sync point went:
+        # "steady" (every step took its fast case), "failed" (the same, but
+        # destroys or finishes raised), "resume" (the exchange found
+        # something unusual), "watch" (a rank gave up meanwhile), "steps".
+        self.quiet = False
+        self.way = "steps"
+        self.phases: Phases | None = None  # traced: where the exchange marks its wait
         self.bad: list[str] = []  # participants' votes outside 0..255, on this rank
         # (sync point, failure): what failed here, and what the family kept
         # for this sync point's agreement to report.
@@ -297,49 +300,53 @@ class SyncPoint:
         # collectives are done.
         self.caught: list[BaseException] = []
 
-    def run(
-        self, collected: int | None, t0: float, exchanged: tuple[int, int] | None = None
-    ) -> CollectStats:
-        """The steps, in order. Collective: from the agreement on, whether a
-        step runs depends on agreed values only (the keys, the flags, the
-        participants), so every rank runs the same steps. ``exchanged``: the
-        C steady state prepared this sync point (its votes were all 0, the
-        inbox drained with nothing cyclic) and made its allreduce, which
-        found something unusual: the steps go on from there."""
-        tracer = TRACER[0]
-        if tracer is not None:
-            return self._traced(tracer, collected, t0, exchanged)
+    def run(self, collected: int | None, t0: float, start: int = 0) -> CollectStats:
+        """The steps, in order (:data:`STEPS`), from ``start``. Collective:
+        from the agreement on, whether a step does anything depends on agreed
+        values only (the keys, the flags, the participants), so every rank
+        runs the same collectives. ``start`` is AGREE where the C steady
+        state prepared this sync point and made its exchange, which found
+        something unusual: the steps go on from there."""
+        if start == AGREE:
+            self.resumed = self.quiet = True
+        tracer = _tracing.TRACER
         try:
-            if exchanged is None:
-                self.prepare()
+            if tracer is None:
+                for _, step in STEPS[start:]:
+                    step(self)
             else:
-                self.fam.inside = True
-            self.agree(exchanged)
-            if not self.flags & FLAG_FAILED:
-                if self.keys.size:
-                    self.destroy()
-                if self.wanted:
-                    self.visit()
-                if self.fam.leaving:
-                    self.fam.release()
-                if (self.keys.size or self.visited) and self._checked():
-                    self.check()
-            # else failures kept by earlier sync points: reported now, on every
-            # rank, instead of destroying (the participants still see the flags:
-            # PETSc's refuses the family if one of them was its own)
-            if self.parts:
-                self.finish()
-            if self.failures or self.caught or self.flags & FLAG_FAILED:
-                self.report()
+                self._traced(tracer, t0, start)
         finally:
             self.failures = self.caught = _NONE  # see the class docs
         return self._stats(collected, t0)
 
+    def _traced(self, tracer: Tracer, t0: float, start: int) -> None:
+        """:meth:`run`'s loop, each step that did something timed and handed
+        to ``tracer`` (see collective_gc._tracing)."""
+        clock = time.perf_counter
+        phases: Phases = []
+        self.phases = phases
+        outcome = "ok"
+        try:
+            for name, step in STEPS[start:]:
+                began = clock()
+                if step(self) is not False:
+                    phases.append((name, began, clock()))
+        except BaseException as exc:
+            outcome = type(exc).__name__
+            phases.append((name, began, clock()))
+            raise
+        finally:
+            fam = self.fam
+            tracer.sync_point(
+                fam.label, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
+            )
+
     def _stats(self, collected: int | None, t0: float) -> CollectStats:
-        r = self.fam.registry
+        core = self.core
         return CollectStats(
             self.count,
-            r.pend.size + len(r.inbox),
+            len(core.pending_keys()[0]) // 8 + len(core.inbox),
             self.cyclic,
             time.perf_counter() - t0,
             self.seq,
@@ -347,203 +354,152 @@ class SyncPoint:
             self.wanted.bit_count(),
         )
 
-    def _traced(
-        self,
-        tracer: Tracer,
-        collected: int | None,
-        t0: float,
-        exchanged: tuple[int, int] | None,
-    ) -> CollectStats:
-        """:meth:`run`, with each step's time handed to ``tracer`` (see
-        collective_gc._tracing): the same steps, in the same order."""
-        clock = time.perf_counter
-        phases: Phases = []
-        fam = self.fam
-        if fam.agreement is not None:
-            fam.agreement.waits = phases  # the exchange marks its wait there
-        outcome = "ok"
-
-        def step(name: str, fn: Callable[[], None]) -> None:
-            start = clock()
-            try:
-                fn()
-            finally:
-                phases.append((name, start, clock()))
-
-        try:
-            if exchanged is None:
-                step("prepare", self.prepare)
-            else:
-                fam.inside = True
-            step("agree", lambda: self.agree(exchanged))
-            if not self.flags & FLAG_FAILED:
-                if self.keys.size:
-                    step("destroy", self.destroy)
-                if self.wanted:
-                    step("visit", self.visit)
-                if fam.leaving:
-                    step("release", fam.release)
-                if (self.keys.size or self.visited) and self._checked():
-                    step("check", self.check)
-            if self.parts:
-                step("finish", self.finish)
-            if self.failures or self.caught or self.flags & FLAG_FAILED:
-                step("report", self.report)
-        except BaseException as exc:
-            outcome = type(exc).__name__
-            raise
-        finally:
-            self.failures = self.caught = _NONE  # see the class docs
-            if fam.agreement is not None:
-                fam.agreement.waits = None
-            tracer.sync_point(
-                fam.label, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
-            )
-        return self._stats(collected, t0)
-
     # -- 1. prepare ------------------------------------------------------------
 
     def prepare(self) -> None:
-        """The votes, the derived families this rank has something for, the drain."""
-        fam = self.fam
+        """The votes, the derived families this rank has something for, the
+        failures kept from earlier sync points, the drain."""
+        fam, core = self.fam, self.core
+        quiet = fam.size > 1 and core.quiet() and all(p.quiet_finish for p in self.parts)
         if fam.size > 1:
-            epoch = REACH_EPOCH[0]
-            for reach in _REACHERS:
-                reach(fam)
-            fam.reached = epoch
+            _tree.reach(fam)
         if self.parts:
             self.flags = self._votes()
-        children = fam.children
-        for child in children:
-            if child.member() and child.wants():
-                self.wanted |= child.bit
-        if any(child.done() for child in children):
-            # Gone on this rank (closed, freed): no visit would drop it (a
-            # closed family wants none), and while it is listed the family's
-            # sync points are not steady (Child.idle). Gone on all its ranks
-            # alike, since members leave at collectives.
-            fam.children = [child for child in children if not child.done()]
-        if fam.unreported:
+        self.wanted = _tree.wanted(fam)
+        if core.unreported:
             # Failures of earlier sync points, which this one reports: on
             # every rank, since the agreement tells every rank of them.
-            self.failures.extend(fam.unreported)
-            fam.unreported.clear()
+            self.failures.extend(core.take_unreported())
             self.flags |= FLAG_FAILED
-        r = fam.registry
-        if r.inbox or r.stale or r.last_cyclic:
-            self.cyclic = r.drain(self.seq)
+        if core.inbox or core.stale or core.cyclic_seen:
+            self.cyclic = fam.registry.drain(self.seq)
             if self.cyclic:
                 self.flags |= FLAG_CYCLIC
+        self.quiet = quiet and not self.flags & (FLAG_CYCLIC | FLAG_BAD_VOTE | FLAG_FAILED)
 
     # -- 2. agree ----------------------------------------------------------------
 
-    def agree(self, exchanged: tuple[int, int] | None = None) -> None:
+    def agree(self) -> None:
         """The keys pending on every rank, and the agreed flags. Collective.
-        ``exchanged``: the allreduce was made already (the C steady state's:
-        ``_speedups.steady``), this is what it found of the pending keys."""
-        fam = self.fam
+        Resumed (the steady state made the exchange), it reads what that found."""
+        fam, core = self.fam, self.core
         r = fam.registry
         if fam.size == 1:
-            self.keys = r.pend
+            raw, _ = core.pending_keys()
+            self.keys = np.frombuffer(raw, np.int64) if raw else _NO_KEYS
+            core.agreed(-1)
         else:
             # From here until the last collective, leaving by an exception on
             # this rank only makes the family unusable (see Collective.sync).
-            fam.inside = True
-            agreement = fam.agreement
-            assert agreement is not None, "a family of size > 1 is opened when made"
             what = fam.what("its agreement")
-            if exchanged is None:
-                head = _agree.Header(
-                    self.seq,
-                    r.next_key,
+            self.dl.watch = core
+            if self.resumed:
+                found = DONE if core.gone is None else WATCHED_NOW
+            else:
+                began = time.perf_counter()
+                found = core.exchange(
                     self.at_exit,
                     self.flags,
-                    self.fingerprint ^ _agree.as_int64(r.order),
+                    _agree.as_int64(self.fingerprint ^ core.order),
                     self.wanted,
+                    self.dl.at,
                 )
-                exchanged = agreement.exchange(head, r.pend, self.dl, what)
-            agreed = agreement.resolve(r.pend, *exchanged, self.dl, what)
+                if self.phases is not None:
+                    # Packing apart (a few stores), the allreduce's wait for the others.
+                    self.phases.append(("wait", began, time.perf_counter()))
+            if found == LATE:
+                raise CollectiveTimeoutError(what() + late_text(core))
+            if found != DONE:
+                if self.quiet:
+                    self.way = "watch"
+                raise gave_up_error(core, what)
+            if self.quiet:
+                self.way = "steady" if core.plain(self._raising()) else "resume"
+            agreed = _agree.resolve(core, self.dl, what)
             if agreed.mismatch:
-                raise self._mismatch(agreement.comm)
+                raise self._mismatch(core.comm)
             # The agreed next key (the one every rank sent: a registration on
             # another thread meanwhile is the next sync point's).
-            agreement.window.advance(int(agreement.buffer()[2]))
-            r.new_interval()
+            core.agreed(core.reduced()[2])
             self.keys, self.flags, self.wanted = agreed.keys, agreed.flags, agreed.children
+        del r
         if self.flags & FLAG_BAD_VOTE:
             # Seen alike by every rank, before anything is destroyed: the keys
             # stay pending, and the family stays usable. (An interrupt held
             # meanwhile is raised in its place by the protected region's end.)
-            fam.inside = False
+            core.left()
             raise CollectiveGCError(
                 f"rank {fam.rank}: a participant of the {fam.label} voted outside "
                 f"0..255 at sync point {self.seq} (here: {'; '.join(self.bad) or 'none'}); "
                 "nothing was destroyed"
             )
-        fam.seq = self.seq + 1
         if self.flags & FLAG_FAILED:
-            self.agreed = True  # every rank reports what any rank kept (step 7)
+            # Failures kept by earlier sync points: reported now, on every
+            # rank, instead of destroying (the participants still see the
+            # flags: PETSc's refuses the family if one of them was its own).
+            self.agreed = self.reporting = True
 
     # -- 3. destroy --------------------------------------------------------------
 
-    def destroy(self) -> None:
+    def destroy(self) -> bool:
         """The agreed keys' destroys, newest first, on every rank alike."""
-        fam = self.fam
-        fam.destroying = threading.get_ident()
-        try:
-            self.count, more, interrupt = _destroy.run(fam.registry, self.keys)
-        finally:
-            fam.destroying = 0
-            fam.destroyed += self.count
+        if not self.keys.size or self.reporting:
+            return False
+        self.count, more, interrupt = _destroy.run(self.core, self.keys)
         seq = self.seq
         self.failures.extend((seq, f) for f in more)
         if interrupt is not None:
             self.caught.append(interrupt)
         # A frame on the failures' tracebacks (through f_back) must not hold them.
         del more, interrupt
+        return True
 
     # -- 4. visit ------------------------------------------------------------------
 
-    def visit(self) -> None:
+    def visit(self) -> bool:
         """The sync points of the derived families some rank wanted (each
-        collective over that family: its ranks all saw the same bit), in the
-        order they were made; then those gone leave the list."""
-        fam, wanted, seq = self.fam, self.wanted, self.seq
-        children = fam.children
-        for child in list(children):
-            if child.bit & wanted and child.member():
-                self.visited = True
-                self.failures.extend((seq, f) for f in child.visit(self.dl.at))
-        if any(child.done() for child in children):
-            fam.children = [child for child in children if not child.done()]
+        collective over that family: its ranks all saw the same bit)."""
+        if not self.wanted or self.reporting:
+            return False
+        found = _tree.visit(self.fam, self.wanted, self.dl.at)
+        self.visited = True
+        self.failures.extend((self.seq, f) for f in found)
+        del found
+        return True
 
-    # -- 5. check ----------------------------------------------------------------
+    # -- 5. release ----------------------------------------------------------------
 
-    def _checked(self) -> bool:
-        # Agreed values only: every rank decides alike.
-        if self.final:
-            return True
-        flags = self.flags
-        for p in self.parts:
-            if p.revote(flags):
-                return True
-        return False
+    def release(self) -> bool:
+        """What waits to let go once nothing is registered on it tries again
+        (the counts it reads are the same on every rank after agreed destroys)."""
+        if not self.fam.leaving or self.reporting:
+            return False
+        self.fam.release()
+        return True
 
-    def check(self) -> None:
-        """Whether anything failed anywhere, and the votes again. Collective."""
+    # -- 6. check ----------------------------------------------------------------
+
+    def check(self) -> bool:
+        """At a final sync point that destroyed or visited something: whether
+        anything failed anywhere. Collective (decided from agreed values and
+        the kind of sync point, alike on every rank)."""
+        if not self.final or self.reporting or not (self.keys.size or self.visited):
+            return False
         after = self._votes() | (FLAG_FAILED if self.failures else 0)
-        agreement = self.fam.agreement
-        if agreement is not None:
-            after = agreement.any_flags(after, self.dl, self.fam.what("its error check"))
+        if self.fam.size > 1:
+            after = _agree.any_flags(self.core, after, self.dl, self.fam.what("its error check"))
         self.flags = after | (self.flags & FLAG_CYCLIC)
         self.agreed = True
+        return True
 
-    # -- 6. finish ---------------------------------------------------------------
+    # -- 7. finish ---------------------------------------------------------------
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """Every participant's finish, whatever raises; then, if any of them
         said it might raise (agreed, so on every rank alike), one more word
         says whether anything failed anywhere (FLAG_FAILED in the flags)."""
+        if not self.parts:
+            return False
         # Whether to check is asked of every participant before any finish
         # runs, from agreed values only, so it is decided alike on every rank.
         # No signal's handler runs in between (the sync point is a protected
@@ -551,53 +507,71 @@ class SyncPoint:
         # (No local name for the failures: a frame in their tracebacks would
         # hold them; the record's end drops them, see the class docs.)
         flags, seq = self.flags, self.seq
+        # A quiet participant with nothing to do is not called (agreed flags:
+        # alike on every rank; what the steady state does too).
+        own = flags & _SYNC_FLAGS
+        running = [
+            (p, o)
+            for p, o in zip(self.parts, self.owners)
+            if not p.quiet_finish or own or p.votes(flags)
+        ]
+        if not running:
+            return False
         check = False
-        for p in self.parts:
+        for p, _ in running:
             try:
                 check = p.may_raise(flags) or check
             except BaseException as exc:  # a yes (alike on every rank: see may_raise)
                 check = True
                 self.failures.append((seq, (-1, f"the may_raise of {type(p).__name__}", exc)))
-        for p, owner in zip(self.parts, self.owners):
+        for p, owner in running:
             try:
                 p.finish(owner, flags)
             except BaseException as exc:  # every participant finishes; reported after
                 self.failures.append((seq, (-1, f"the finish of {type(p).__name__}", exc)))
-        if not check:
-            return
-        mine = FLAG_FAILED if self.failures else 0
-        agreement = self.fam.agreement
-        if agreement is not None:
-            mine = agreement.any_flags(mine, self.dl, self.fam.what("its finish check"))
-        self.flags |= mine  # on a family of size 1, reported as on a larger one
-        self.agreed = True
+        if check:
+            mine = FLAG_FAILED if self.failures else 0
+            if self.fam.size > 1:
+                mine = _agree.any_flags(self.core, mine, self.dl, self.fam.what("its finish check"))
+            self.flags |= mine  # on a family of size 1, reported as on a larger one
+            self.agreed = True
+        return True
 
-    # -- 7. report ---------------------------------------------------------------
+    # -- 8. report ---------------------------------------------------------------
 
-    def report(self) -> None:
+    def report(self) -> bool:
         """Raise on every rank what failed on any, if a collective of this sync
         point agreed on it; else keep it for the family's next agreement. Then
         this rank's interrupt.
 
         (No exception is held in a local name of these frames: they are in
         the raised exception's traceback, and would close a cycle with it.)"""
-        fam = self.fam
+        core = self.core
+        if not (self.failures or self.caught or self.flags & FLAG_FAILED):
+            core.left()
+            return False
         if self.flags & FLAG_FAILED and self.agreed:
             self._raise_agreed()
-        fam.inside = False
+        core.left()
         if self.caught:
             self.caught[0].add_note(
                 "collective_gc: it was held until the sync point's collectives were "
                 "done, so that every rank ran the same destroys"
             )
+        if self.failures and self.way == "steady":
+            self.way = "failed"
         if self.failures:
             # Known here only: the family's next agreement reports them on every
             # rank (or the parent's, for a visit); an interrupt among them is
             # raised here too, now.
-            self.sink.extend(self.failures)
-            self.caught.extend(_interrupts_among(self.failures, self.seq, fam.rank))
+            if self.sink is None:
+                core.keep(self.failures)
+            else:
+                self.sink.extend(self.failures)
+            self.caught.extend(_interrupts_among(self.failures, self.seq, self.fam.rank))
         if self.caught:
             _raise_own(self.caught)
+        return True
 
     def _raise_agreed(self) -> None:
         """Every rank's failures, gathered and raised on every rank."""
@@ -607,11 +581,10 @@ class SyncPoint:
         rows = _destroy.rows_of(failures, fam.rank, self.caught)
         del failures
         if fam.size > 1:
-            assert fam.comm is not None
-            everyone = allgather(fam.comm, (rows, seqs), self.dl, fam.what("its error report"))
+            everyone = _agree.gather(self.core, (rows, seqs), self.dl, fam.what("its error report"))
             rows = [row for per_rank, _ in everyone for row in per_rank]
             seqs = sorted({s for _, per_rank in everyone for s in per_rank})
-        fam.inside = False
+        self.core.left()
         where = f"sync point {self.seq} on the {fam.label}"
         earlier = bool(seqs) and seqs != [self.seq]
         if earlier:
@@ -630,7 +603,7 @@ class SyncPoint:
             interrupt = next((e for e in local if not isinstance(e, Exception)), None)
         self.caught = []
         try:
-            _destroy.raise_failures(rows, local, where, fam.rank, fam.reason, interrupt)
+            _destroy.raise_failures(rows, local, where, fam.rank, self.core.reason, interrupt)
         finally:
             del local, interrupt
 
@@ -651,6 +624,13 @@ class SyncPoint:
                 )
             taken.add(p.field)
 
+    def _raising(self) -> tuple[tuple[int, bool], ...]:
+        """(first bit of its field or -1, whether its finish may raise) of each participant."""
+        return tuple(
+            (-1 if p.field is None else _agree.field_shift(p.field), may_raise_ever(p))
+            for p in self.parts
+        )
+
     def _votes(self) -> int:
         flags = 0
         for p, owner in zip(self.parts, self.owners):
@@ -663,11 +643,11 @@ class SyncPoint:
                 flags |= vote << _agree.field_shift(p.field)
         return flags
 
-    def _mismatch(self, comm: MPI.Intracomm) -> CollectiveMismatchError:
+    def _mismatch(self, comm: MPI.Intracomm | None) -> CollectiveMismatchError:
         # Every rank saw the disagreement: one more gather says who differs.
         fam = self.fam
         registry = fam.registry
-        next_key = registry.next_key
+        next_key = self.core.next_key
         newest = [
             (r.key, r.name, where(r))
             for r in registry.alive()[-3:] + registry.pending(self.seq)[-3:]
@@ -677,9 +657,10 @@ class SyncPoint:
             next_key,
             self.at_exit,
             self.identities,
-            registry.order,
+            self.core.order,
             sorted(set(newest)),
         )
+        assert comm is not None
         everyone = allgather(comm, mine, self.dl, fam.what("its mismatch report"))
         seqs = [e[0] for e in everyone]
         keys = [e[1] for e in everyone]
@@ -759,18 +740,13 @@ def _participants_differ(ids: list[str]) -> str:
     )
 
 
-def keep_failures(
-    sink: list[tuple[int, _destroy.Failure]],
-    failures: list[_destroy.Failure],
-    seq: int,
-    rank: int,
-) -> None:
+def keep_failures(core: FamilyState, failures: list[_destroy.Failure], seq: int, rank: int) -> None:
     """Keep ``failures`` of sync point ``seq`` (known on this rank only) in
-    ``sink`` for the family's next agreement to report on every rank; an
+    ``core`` for the family's next agreement to report on every rank; an
     interrupt among them is raised now, on this rank (with a note)."""
     kept = [(seq, f) for f in failures]
     failures.clear()  # the caller's frame must not hold what the traceback will
-    sink.extend(kept)
+    core.keep(kept)
     caught = _interrupts_among(kept, seq, rank)
     del kept
     if caught:
@@ -810,3 +786,19 @@ def _raise_own(caught: list[BaseException]) -> NoReturn:
 _NO_KEYS = np.empty(0, dtype=np.int64)
 _NO_KEYS.flags.writeable = False
 _NONE: list[Any] = []  # what a finished record holds; never appended to
+WATCHED_NOW = -1  # (a resumed exchange that a rank's notice ended)
+_SYNC_FLAGS = 0xFF  # the sync point's own flags: the low byte (collective_gc._agree)
+
+# The steps, once: what run() runs, in this order, and a tracer times.
+STEPS: tuple[tuple[str, Callable[[SyncPoint], object]], ...] = (
+    ("prepare", SyncPoint.prepare),
+    ("agree", SyncPoint.agree),
+    ("destroy", SyncPoint.destroy),
+    ("visit", SyncPoint.visit),
+    ("release", SyncPoint.release),
+    ("check", SyncPoint.check),
+    ("finish", SyncPoint.finish),
+    ("report", SyncPoint.report),
+)
+AGREE = 1  # where a sync point the steady state began goes on (FamilyState.progress)
+REPORT = 7  # where the steady state left one whose destroys or finishes raised

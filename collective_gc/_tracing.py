@@ -20,9 +20,10 @@ and must not call MPI or collective_gc.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Tracer", "TRACER", "set_tracer", "Phases"]
+__all__ = ["Tracer", "TRACER", "OBSERVER", "set_tracer", "set_observer", "Phases"]
 
 # (phase, start, end) in time.perf_counter seconds.
 Phases = list[tuple[str, float, float]]
@@ -48,13 +49,23 @@ class Tracer(Protocol):
         ...
 
 
-# The tracer, or None (a one-item list: the hot path reads it, and
-# set_tracer changes it at run time).
-TRACER: list[Tracer | None] = [None]
+# The tracer, or None; and what is told which way each sync point that tried
+# the steady state went (collective_gc.testing). Module attributes the hot
+# path reads; only the setters below write them.
+TRACER: Tracer | None = None
+OBSERVER: Callable[[str, str], None] | None = None
 
 
 def set_tracer(tracer: Tracer | None) -> Tracer | None:
     """Set the tracer (None: off); returns the one before. Local."""
-    before = TRACER[0]
-    TRACER[0] = tracer
+    global TRACER
+    before, TRACER = TRACER, tracer
+    return before
+
+
+def set_observer(observer: Callable[[str, str], None] | None) -> Callable[[str, str], None] | None:
+    """Set what is told ``(family label, way)`` after each sync point that
+    tried the steady state (None: nothing); returns the one before. Local."""
+    global OBSERVER
+    before, OBSERVER = OBSERVER, observer
     return before

@@ -31,21 +31,37 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from ._errors import CollectiveTimeoutError
 
-__all__ = ["Deadline", "Watch", "wait", "keep_alive", "dup", "allreduce", "allgather", "SPIN"]
+__all__ = [
+    "Deadline",
+    "Watched",
+    "poll",
+    "wait",
+    "gave_up_error",
+    "late_text",
+    "GRACE",
+    "keep_alive",
+    "dup",
+    "allreduce",
+    "allgather",
+    "SPIN",
+    "TAG_GAVE_UP",
+    "GAVE_UP",
+    "LEFT",
+    "WOKEN",
+]
 
 
 class Deadline:
     """When a sync point gives up waiting: ``at`` (``time.monotonic()``, this
-    rank's own clock only), or None; ``watch``, the :class:`Watch` of the
-    communicator its collectives are on once the agreement has set it (see
-    the module docs).
+    rank's own clock only), or None; ``watch``, the family state whose watch
+    its collectives wait beside (see the module docs).
 
     A signal's exception never lands in a wait of a sync point: the callers
     wait inside protected regions (see :mod:`collective_gc._interrupts`).
@@ -55,7 +71,7 @@ class Deadline:
 
     def __init__(self, at: float | None) -> None:
         self.at = at
-        self.watch: Watch | None = None
+        self.watch: Watched | None = None
 
 
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
@@ -67,88 +83,139 @@ _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 _ABANDONED: list[tuple[MPI.Request | None, tuple[object, ...]]] = []
 
 
-# The tag of a Watch's notices: the private communicator carries no other
-# point-to-point message.
-_TAG_GAVE_UP = 25
-_GAVE_UP, _LEFT = 0, 1  # why, in a notice
+# The tag of a watch's notices (see collective_gc._state.FamilyState: the
+# watch is part of a family's state): the private communicator carries no
+# other point-to-point message.
+TAG_GAVE_UP = 25
+GAVE_UP, LEFT, WOKEN = 0, 1, 2  # why, in a notice
 
 
-class Watch:
-    """The notice a rank that gave up at its deadline, or left a sync point's
-    collectives by an exception, sends to every other rank of a private
-    communicator, and the receive of it each rank keeps posted there (see
-    the module docs).
+class Watched(Protocol):
+    """What waits ask of a family's state about its watch (see the module
+    docs): whether a rank gave up, and telling the others that this one does."""
 
-    Once a notice arrived (or this rank sent one) the communicator's
-    collectives can never again complete in step on every rank: every later
-    wait on it raises :class:`CollectiveTimeoutError` at once.
-    """
+    rank: int
+    size: int
+    comm: MPI.Intracomm | None
+    gone: tuple[int, int, int] | None
 
-    __slots__ = ("comm", "rank", "seq", "gone", "_buf", "_req", "_sent", "_closed")
+    def fired(self) -> bool: ...
+    def announce(self, why: int) -> None: ...
+    def notice(self) -> tuple[int, int, int] | None: ...
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.seq = 0  # the sync point under way, named in a notice
-        # (rank, sync point, why: _GAVE_UP or _LEFT) of the one that gave up
-        self.gone: tuple[int, int, int] | None = None
-        self._buf = np.zeros(3, dtype=np.int64)
-        self._sent = self._closed = False
-        # Local: posting a receive waits for nobody.
-        self._req: MPI.Request = comm.Irecv(self._buf, MPI.ANY_SOURCE, _TAG_GAVE_UP)
 
-    @property
-    def request(self) -> MPI.Request:
-        """The standing receive, to wait on together with a collective."""
-        return self._req
+def gave_up_error(watch: Watched, what: Callable[[], str]) -> CollectiveTimeoutError:
+    """The error of a wait that a rank's notice ended (``watch.gone`` is set):
+    it names a rank that gave up or left (a woken rank's notice only says it
+    was woken), and who the ranks waited for (see late_text)."""
+    assert watch.gone is not None
+    heard = _tally(watch)
+    rank, why = min(heard.items(), key=lambda rw: (rw[1] == WOKEN, rw[0]))
+    seq = watch.gone[1]
+    how = {
+        GAVE_UP: "gave up waiting at its deadline",
+        LEFT: "left the collectives by an exception",
+    }.get(why, "was woken by another rank's notice")
+    return CollectiveTimeoutError(
+        f"rank {watch.rank}: rank {rank} {how} at sync point {seq} of this "
+        "communicator, so the collectives there can no longer complete in step on "
+        f"every rank{_late(watch, heard)} ({what()})"
+    )
 
-    def fired(self) -> bool:
-        """Whether a rank gave up (a notice arrived, or this rank sent one). Local."""
-        # A receive that Waitany or Test completed is already null.
-        if (
-            self.gone is None
-            and not self._closed
-            and (self._req == MPI.REQUEST_NULL or self._req.Test())
-        ):
-            self.gone = (int(self._buf[0]), int(self._buf[1]), int(self._buf[2]))
-        return self.gone is not None
 
-    def error(self, what: Callable[[], str]) -> CollectiveTimeoutError:
-        assert self.gone is not None
-        rank, seq, why = self.gone
-        how = (
-            "gave up waiting at its deadline"
-            if why == _GAVE_UP
-            else "left the collectives by an exception"
+# How long a rank whose wait ended (its deadline, or another's notice) looks
+# for the notices of the others: ranks whose deadlines are alike give up
+# within about this of each other.
+GRACE = 0.25
+
+
+def _tally(watch: Watched) -> dict[int, int]:
+    """The notices this rank can read, within a bounded grace: rank -> why
+    (this rank's own among them). Every rank that leaves the collectives
+    says so once, woken ones too (announce WOKEN). Local, error path only."""
+    watch.announce(WOKEN)  # (once: nothing if it gave up, or said so, already)
+    heard: dict[int, int] = {}
+    seq = None if watch.gone is None else watch.gone[1]
+
+    def note_of(known: tuple[int, int, int] | None) -> None:
+        if known is not None and known[1] == seq:  # (not an earlier failure's)
+            heard.setdefault(known[0], known[2])
+
+    note_of(watch.gone)
+    comm = watch.comm
+    if comm is None:
+        return heard
+    note = np.zeros(3, dtype=np.int64)
+    status = MPI.Status()
+    end = time.monotonic() + GRACE
+    while len(heard.keys() | {watch.rank}) < watch.size and time.monotonic() < end:
+        note_of(watch.notice())  # the standing receive takes one of them, any time
+        if comm.Iprobe(MPI.ANY_SOURCE, TAG_GAVE_UP, status):
+            comm.Recv([note, MPI.INT64_T], status.Get_source(), TAG_GAVE_UP)
+            note_of((int(note[0]), int(note[1]), int(note[2])))
+        else:
+            time.sleep(1e-4)
+    return heard
+
+
+def _late(watch: Watched, heard: dict[int, int]) -> str:
+    if watch.size < 3:
+        return ""  # (two ranks: the other one is all there is to name)
+    missing = sorted(set(range(watch.size)) - set(heard) - {watch.rank})
+    if not missing:
+        return (
+            "; every other rank had given up waiting when this one arrived: "
+            f"rank {watch.rank} was the late one"
         )
-        return CollectiveTimeoutError(
-            f"rank {self.rank}: rank {rank} {how} at sync point {seq} of this "
-            "communicator, so the collectives there can no longer complete in step on "
-            f"every rank ({what()})"
-        )
+    return (
+        f"; rank(s) {missing} had not reached it (the others had: no notice came "
+        f"from rank(s) {missing} within {GRACE} s)"
+    )
 
-    def announce(self, left: bool = False) -> None:
-        """Tell every other rank that this one gives up: at its deadline, or
-        (``left``) because an exception took it out of a sync point's
-        collectives. Local: non-blocking sends, kept for the life of the
-        process like any abandoned request (a rank that never waits again
-        never receives)."""
-        if self._sent or self.gone is not None or self._closed:
-            return  # once: the others need only one notice
-        self._sent = True
-        self.gone = (self.rank, self.seq, _LEFT if left else _GAVE_UP)
-        note = np.array(self.gone, dtype=np.int64)
-        for other in range(self.comm.Get_size()):
-            if other != self.rank:
-                _ABANDONED.append((self.comm.Isend(note, other, _TAG_GAVE_UP), (note,)))
 
-    def close(self) -> None:
-        """Withdraw the standing receive (before the communicator is freed). Local."""
-        self._closed = True
-        req, self._req = self._req, MPI.REQUEST_NULL
-        if req != MPI.REQUEST_NULL:
-            req.Cancel()
-            req.Wait()  # completes at once: cancelled, or a notice had arrived
+def late_text(watch: Watched) -> str:
+    """Who the ranks waited for, as far as this rank can know it: every rank
+    that left the wait said so (its notice); after a bounded grace, the ranks
+    it heard nothing from were not there. Error path only."""
+    return _late(watch, _tally(watch))
+
+
+DONE, WATCHED, LATE = 0, 1, 2  # what poll found
+
+
+def poll(req: MPI.Request, at: float | None, watch: Watched | None) -> int:
+    """Complete ``req``: DONE, or WATCHED if a rank's notice came first, or
+    LATE once this rank's own deadline ``at`` (``time.monotonic()``) passed
+    (it has then told the others). Polls: a blocking wait would run no
+    signal handler until it returned, and a second Ctrl-C (which the
+    library's wrapper raises at once inside a protected region) would wait
+    for the late rank; a handler that raises leaves it by that exception.
+
+    For the first SPIN seconds between Tests it only yields the core (to a
+    rank sharing it, perhaps the one waited for): a collective such as
+    MPI_Comm_idup takes several rounds, each progressed only inside a Test,
+    so a sleep between Tests costs every round its length. Then it backs off
+    to a millisecond, so that a long wait does not burn a core. The C twin
+    (collective_gc._speedups) polls the same way."""
+    if watch is None and at is None:
+        req.Wait()  # (no deadline, no other rank's notice to watch for)
+        return DONE
+    delay = 0.0
+    spin = time.monotonic() + SPIN
+    while not req.Test():
+        if watch is not None and watch.fired():
+            return WATCHED
+        now = time.monotonic()
+        if at is not None and now > at:
+            if watch is not None:
+                watch.announce(GAVE_UP)
+            return LATE
+        if now < spin:
+            _YIELD()
+        else:
+            time.sleep(delay)
+            delay = min(1e-3, delay * 2 + 2e-5)
+    return DONE
 
 
 def wait(
@@ -158,11 +225,11 @@ def wait(
     *buffers: object,
     check: bool = True,
 ) -> None:
-    """Complete ``req`` (a collective on the manager's communicator) against
-    ``deadline`` and, if it has one, its watch: a rank that gave up anywhere
-    ends the wait here with :class:`CollectiveTimeoutError`, whether or not
-    this rank has a deadline, and so does a notice found once ``req`` completed
-    (unless ``check`` is false: the caller checks, see Agreement.agree).
+    """Complete ``req`` (a collective on a family's private communicator)
+    against ``deadline`` and, if it has one, its watch: a rank that gave up
+    anywhere ends the wait here with :class:`CollectiveTimeoutError`, whether
+    or not this rank has a deadline, and so does a notice found once ``req``
+    completed (unless ``check`` is false: the caller checks).
 
     ``buffers`` are kept alive for ever if the request is abandoned, since MPI
     may still read or write them when a late rank arrives.
@@ -170,44 +237,16 @@ def wait(
     watch = None if deadline is None else deadline.watch
     try:
         if watch is not None and watch.gone is not None:
-            raise watch.error(what)  # a rank gave up earlier: nothing completes in step
-        notice = False
-        at = None if deadline is None else deadline.at
-        if watch is None and at is None:
-            req.Wait()  # (no deadline, no other rank's notice to watch for)
-        else:
-            # Poll, with or without a deadline: a blocking Waitany would run
-            # no signal handler until it returned, and a second Ctrl-C (which
-            # the library's wrapper raises at once inside a protected region)
-            # would wait for the late rank (_speedups' wait_either polls the
-            # same way). For the first SPIN seconds between Tests only yield
-            # the core (to a rank sharing it, perhaps the one we wait for): a
-            # collective such as MPI_Comm_idup takes several rounds, each
-            # progressed only inside a Test, so a sleep between Tests costs
-            # every round its length (most of a sync point of DOLFINx's loop,
-            # which adopts two new communicators per step: bench_dolfinx.py).
-            # Then back off to a millisecond, so that a long wait does not
-            # burn a core; a signal interrupts the sleep, and its handler runs.
-            delay = 0.0
-            spin = time.monotonic() + SPIN
-            while not (req.Test() or (watch is not None and watch.fired())):
-                now = time.monotonic()
-                if at is not None and now > at:
-                    if watch is not None:
-                        watch.announce()
-                    raise CollectiveTimeoutError(what())
-                if now < spin:
-                    _YIELD()
-                else:
-                    time.sleep(delay)
-                    delay = min(1e-3, delay * 2 + 2e-5)
-            notice = watch is not None and watch.gone is not None
-        # A Test of the notice even when the collective completed first: MPI
+            raise gave_up_error(watch, what)  # a rank gave up earlier: nothing completes in step
+        found = poll(req, None if deadline is None else deadline.at, watch)
+        if found == LATE:
+            raise CollectiveTimeoutError(what() + ("" if watch is None else late_text(watch)))
+        # A look at the notice even when the collective completed first: MPI
         # returns at the first completion it finds (MPICH without matching a
         # notice that had waited in its queue since long before: a rank
         # arriving late then carried on as if nobody had given up).
-        if watch is not None and (notice or check) and watch.fired():
-            raise watch.error(what)
+        if watch is not None and (found == WATCHED or check) and watch.fired():
+            raise gave_up_error(watch, what)
     except BaseException:
         # Timed out, or left (outside a protected region, or by a second
         # Ctrl-C): the request stays pending, and so must what MPI may still

@@ -22,7 +22,9 @@ beside Firedrake's mpi-pytest in both its modes; it imports neither.
 Both checks run in the teardown of an autouse fixture, so they run on every
 rank whether the test passed or not (a check that one rank skipped would
 leave the others waiting), after the test's other function-scoped fixtures
-were torn down, and they report as an error at teardown.
+were torn down, and they report as an error at teardown. What a fixture's
+teardown lets go of (``Manager.close()``, ``detach()``) is noted before it
+runs, so the checks still see it.
 """
 
 from __future__ import annotations
@@ -249,7 +251,7 @@ def _settings(config: pytest.Config) -> tuple[bool, float]:
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
     if state is not None and state.notice is not None:
-        state.notice.close()  # local: no receive of ours is posted at MPI_Finalize
+        state.notice.close(False)  # local: no receive of ours is posted at MPI_Finalize
         state.notice = None
     if state is not None and state.comm is not None and state.broken is None:
         # Collective, and every rank gets here (unless one aborted, when the
@@ -275,8 +277,9 @@ class _State:
     # the first check (at the same test on every rank), so it never matches a
     # test's own collectives on COMM_WORLD.
     comm: Any = None
-    # The _transport.Watch of comm: a rank that gives up at its deadline tells the
-    # others, so a late rank fails at once instead of carrying on alone.
+    # A family state of comm's own, for its watch: a rank that gives up at its
+    # deadline tells the others, so a late rank fails at once instead of
+    # carrying on alone.
     notice: Any = None
     broken: str | None = None
 
@@ -287,6 +290,17 @@ class _State:
         dl = _transport.Deadline(at)
         dl.watch = self.notice
         return dl
+
+
+def _watch_of(comm: Any) -> Any:
+    """A family state over ``comm`` used only for its watch (local)."""
+    from ._registration import GC, Registration
+    from ._state import FamilyState
+    from ._syncpoint import CollectStats
+
+    watch = FamilyState(comm.Get_rank(), comm.Get_size(), GC, Registration, CollectStats)
+    watch.open(comm, False)
+    return watch
 
 
 _STATE = pytest.StashKey[_State]()
@@ -306,10 +320,18 @@ class _Watch:
     # registered by the test (managers made during it start from 0).
     keys: dict[Manager, int] = field(default_factory=dict)
     local: set[int] = field(default_factory=set)
-    cyclic: dict[Manager, int] = field(default_factory=dict)
     # Keys of the cyclic deaths left in each manager's inbox before the test.
     before: dict[Manager, set[int]] = field(default_factory=dict)
     origins_were: bool = False
+    # Read at the end of the call, before the test's fixtures are torn down
+    # (see _before_teardown): the managers then in use, and the registrations
+    # the test left alive or queued, with that state. A fixture's teardown may
+    # let go of both (Manager.close(), detach()); the checks, which run after
+    # it, still see them.
+    # The cyclic-death count of each family in use when the test began.
+    cyclic_of: dict[Any, int] = field(default_factory=dict)
+    held: list[Manager] = field(default_factory=list)
+    left: list[tuple[Registration, str, int]] = field(default_factory=list)
 
 
 def _wants(item: pytest.Item, state: _State) -> tuple[bool, bool]:
@@ -329,11 +351,53 @@ def _cgc_checks(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     watch = _begin(leak, strict)
+    request.node.stash[_WATCHED] = watch
     try:
         yield
     finally:
+        del request.node.stash[_WATCHED]
         _drop_fixture_values(request.node)
         _end(watch, state, request.node)
+
+
+_WATCHED = pytest.StashKey[_Watch]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Before any fixture of the test is torn down (the checks themselves run
+    # after all of them): see _before_teardown.
+    watch = item.stash.get(_WATCHED, None)
+    if watch is not None:
+        _before_teardown(watch)
+    yield
+
+
+def _before_teardown(watch: _Watch) -> None:
+    """What the test left, read before its fixtures are torn down. Local.
+
+    A fixture that closes its communicator's manager (the testing guide's)
+    or detaches what the test left, to keep tests apart, lets go of the
+    registrations still there: closed, the manager leaves ``managers()``;
+    detached, the registrations leave their manager. The checks run after
+    that teardown (so that what a fixture holds until then is not a leak),
+    and would see none of it: here they keep the managers (their cyclic
+    deaths stay readable once closed) and the test's live registrations
+    (one the teardown detached without its destroy is a leak)."""
+    from ._lookup import managers
+
+    if watch.strict:
+        # Cycles the test left die now, while their managers are open: their
+        # deaths are seen as cyclic (closed first, a manager detaches them).
+        gc.collect()
+    watch.held = managers()
+    if watch.leak:
+        for mgr in watch.held:
+            start = watch.keys.get(mgr, 0)
+            if mgr.next_key > start:
+                watch.left += [
+                    (r, r.state, mgr.size) for r in mgr.alive() + mgr.pending() if r.key >= start
+                ]
 
 
 def _drop_fixture_values(item: pytest.Item) -> None:
@@ -354,6 +418,7 @@ def _drop_fixture_values(item: pytest.Item) -> None:
 def _begin(leak: bool, strict: bool) -> _Watch:
     from . import _registration, local
     from ._lookup import managers
+    from ._manager import family
 
     watch = _Watch(leak, strict)
     if strict:
@@ -361,8 +426,13 @@ def _begin(leak: bool, strict: bool) -> _Watch:
         # that their counts are in the baseline.
         gc.collect()
         for mgr in managers():
-            watch.cyclic[mgr] = mgr.cyclic
             watch.before[mgr] = {r.key for r in mgr.cyclic_pending()}
+            fam = family(mgr)
+            if fam is not None:
+                # The count and the log of cyclic deaths are the family's: a
+                # manager made during the test that joins this family (a
+                # fresh Dup of a communicator in use) starts from here.
+                watch.cyclic_of.setdefault(fam, mgr.cyclic)
         # Name where each object was registered in the failure message.
         watch.origins_were = _registration.track_origins(True)
     if leak:
@@ -387,7 +457,7 @@ def _checks_comm(state: _State, deadline: float) -> Any:
             state.broken = "making its own communicator timed out"
             return None
         state.comm = comm
-        state.notice = _transport.Watch(comm)
+        state.notice = _watch_of(comm)
     return state.comm
 
 
@@ -537,12 +607,24 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
         _registration.track_origins(watch.origins_were)
     from mpi4py import MPI
 
+    from ._manager import family
+
     rank = MPI.COMM_WORLD.Get_rank()
     rows: list[tuple[str, str]] = []
-    for mgr in managers():
-        # Those sync points saw during the test, then those still queued.
-        before = watch.before.get(mgr, set())
-        deaths = mgr.cyclic_deaths(since=watch.cyclic.get(mgr, 0))
+    # The managers in use now and those held at the end of the call (a
+    # fixture may have closed them since), once each; the deaths sync points
+    # saw are read once per family (its log is shared by its members).
+    seen_families: set[Any] = set()
+    for mgr in list(dict.fromkeys([*managers(), *watch.held])):
+        fam = family(mgr)
+        # Keys are the family's: what any of its members had queued at the start.
+        before = {k for m, keys in watch.before.items() if family(m) is fam for k in keys}
+        deaths = []
+        if fam is not None and fam not in seen_families:
+            seen_families.add(fam)
+            # Those sync points saw during the test...
+            deaths = mgr.cyclic_deaths(since=watch.cyclic_of.get(fam, 0))
+        # ...then those still queued on this communicator.
         deaths += [(r.typename, r.name, r.key, r.origin) for r in mgr.cyclic_pending()]
         for typename, name, key, origin in deaths:
             if key in before:
@@ -628,6 +710,19 @@ def _leaks(watch: _Watch) -> list[tuple[str, str]]:
             # Why they live, where an adapter can tell (an owner kept alive
             # by its own resource, say).
             rows.extend((str(rank), f"  why: {why}") for why in mgr.leak_reasons())
+    for reg, was, size in watch.left:
+        if reg.state == "detached":
+            # Alive or queued at the end of the test, let go of by its
+            # teardown (a fixture's Manager.close() or detach()) without its
+            # destroy: a leak the teardown only hid.
+            rows.append(
+                (
+                    str(rank),
+                    f"{reg.typename} {reg.name!r} (key {reg.key}), {was}, on a communicator "
+                    f"of size {size}, detached by the test's teardown without its destroy "
+                    "(a fixture's Manager.close() or detach())",
+                )
+            )
     live = local.live()
     for key in sorted(set(live) - watch.local):
         rows.append((str(rank), _describe(live[key], "the rank-local reaper (comm=None)")))

@@ -59,7 +59,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ._tracing import TRACER, Phases, set_tracer
+from . import _tracing
+from ._tracing import Phases, set_tracer
 
 __all__ = [
     "Trace",
@@ -254,7 +255,7 @@ class Trace:
         """A write failed (a full disk, a file size limit): stop tracing on
         this rank, with the file cut back to its last whole sync point."""
         self.error = exc
-        if TRACER[0] is self:
+        if _tracing.TRACER is self:
             set_tracer(None)
         if self._fd is not None:
             try:
@@ -303,7 +304,7 @@ def start(path: str | os.PathLike[str]) -> Trace:
     Raises RuntimeError if a trace is already running in this process (stop
     it first), and OSError if ``path``'s directory cannot be made.
     """
-    current = TRACER[0]
+    current = _tracing.TRACER
     if current is not None:
         where = current.file if isinstance(current, Trace) else current
         raise RuntimeError(
@@ -319,7 +320,7 @@ def start(path: str | os.PathLike[str]) -> Trace:
 def stop() -> Trace | None:
     """Stop tracing in this process; the trace that ran, or None. The file
     is complete as it is. Local; a second call does nothing."""
-    current = TRACER[0]
+    current = _tracing.TRACER
     if not isinstance(current, Trace):
         return None
     set_tracer(None)
@@ -329,7 +330,7 @@ def stop() -> Trace | None:
 
 def active() -> Trace | None:
     """The trace running in this process, or None."""
-    current = TRACER[0]
+    current = _tracing.TRACER
     return current if isinstance(current, Trace) else None
 
 
@@ -340,7 +341,7 @@ def tracing(path: str | os.PathLike[str]) -> Iterator[Trace]:
     try:
         yield trace
     finally:
-        if TRACER[0] is trace:
+        if _tracing.TRACER is trace:
             stop()
         else:
             trace.close()
@@ -350,7 +351,7 @@ def start_from_environment() -> Trace | None:
     """:func:`start` at ``COLLECTIVE_GC_TRACE`` if it is set (what ``import
     collective_gc`` calls); a trace already running is left alone."""
     path = os.environ.get(ENV, "")
-    if not path or TRACER[0] is not None:
+    if not path or _tracing.TRACER is not None:
         return None
     return start(path)
 
@@ -358,7 +359,7 @@ def start_from_environment() -> Trace | None:
 def _after_fork_in_child() -> None:
     # A forked child shares the parent's file descriptor: it must not write
     # into the parent's trace.
-    if isinstance(TRACER[0], Trace):
+    if isinstance(_tracing.TRACER, Trace):
         set_tracer(None)
 
 

@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 from mpi4py import MPI
 
-import collective_gc as cgc
-from collective_gc import _collective
+import collective_gc.testing as cgc_testing
 from collective_gc._lookup import lookup
 from collective_gc._manager import family
 
@@ -144,7 +143,7 @@ def speedups_c() -> Any:
     if _registration.PURE_PYTHON:
         pytest.skip("COLLECTIVE_GC_PURE_PYTHON=1 blocks the C extension in this process")
     assert _registration.SPEEDUPS is not None, "the C extension was not built"
-    assert _registration.speedups() in ("c", "c+mpi")
+    assert _registration.speedups() == "c+mpi"
     return _registration.SPEEDUPS
 
 
@@ -176,7 +175,7 @@ def comm(request: pytest.FixtureRequest) -> Iterator[MPI.Intracomm]:
     yield c
     fam = None if (mgr := lookup(c)) is None else family(mgr)
     if fam is not None:
-        for reg in list(fam.registry.live.values()):
+        for reg in list(fam.core.live.values()):
             reg.detach()  # local: what the test left, on any communicator of it, is its own
     c.Free()
 
@@ -258,24 +257,8 @@ def mpiexec_env() -> dict[str, str]:
 
 
 @pytest.fixture
-def outcomes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def outcomes() -> Iterator[list[str]]:
     """Which way each sync point that tried the steady state went, in order
-    ("steady": done in one call; "failed": done, with failures kept for the
-    next agreement; "steps": not steady, the Python steps ran it all;
-    "resume", "watch", "leave": see ``_collective.steady_py``). Whichever
-    steady state this process runs (C or its Python twin) is wrapped."""
-    seen: list[str] = []
-    real = _collective._STEADY
-
-    def recording(fam: Any, t0: float, collected: int | None, *more: Any) -> Any:
-        got = real(fam, t0, collected, *more)
-        if got is None:
-            seen.append("steps")
-        elif type(got) is cgc.CollectStats:
-            seen.append("steady")
-        else:
-            seen.append(got[0])
-        return got
-
-    monkeypatch.setattr(_collective, "_STEADY", recording)
-    yield seen
+    (see collective_gc.testing.outcomes): the same in both legs."""
+    with cgc_testing.outcomes() as seen:
+        yield seen

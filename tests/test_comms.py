@@ -242,3 +242,69 @@ def test_a_split_made_at_each_step_is_reached_after_the_first_is_freed(
     cgc.collect(comm)
     verdict = everyone(comm, (sorted(destroyed), sorted(log.keys), derived(comm)))
     assert verdict == [(list(range(12)), list(range(12)), [])] * comm.Get_size(), verdict
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_library_split_under_a_scope_outlives_the_duplicate_the_scope_was_on(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 39, item 4. A scope on a library's ``Dup()`` of a communicator
+    that collective_gc has not used yet (so the scope's family is the
+    duplicate's own); under it, a library's ``Split`` of the duplicate with
+    an object registered on it. Then the library frees its duplicate, the
+    object dies, and the program runs sync points on the communicator,
+    which contains the split. README: "Communicators a library makes are
+    reached by the sync points of the scope or COMM_WORLD that contains
+    them"; design.rst, "Unreached families": a family first used where
+    nothing reaches it "is adopted as a child by the next sync point of a
+    family that contains it". The split's family lost its parent with the
+    duplicate: it must be reached again, and the object destroyed by the
+    communicator's next sync points, not at exit.
+
+    (The communicator is this test's duplicate in reverse rank order: not
+    congruent with COMM_WORLD, whose family, which other tests may have
+    used, would otherwise be the duplicate's, and never go away.)"""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    base = comm.Split(0, size - rank)
+    lib = base.Dup()
+    log: list[str] = []
+    o = Obj()
+    with cgc.collective_scope(lib) as scope:
+        part = lib.Split(base.Get_rank() // 2, base.Get_rank())
+        cgc.register(o, log.append, "on the split", comm=part, name="on-split")
+        scope.sync()
+    lib.Free()
+    del o
+    cgc.collect(base, generation=None)
+    cgc.collect(base, generation=None)
+    verdicts = everyone(comm, list(log))
+    assert verdicts == [["on the split"]] * size, verdicts
+    part.Free()
+    cgc.manager(base).close()
+    base.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_library_split_of_one_process_is_reached_by_the_scope(comm: MPI.Intracomm) -> None:
+    """Issue 39, item 5. Inside a scope, a library splits the communicator
+    into one process per part (``Split(rank, 0)``) and registers an object
+    on its part, which then dies. README: "Communicators a library makes
+    are reached by the sync points of the scope or COMM_WORLD that contains
+    them"; ``cgc.split(comm, rank)`` passes the same case. The scope's sync
+    points must destroy it, not the exit."""
+    rank = comm.Get_rank()
+    log: list[str] = []
+    o = Obj()
+    with cgc.collective_scope(comm) as scope:
+        one = comm.Split(rank, 0)
+        cgc.register(o, log.append, "on its part", comm=one, name="on-one")
+        del o
+        scope.sync()
+        scope.sync()
+        inside = list(log)
+    verdicts = everyone(comm, (inside, list(log)))
+    one.Free()
+    assert verdicts == [(["on its part"], ["on its part"])] * comm.Get_size(), verdicts

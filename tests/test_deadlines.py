@@ -267,3 +267,34 @@ def test_destroy_blocking_on_one_rank_with_timeout(comm: MPI.Intracomm) -> None:
             cgc.collect(comm, timeout=0.5)
     comm.Barrier()
     cgc.manager(comm).mark_unusable("the end of this test")
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(60)
+def test_a_timeout_names_the_rank_the_others_waited_for(comm: MPI.Intracomm) -> None:
+    """Issue 39, item 10. The last rank sleeps before a sync point with
+    ``timeout=1`` on every rank: the others give up, and every rank is told
+    "rank 0 gave up waiting ...", which names nobody the others waited for.
+    As far as the ranks can know it (rank 0 heard no notice from the last
+    rank, the last rank arrives to find every other rank gone), each rank's
+    error must name the late rank, beside its own number."""
+    late = comm.Get_size() - 1
+    cgc.collect(comm, generation=None)  # the private duplicate exists everywhere
+    if comm.Get_rank() == late:
+        time.sleep(3.0)
+    message = ""
+    try:
+        cgc.collect(comm, generation=None, timeout=1)
+    except cgc.CollectiveTimeoutError as exc:
+        message = str(exc)
+    cgc.manager(comm).mark_unusable("the end of this test")
+    seen = everyone(comm, message)
+    for r, text in enumerate(seen):
+        assert text, (r, seen)
+        # What is left once each rank's name for itself ("rank r: ...") is
+        # taken out must name the late rank.
+        rest = re.sub(rf"\brank {r}: ", "", text)
+        assert re.search(rf"\brank(?:\(s\))? \[?{late}\b", rest), (r, text)

@@ -1,5 +1,5 @@
-"""Destroys: failing and blocking destroys, destroys that detach or ask what is pending, the C
-and Python passes that run them, bad input.
+"""Destroys: failing and blocking destroys, destroys that detach or ask what is pending, the
+pass that runs them (the bound twin of the family state's), bad input.
 
 Every test runs on COMM_SELF (serially) or on every rank of COMM_WORLD (under
 ``mpiexec -n 4``); the ones that need other ranks are marked ``mpi``. Verdicts
@@ -9,11 +9,14 @@ alike, so that a failing test never leaves some ranks waiting.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
-from collective_gc import _destroy, _registration
+from collective_gc import _registration
 
 from _util import CheckedLog, GcDisabled, Obj, noop
 
@@ -49,48 +52,74 @@ def test_destroy_that_detaches_and_asks_pending_loses_nothing(comm: MPI.Intracom
     assert sib_reg.state == "detached"
 
 
-# The Python passes always; the C ones where the optional extension is built
-# (test_the_c_sync_passes_are_built_here fails where it is not).
-_C = _registration.SPEEDUPS
+def _state_with(n: int) -> tuple[Any, list[Obj], list[Any]]:
+    """A family state of size 1 (the bound twin: C where built) with ``n``
+    registrations, keys 0..n-1, whose objects died (queued and drained)."""
+    from collective_gc._registration import GC, Registration
+    from collective_gc._state import FamilyState, new_registration
+    from collective_gc._syncpoint import CollectStats
+
+    state = FamilyState(0, 1, GC, Registration, CollectStats)
+    objs = [Obj() for _ in range(n)]
+    regs = []
+    for o in objs:  # the guarded path's steps: key, registration, store
+        key = state.take_key(0)
+        reg = new_registration(
+            Registration, GC.finalize, o, None, state.inbox.append, key, noop, (), None, None
+        )
+        state.store(reg)
+        regs.append(reg)
+    return state, objs, regs
 
 
-_TAKES = [_registration.take_batch_py] + ([_C.take_batch] if _C else [])
+def test_the_destroy_pass_skips_a_registration_destroyed_meanwhile() -> None:
+    """Keys agreed for a registration whose destroy ran meanwhile (explicitly,
+    on every rank) run nothing for it. Issue 11, defect 17."""
+    state, objs, regs = _state_with(3)
+    log: list[int] = []
+    for i, reg in enumerate(regs):
+        reg._destroy, reg._args = log.append, (i,)
+    assert state.claim(regs[1], _registration.DESTROYED) is not None
+    keys = np.arange(3, dtype=np.int64).tobytes()
+    count, failures, interrupt = state.destroy(keys, (), ())
+    assert (count, failures, interrupt, log) == (2, [], None, [2, 0])
+    assert not state.live and [r.alive for r in regs] == [False] * 3
 
 
-_RUNS = [_destroy.run_each_py] + ([_C.run_each] if _C else [])
+def test_the_destroy_pass_tries_every_call_whatever_raises() -> None:
+    """Plain destroys and a batched run alike: every call is made, newest
+    first, and what raised is reported with its key, a KeyboardInterrupt too.
+    Issue 11, defect 17."""
+    state, objs, regs = _state_with(6)
+    calls: list[int] = []
 
+    def f(i: int) -> None:
+        calls.append(i)
+        if i % 2:
+            raise (KeyboardInterrupt if i == 1 else ValueError)(i)
 
-def test_batch_passes_agree_on_a_registration_without_a_destroy() -> None:
-    """Issue 11, defect 17."""
-    results = []
-    for take in _TAKES:
-        inbox: list[object] = []
-        objs = [Obj() for _ in range(3)]
-        regs = [
-            _registration.make_registration(o, None, inbox.append, i, noop, (i,), {}, None)  # type: ignore[arg-type]
-            for i, o in enumerate(objs)
-        ]
-        # As left by a destroy that ran meanwhile:
-        assert _registration.Ledger().claim(regs[1], _registration.DESTROYED) is not None
-        table = {r.key: r for r in regs}
-        taken, fns, argss, segments = take(table, [2, 1, 0], _registration.DESTROYED, ())
-        results.append(([r.key for r in taken], argss, sorted(table), segments))
-    assert all(r == ([2, 0], [(2,), (0,)], [1], [(0, 2, -1)]) for r in results), results
+    def batched(i: int) -> None:
+        f(i)
 
+    def run(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
+        errors = []
+        for at, (i,) in enumerate(argss):
+            try:
+                batched(i)
+            except BaseException as exc:  # noqa: BLE001 (a runner reports, never raises)
+                errors.append((at, exc))
+        return errors
 
-def test_run_each_tries_every_call_in_both_versions() -> None:
-    """Issue 11, defect 17."""
-    for run in _RUNS:
-        calls: list[int] = []
-
-        def f(i: int, calls: list[int] = calls) -> None:
-            calls.append(i)
-            if i % 2:
-                raise (KeyboardInterrupt if i == 1 else ValueError)(i)
-
-        errors = run([f] * 5, [(i,) for i in range(5)])
-        assert calls == list(range(5))
-        assert [(i, type(e)) for i, e in errors] == [(1, KeyboardInterrupt), (3, ValueError)]
+    for i, reg in enumerate(regs):
+        reg._destroy, reg._args = (f if i < 3 else batched), (i,)
+    keys = np.arange(6, dtype=np.int64).tobytes()
+    count, failures, _ = state.destroy(keys, (batched,), (run,))
+    assert count == 6 and calls == [5, 4, 3, 2, 1, 0]
+    assert sorted((k, type(e)) for k, _, e in failures) == [
+        (1, KeyboardInterrupt),
+        (3, ValueError),
+        (5, ValueError),
+    ]
 
 
 def test_destroy_raising_on_every_rank(comm: MPI.Intracomm) -> None:

@@ -631,23 +631,13 @@ def test_a_closed_library_subcommunicator_leaves_its_parent_in_the_steady_state(
 _UNADOPTABLE_JOB = (
     JOB_HEAD
     + """
-from collective_gc import _collective
-
-seen = []
-steady = _collective._STEADY
-
-
-def recording(*args):
-    got = steady(*args)
-    seen.append("steady" if type(got) is cgc.CollectStats else "steps" if got is None else got[0])
-    return got
+import collective_gc.testing as cgc_testing
 
 
 def nothing():
     pass
 
 
-_collective._STEADY = recording
 world = MPI.COMM_WORLD
 a = world.Dup()
 cgc.collect(a, generation=None, timeout=30)
@@ -661,9 +651,9 @@ del o
 cgc.collect(other, generation=None, timeout=30)
 for _ in range(12):
     cgc.collect(a, generation=None)
-seen.clear()
-for _ in range(3):
-    cgc.collect(a, generation=None)
+with cgc_testing.outcomes() as seen:
+    for _ in range(3):
+        cgc.collect(a, generation=None)
 print(seen, flush=True)
 cgc.manager(other).close(timeout=30)
 other.Free()
@@ -1176,3 +1166,100 @@ def test_a_destroy_that_reenters_collective_gc_from_the_steady_state(
         }, v
         assert v[1] == ["self"] and v[2] == ["outer"] and v[3] == ["outer", "inner"], v
         assert v[4] == 1 and v[5] == 2 and v[7] == ["steady"], v
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_two_library_duplicates_used_in_different_orders_are_an_error_everywhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 39, item 1. Two library ``Dup()``\\s of the communicator, both
+    first used after it: rank 0 registers on the first one and then on the
+    second, the other ranks the other way round. Every rank registered as
+    many objects, but key k is an object of a different communicator on
+    rank 0 than elsewhere, so one agreed order would destroy rank 0's object
+    on one communicator while the others destroy theirs on the other (a
+    collective destroy waits for ever). README's CollectiveMismatchError:
+    "the ranks disagree ... on which of a family's communicators each was
+    made"; design.rst: each member's tag is "the order it joined in (the
+    same on every rank)". The next sync point must raise
+    CollectiveMismatchError on every rank and destroy nothing."""
+    rank = comm.Get_rank()
+    settle(comm)
+    d1, d2 = comm.Dup(), comm.Dup()
+    log: list[str] = []
+    objs = [Obj(), Obj()]
+    regs = []
+    try:
+        order = [("d1", d1), ("d2", d2)] if rank == 0 else [("d2", d2), ("d1", d1)]
+        for o, (label, c) in zip(objs, order):
+            regs.append(cgc.register(o, log.append, label, comm=c, name=label))
+        del o
+        objs.clear()
+        got = attempt(lambda: cgc.collect(comm, generation=None))[0]
+    finally:
+        for reg in regs:
+            reg.detach()
+        # Not freed: the family may be unusable now (see _ABANDONED above).
+        _ABANDONED.extend((d1, d2))
+    verdicts = everyone(comm, (got, list(log)))
+    for raised, destroyed in verdicts:
+        assert raised == "CollectiveMismatchError", verdicts
+        assert destroyed == [], verdicts  # nothing destroyed, in no order
+
+
+_NOTICE_TO_A_RANK_THAT_LET_GO_JOB = (
+    JOB_HEAD
+    + """
+import time
+world = MPI.COMM_WORLD
+test = world.Dup()
+c = world.Dup()
+o = Obj()
+cgc.register(o, lambda: None, comm=c)
+del o
+cgc.collect(c, generation=None, timeout=10)
+if rank != 3:
+    # Done with c: freed, and a lookup lets go of its family here.
+    c.Free()
+    cgc.manager(test)
+    test.Barrier()
+else:
+    test.Barrier()
+    # One sync point too many, on this rank alone: it gives up, and tells
+    # the others, on the family's private duplicate.
+    try:
+        cgc.collect(c, generation=None, timeout=1)
+    except cgc.CollectiveTimeoutError:
+        print("gave up", flush=True)
+test.Barrier()
+time.sleep(0.5)
+made = [MPI.COMM_SELF.Dup() for _ in range(6)]
+print("stray", [m.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for m in made], flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(tmp_path: Path) -> None:
+    """Issue 39, item 8. Ranks 0-2 are done with a communicator: freed,
+    and its family let go of (its private duplicate freed) at their next
+    lookup. Rank 3 runs one sync point more on it, alone, with a timeout:
+    it gives up and sends its notice to the others on the private
+    duplicate, which they have freed. Open MPI 4 hands a message for a
+    freed communicator to the next communicator given its context id, and
+    the next ``COMM_SELF.Dup()`` there crashed (Open MPI's
+    ``mca_pml_ob1_add_comm``, a segmentation fault). README: keep such a
+    communicator "rather than free it: its messages may still arrive".
+    The job must end normally, rank 3 having given up, and no message
+    reach a communicator made afterwards. A job of its own: what the ranks
+    have freed decides it."""
+    proc, outs, errs, _ = run_job(tmp_path, _NOTICE_TO_A_RANK_THAT_LET_GO_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert "gave up" in outs[3], report
+    for out in outs:
+        assert "stray [False, False, False, False, False, False]" in out, report

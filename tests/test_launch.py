@@ -219,3 +219,45 @@ def test_exit_destroys_what_was_dropped_after_a_kept_failure() -> None:
     assert re.search(r"ExitLeakWarning: collective_gc: at exit: .*raised at sync point", err), err
     assert "fails at the last sync point" in err, err
     assert "leaked at exit" not in err, err
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "10s"])
+def test_exit_timeout_that_is_not_a_positive_number_is_a_usage_error(value: str) -> None:
+    """Issue 41, section 3: ``COLLECTIVE_GC_EXIT_TIMEOUT=abc`` (or a negative
+    value) fell back to 10 s without a word, as the pytest plugin's variables
+    do not (they are usage errors). Now importing collective_gc fails, naming
+    the variable, its value and what to set instead: before anything
+    collective, on every rank alike, rather than at exit."""
+    env = mpiexec_env()
+    env["COLLECTIVE_GC_EXIT_TIMEOUT"] = value
+    proc = subprocess.run(
+        [sys.executable, "-c", "import collective_gc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert (
+        f"ValueError: COLLECTIVE_GC_EXIT_TIMEOUT={value!r} is not a positive number of seconds"
+        in proc.stderr
+    ), proc.stderr
+    assert "unset it for the default of 10" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(None, 10.0), ("", 10.0), (" 2.5 ", 2.5), ("inf", float("inf"))]
+)
+def test_exit_timeout_reads_a_positive_number_or_the_default(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, seconds: float
+) -> None:
+    """The values that work: unset or empty is the default, 10 s; ``inf``
+    waits for ever; the variable is read again at each use, so a value the
+    program sets after importing collective_gc counts."""
+    from collective_gc._exit import exit_timeout
+
+    if value is None:
+        monkeypatch.delenv("COLLECTIVE_GC_EXIT_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("COLLECTIVE_GC_EXIT_TIMEOUT", value)
+    assert exit_timeout() == seconds

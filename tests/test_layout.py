@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +123,133 @@ def test_every_public_member_is_documented(cls: type) -> None:
     listed = {line.split(":")[0].strip() for line in attributes.splitlines() if ":" in line}
     missing = sorted(public - documented(cls) - listed)
     assert not missing, f"public but not in docs/api.rst: {cls.__name__}.{missing}"
+
+
+def test_parallel_assert_is_a_public_name_of_the_package() -> None:
+    """Issue 41, section 3: the README lists ``collective_gc.parallel_assert``,
+    which worked but was missing from ``dir(cgc)`` and ``__all__`` (it is
+    loaded lazily, to keep pytest out of ``import collective_gc``)."""
+    from collective_gc.pytest_plugin import parallel_assert
+
+    assert "parallel_assert" in dir(cgc) and "parallel_assert" in cgc.__all__
+    assert cgc.parallel_assert is parallel_assert
+
+
+@pytest.mark.launcher  # a child process that imports mpi4py: from the serial session only
+def test_star_import_needs_no_pytest() -> None:
+    """Where pytest is not installed, ``from collective_gc import *`` still
+    works: ``parallel_assert``, which needs it, is then left out of
+    ``__all__`` (simulated with ``sys.modules['pytest'] = None``, which makes
+    both the import and importlib's lookup fail, as a missing pytest does)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"
+        "from collective_gc import *\n"
+        "import collective_gc\n"
+        "assert 'parallel_assert' not in collective_gc.__all__, collective_gc.__all__\n"
+        "assert 'pytest' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stdout + proc.stderr
+
+
+# -- who writes what ------------------------------------------------------------
+
+# The fields of a family's typed state (collective_gc._state.FamilyState; in
+# C, declared and read-only from Python): its methods are their one writer.
+_STATE_FIELDS = {
+    "code", "reason", "seq", "inside", "destroying", "destroyed", "progress", "hold",
+    "unreported", "next_key", "order", "thread", "busy", "live", "inbox", "stale",
+    "cyclic_seen", "comm", "first", "last", "gone",
+}  # fmt: skip
+# The derived-family tree's fields of a family: collective_gc._tree writes them.
+_TREE_FIELDS = {"children", "parent"}
+
+
+def _writes(path: Path, names: set[str]) -> list[str]:
+    """``x.name = ...`` (or +=, or del) of one of ``names`` in the module at
+    ``path``, on anything but ``self``: a write of another object's field."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for target in targets:
+            for t in ast.walk(target):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr in names
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                    found.append(f"{where}:{t.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def test_a_familys_state_is_written_by_its_own_methods_only() -> None:
+    """Issue 38: every field of a family's collective state has one writer,
+    the typed state's own methods (seq, inside, destroying, destroyed, the
+    registrations' counter and order, the pending keys, usable or not and
+    why...); no module assigns one (the C twin would refuse it: its fields
+    are read-only from Python)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "_state.py":
+            found += [w for w in _writes(path, _STATE_FIELDS) if ".core." in w or "core." in w]
+    assert found == [], found
+
+
+def test_the_derived_family_tree_is_written_by_its_own_module_only() -> None:
+    """Issue 38: a family's children and parent are written by
+    collective_gc._tree alone (the Collective's own __init__ apart)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "_tree.py":
+            found += _writes(path, _TREE_FIELDS)
+    assert found == [], found
+
+
+def test_the_c_twins_have_their_python_twins_fields_and_methods(speedups_c: Any) -> None:
+    """Issue 38: each C type offers what its Python twin does, by name (the
+    suite runs against both; this says at once which name one of them lacks)."""
+    from collective_gc import _state
+
+    twins = {
+        "GcState": _state.GcState,
+        "RegistrationFields": _state.RegistrationFields,
+        "Region": _state.Region,
+        "FamilyState": _state.FamilyState,
+    }
+    for name, c_type in twins.items():
+        python = getattr(_state, f"Python{name}")
+        assert c_type is not python and c_type.__module__ == "collective_gc._speedups", name
+        wanted = {n for n in dir(python) if not n.startswith("_")}
+        if name == "RegistrationFields":
+            wanted |= set(python.__slots__)  # its private fields are the interface
+        missing = sorted(n for n in wanted if not hasattr(c_type, n))
+        assert missing == [], (name, missing)
+
+
+def test_the_writes_check_sees_a_write(tmp_path: Path) -> None:
+    """The two checks above would pass on anything if they saw nothing."""
+    src = PACKAGE / "_probe_of_the_layout_test.py"
+    src.write_text(
+        "def f(fam, self):\n    fam.core.seq = 1\n    self.seq = 2\n    fam.parent = None\n"
+    )
+    try:
+        assert [w.split(": ", 1)[1] for w in _writes(src, _STATE_FIELDS | _TREE_FIELDS)] == [
+            "fam.core.seq",
+            "fam.parent",
+        ]
+    finally:
+        src.unlink()

@@ -300,11 +300,17 @@ def test_bad_communicators() -> None:
         cgc.collect(MPI.COMM_NULL)
 
 
-def test_the_c_finalizer_is_built_here(speedups_c: Any) -> None:
-    # Optional for users (the Python one does the same), but this machine
-    # builds it, so the rest of the suite runs with it (and once more without
-    # it, in make test's pure-Python leg).
-    assert _registration.finalizer() is speedups_c.on_finalize
+def test_the_typed_state_is_the_extensions_here(speedups_c: Any) -> None:
+    """Optional for users (the Python twins do the same), but this machine
+    builds it, so the rest of the suite runs with the C types (and once more
+    with the twins, in make test's pure-Python leg): every one of them is
+    bound from the one decision."""
+    from collective_gc import _interrupts, _registration, _state
+
+    assert _state.FamilyState is speedups_c.FamilyState
+    assert issubclass(_registration.Registration, speedups_c.RegistrationFields)
+    assert type(_registration.GC) is speedups_c.GcState
+    assert type(_interrupts.REGION) is speedups_c.Region
 
 
 def test_finalizers_queue_note_cycles_and_skip_alike() -> None:
@@ -349,10 +355,6 @@ def test_finalizers_queue_note_cycles_and_skip_alike() -> None:
         assert late.detach()
     finally:
         comm.Free()
-
-
-def test_the_c_sync_passes_are_built_here(speedups_c: Any) -> None:
-    assert speedups_c.take_batch is not None and speedups_c.run_each is not None
 
 
 def test_destroys_that_raise_are_all_reported() -> None:

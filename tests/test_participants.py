@@ -163,13 +163,13 @@ def test_a_quiet_scope_sync_point_makes_no_finish_check(
     # communicators) say may_raise only when they run code that can raise:
     # a sync point that neither destroys nor collects stays one collective.
     checks: list[int] = []
-    real = _agree.Agreement.any_flags
+    real = _agree.any_flags
 
-    def counted(self: _agree.Agreement, *args: Any, **kwargs: Any) -> int:
+    def counted(*args: Any, **kwargs: Any) -> int:
         checks.append(1)
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(_agree.Agreement, "any_flags", counted)
+    monkeypatch.setattr(_agree, "any_flags", counted)
     cgc.dup(comm).Free()  # a derived communicator: its participant is on the manager
     with cgc.collective_scope(comm, gc="managed", strict=True, exit_collect=None, timeout=30) as s:
         s.sync()

@@ -240,3 +240,34 @@ def test_without_the_option_only_marked_tests_are_checked() -> None:
     assert ("ERROR", "suite_fail.py::test_leaks") not in outcomes, out
     assert ("ERROR", "suite_fail.py::test_marked_leak") in outcomes, out
     assert "Resource 'marked-leak'" in out and "'leaky-solver'" not in out
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+CLOSING_BAD = [
+    "suite_closing.py::test_closing_leak",
+    "suite_closing.py::test_closing_marked_leak",
+    "suite_closing.py::test_closing_strict_cycle",
+    "suite_closing.py::test_closing_strict_cycle_left_to_the_end",
+]
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("ranks", [4, 1])
+def test_the_testing_guides_fixture_leaves_the_checks_on(ranks: int) -> None:
+    """Issue 39, item 9. docs/guides/testing.rst recommends a fixture that
+    ends with ``cgc.manager(c).close()``; with it, under --cgc-leak-check, a
+    test that keeps a managed object alive passed, and so did a
+    ``cgc_leak_check``-marked one and a ``cgc_strict`` one with a cyclic
+    death (the only trace: an ExitLeakWarning in the warnings summary).
+    With the guide's fixture each must fail, as it does on COMM_WORLD,
+    naming the object on every rank; a clean test still passes."""
+    args = ["--cgc-leak-check"] if ranks > 1 else ["-o", "cgc_leak_check=true"]
+    proc, outcomes = run_suite(*args, "suite_closing.py", ranks=ranks)
+    out = proc.stdout + proc.stderr
+    for test in CLOSING_BAD:
+        assert ("ERROR", test) in outcomes, (test, out)
+    assert ("PASSED", "suite_closing.py::test_closing_clean") in outcomes, out
+    everyone = ", ".join(str(r) for r in range(ranks))
+    for name in ("closed-leak", "closed-marked-leak", "closed-cycle", "closed-cycle-at-the-end"):
+        assert f"rank(s) {everyone}: Resource '{name}' (key " in out, (name, out)

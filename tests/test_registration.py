@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import tracemalloc
-import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+import collective_gc.testing as cgc_testing
 from collective_gc import _registration, _registry
 
 from _util import (
@@ -119,7 +119,7 @@ def test_the_c_path_gives_the_next_key_and_stores_the_registration(comm: MPI.Int
     assert [r.name for r in regs] == [f"n{i}" for i in range(5)]
     assert all(r.alive and r() is o for r, o in zip(regs, objs))
     # Made in C: the C finalizer, and no second registration for the same object.
-    assert regs[0].__callback__ is _registration.finalizer()
+    assert regs[0].__callback__ == _registration.GC.finalize
     with pytest.raises(cgc.RegistrationError, match="already registered"):
         cgc.register(objs[0], noop, comm=comm)
     del objs
@@ -168,39 +168,40 @@ def test_a_pure_python_process_registers_without_the_c_path(
     switch it tested is now COLLECTIVE_GC_PURE_PYTHON=1, read once at import."""
     o = Obj()
     reg = cgc.register(o, noop, comm=comm)
-    assert reg.__callback__ is _registration.finalizer()
-    assert isinstance(_registration.finalizer(), types.FunctionType)  # Python's, not C's
-    assert _registry.add_plain is _registry.add_plain_py  # its Python twin, not the C call
+    assert reg.__callback__ == _registration.GC.finalize
+    # The Python twins, not the C types: the state and the collector's.
+    assert type(_registration.GC).__module__ == "collective_gc._state"
+    assert type(cgc_testing.family(comm)) is cgc_testing.Family
+    assert cgc_testing.speedups() == "python"
     del o
     assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
 
 
-class _LacksASlot:
-    __slots__ = ("live", "key", "__weakref__")
+def test_the_c_state_checks_what_it_is_made_with(speedups_c: Any) -> None:
+    """The C types hold their state in declared fields and take their
+    collaborators when made (no set-up call, no slots of Python classes read
+    by offset): what they are given is checked then, with a clear TypeError.
 
+    From issue 38 (the C boundary); before it, a class that lacked a slot
+    the C stored into made ``import collective_gc`` fail (issue 23)."""
+    from collective_gc._syncpoint import CollectStats
 
-def test_a_class_the_extension_does_not_match_is_refused_with_the_slot_named(
-    speedups_c: Any,
-) -> None:
-    """The C code stores into Registration's and Registry's slots in place:
-    set up with a class that lacks one, it raises an ImportError naming the
-    slot (what ``import collective_gc`` shows when the Python file and the
-    built extension disagree), and keeps the set-up it had.
-
-    From issue 23 (one C/Python switch): it raised AttributeError about a
-    type object before."""
-    with pytest.raises(ImportError, match=r"_LacksASlot has no writable object slot '_state'"):
-        speedups_c.set_registration_type(_LacksASlot)
-    with pytest.raises(ImportError, match=r"_LacksASlot has no writable object slot 'next_key'"):
-        speedups_c.set_registry_type(_LacksASlot, _registration.TRACK_ORIGINS, noop)
-    with pytest.raises(ImportError, match="COLLECTIVE_GC_PURE_PYTHON=1"):
-        speedups_c.set_registration_type(Obj)
-    # The real set-up is untouched: registrations still go through it.
+    gc_state = _registration.GC
+    with pytest.raises(TypeError, match="RegistrationFields"):
+        speedups_c.FamilyState(0, 1, gc_state, Obj, CollectStats)
+    with pytest.raises(TypeError):
+        speedups_c.FamilyState(0, 1, object(), _registration.Registration, CollectStats)
+    with pytest.raises(TypeError, match="RegistrationFields"):
+        speedups_c.new_registration(Obj, noop, Obj(), None, print, 0, noop, (), None, None)
+    state = speedups_c.FamilyState(0, 1, gc_state, _registration.Registration, CollectStats)
+    with pytest.raises(TypeError, match="FamilyState"):
+        state.set_children((object(),))
+    # And the real ones work as ever.
     comm = MPI.COMM_SELF.Dup()
     try:
         o = Obj()
         reg = cgc.register(o, noop, comm=comm)
-        assert reg.__callback__ is speedups_c.on_finalize and reg.key == 0
+        assert reg.__callback__ == gc_state.finalize and reg.key == 0
         del o
         assert cgc.collect(comm, generation=None).destroyed == 1
     finally:
@@ -401,40 +402,6 @@ def test_a_finalizer_registering_inside_the_c_paths_collection() -> None:
 
 
 @needs_c
-@pytest.mark.parametrize("seed", range(6))
-def test_the_window_packs_and_reads_back_as_numpy_does(seed: int) -> None:
-    """From the registration in one C call (``_speedups.add_plain``)."""
-    import array
-
-    import numpy as np
-
-    from collective_gc import _agree
-
-    speedups = _registration.SPEEDUPS
-    assert speedups is not None
-    rng = np.random.default_rng(seed)
-    for _ in range(200):
-        lo = int(rng.integers(0, 1 << 40)) if seed % 2 else int(rng.integers(0, 300))
-        nbits = 64 * int(rng.integers(0, 40))
-        n = int(rng.integers(0, 3 * nbits + 5))
-        keys = np.unique(rng.integers(max(0, lo - 200), lo + nbits + 200, n)).astype(np.int64)
-        at = int(rng.integers(0, 5))
-        size = at + nbits // 64 + int(rng.integers(0, 3))
-        ours = array.array("q", [-1] * size)  # stale words must be cleared
-        theirs = array.array("q", [-1] * size)
-        got = speedups.pack_window(keys, lo, nbits, ours, at)
-        want = _agree.pack_window_py(keys, lo, nbits, theirs, at)
-        assert got == want and ours == theirs, (lo, nbits, keys)
-        read = np.frombuffer(speedups.window_keys(ours, at, nbits, lo), np.int64)
-        assert read.tolist() == _agree.window_keys_py(theirs, at, nbits, lo).tolist()
-        assert read.tolist() == keys[got[0] : got[1]].tolist()
-    with pytest.raises(ValueError, match="does not fit"):
-        speedups.pack_window(np.arange(3, dtype=np.int64), 0, 128, array.array("q", [0]), 0)
-    with pytest.raises(TypeError, match="int64"):
-        speedups.window_keys(array.array("i", [0] * 4), 0, 64, 0)
-
-
-@needs_c
 def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
     """On a communicator of size 1 the drained keys are the agreed ones: any
     order but newest first would show in the destroys.
@@ -467,21 +434,15 @@ def test_drained_keys_come_out_sorted_whatever_order_they_died_in() -> None:
 def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept() -> None:
     """A sync point that destroys the last registrations may give the
     registry's memory back; a registration another thread stores just then
-    (here: while the sync point's thread stands on the line after its
-    destroys were taken, held by a trace function) must not be wiped.
+    (here: while the sync point's destroy runs, after its keys were taken)
+    must not be wiped.
 
     From the registration in one C call (``_speedups.add_plain``).
     """
-    import inspect
-
-    from collective_gc import _destroy
-
     comm = MPI.COMM_SELF.Dup()
     try:
         cgc.manager(comm)
         done: list[str] = []
-        o = Obj()
-        cgc.register(o, done.append, "first", comm=comm)
         late: list[Any] = []
         registered = threading.Event()
 
@@ -491,30 +452,16 @@ def test_a_registration_stored_while_a_sync_point_empties_the_registry_is_kept()
             late.append(cgc.register(p, done.append, "late", comm=comm))
             registered.set()
 
-        source, first_line = inspect.getsourcelines(_destroy.run)
-        after_take = [
-            first_line + i
-            for i, line in enumerate(source)
-            if "registry.remove_pending" in line or "live.clear()" in line
-        ]
-        fired: list[int] = []
+        def first(tag: str) -> None:
+            done.append(tag)
+            threading.Thread(target=register_late).start()
+            assert registered.wait(30)
 
-        def tracer(frame: Any, event: str, arg: Any) -> Any:
-            if frame.f_code is not _destroy.run.__code__:
-                return None
-            if event == "line" and frame.f_lineno in after_take and not fired:
-                fired.append(frame.f_lineno)
-                threading.Thread(target=register_late).start()
-                assert registered.wait(30)
-            return tracer
-
+        o = Obj()
+        cgc.register(o, first, "first", comm=comm)
         del o
-        sys.settrace(tracer)
-        try:
-            assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
-        finally:
-            sys.settrace(None)
-        assert fired and done == ["first"], (fired, done)
+        assert cgc.collect(comm, generation=None, timeout=30).destroyed == 1
+        assert done == ["first"], done
         reg = late[1]
         assert reg.alive and cgc.manager(comm).registered == 1
         late.clear()
@@ -579,35 +526,30 @@ def test_two_threads_registering_plain_destroys_at_once_are_refused(
     assert mgr.registered == 0
 
 
-def test_both_registration_constructors_make_the_same_registration(speedups_c: Any) -> None:
-    """From the core v2 redesign (issue 14)."""
-    from collective_gc import _registration
+def test_a_registration_is_made_with_its_fields() -> None:
+    """The constructor both twins bind (one C call where the extension is
+    built): key, names, origin, state, and the finalizer that pushes it.
+    From the core v2 redesign (issue 14)."""
+    from collective_gc import _state
 
-    makers = [_registration.new_registration_py, speedups_c.new_registration]
-    seen = []
-    for make in makers:
-        inbox: list[object] = []
-        o = Obj()
-        reg = make(_registration.finalizer(), o, None, inbox.append, 7, noop, (1,), None, None)
-        named = make(_registration.finalizer(), o, None, inbox.append, 8, noop, (), "n", None)
-        seen.append(
-            (
-                reg.key,
-                reg.name,
-                reg.typename,
-                reg.origin,
-                reg.cyclic,
-                reg.queued_at,
-                reg.alive,
-                named.name,
-                reg() is o,
-            )
-        )
-        del o
-        assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
-    assert seen[0] == seen[1] == (7, "Obj", "Obj", None, False, -1, True, "n", True)
+    inbox: list[object] = []
+    o = Obj()
+    fin = _registration.GC.finalize
+    reg = _state.new_registration(
+        _registration.Registration, fin, o, None, inbox.append, 7, noop, (1,), None, None
+    )
+    named = _state.new_registration(
+        _registration.Registration, fin, o, None, inbox.append, 8, noop, (), "n", None
+    )
+    seen = (reg.key, reg.name, reg.typename, reg.origin, reg.cyclic, reg.queued_at, reg.alive)
+    assert seen == (7, "Obj", "Obj", None, False, -1, True)
+    assert named.name == "n" and reg() is o and reg._args == (1,)
+    del o
+    assert {id(r) for r in inbox} == {id(reg), id(named)}  # the finalizer pushed both
     with pytest.raises(TypeError):
-        makers[1](_registration.finalizer(), 3, None, print, 0, noop, (), None, None)
+        _state.new_registration(
+            _registration.Registration, fin, 3, None, print, 0, noop, (), None, None
+        )
 
 
 def test_a_registration_refused_inside_a_destroy_keeps_keys_in_step(

@@ -20,6 +20,11 @@ from _util import (
 )
 
 
+def _all(comm: MPI.Comm) -> str:
+    """How the strict error counts every rank of ``comm``: "4 of 4"."""
+    return f"{comm.Get_size()} of {comm.Get_size()}"
+
+
 class ScopeTests:
     COMM: MPI.Intracomm
 
@@ -147,7 +152,8 @@ class ScopeTests:
         gc.callbacks[:] = [its_hook]
         try:
             with pytest.raises(
-                cgc.CyclicFinalizationError, match=f"^{5 * comm.Get_size()} managed object"
+                cgc.CyclicFinalizationError,
+                match=rf"^5 managed object\(s\) .* on {_all(comm)} rank",
             ):
                 with cgc.collective_scope(comm, strict=True) as scope:
                     for i in range(5):
@@ -177,7 +183,8 @@ class ScopeTests:
                 make_cycle(comm, log, "seen")
                 gc.collect()
                 with pytest.raises(
-                    cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                    cgc.CyclicFinalizationError,
+                    match=rf"^1 managed object\(s\) .* on {_all(comm)} rank",
                 ):
                     scope.sync()
         finally:
@@ -198,7 +205,8 @@ class ScopeTests:
                     make_cycle(comm, log, "c")
                     gc.collect()
                     with pytest.raises(
-                        cgc.CyclicFinalizationError, match=f"^{comm.Get_size()} managed object"
+                        cgc.CyclicFinalizationError,
+                        match=rf"^1 managed object\(s\) .* on {_all(comm)} rank",
                     ):
                         scope.sync()
         finally:
@@ -325,3 +333,199 @@ def test_misnested_exit_restores_the_collector_and_the_stack() -> None:
         assert gc.isenabled() and cgc.current_scope() is None
     finally:
         comm.Free()
+
+
+# -- @sync_point: finding the communicator -------------------------------------------
+
+
+class _KeywordSolver:
+    """A wrapper whose solve takes its vectors by position or by keyword, and a
+    keyword-only tolerance, decorated with the documented comm callable."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self.solved: list[tuple[object, object, object]] = []
+
+    @cgc.sync_point(comm=lambda self, *args: self.comm)
+    def solve(self, b: object, x: object, *, tol: object = None) -> str:
+        self.solved.append((b, x, tol))
+        return "solved"
+
+
+def test_sync_point_comm_callable_takes_keyword_calls(comm: MPI.Intracomm) -> None:
+    """Issue 41, section 3: with ``comm=lambda self, *args: self.comm``,
+    ``solve(b=..., x=...)`` ran the solve, then raised ``TypeError: <lambda>()
+    got an unexpected keyword argument 'b'``, and no sync point ran. Now each
+    spelling of the call syncs on ``self.comm`` (no scope is open: a
+    collect there, which destroys what was dropped), and a keyword-only
+    argument goes to a callable that takes it, and not to one that does not."""
+    log = CheckedLog(comm)
+    s = _KeywordSolver(comm)
+    calls = [
+        ((), {"b": 1, "x": 2}, "b, x by keyword", "k1"),
+        ((1,), {"x": 2}, "x by keyword", "k2"),
+        ((), {"x": 2, "b": 1, "tol": 1e-8}, "a keyword-only one too", "k3"),
+    ]
+    for args, kwargs, how, key in calls:
+        o = Obj()
+        cgc.register(o, log.destroy, key, comm=comm)
+        del o
+        assert s.solve(*args, **kwargs) == "solved", how
+        assert log.keys[-1] == key, f"{how}: no sync point ran after the solve"
+    assert s.solved == [(1, 2, None), (1, 2, None), (1, 2, 1e-8)]
+
+    seen: list[object] = []
+
+    class Tolerant(_KeywordSolver):
+        @cgc.sync_point(comm=lambda self, b, x, tol=None: seen.append(tol) or self.comm)
+        def solve(self, b: object, x: object, *, tol: object = None) -> str:
+            return "solved"
+
+    assert Tolerant(comm).solve(x=2, b=1, tol=3) == "solved"
+    assert seen == [3]
+
+
+def test_sync_point_refuses_before_the_call_when_its_comm_callable_fails(
+    comm: MPI.Intracomm,
+) -> None:
+    """Issue 41, section 3: the comm callable ran after the solve, so when it
+    raised the solve had run on every rank and its sync point had not. Now
+    the communicator is found first: a callable that raises, or returns
+    something that is not a communicator, fails the call before the function
+    runs, saying so, and the next sync point is in step on every rank."""
+    ran: list[str] = []
+
+    class Broken:
+        @cgc.sync_point(comm=lambda self, *args: self.missing)
+        def solve(self) -> None:
+            ran.append("raising callable")
+
+        @cgc.sync_point(comm=lambda self, *args: 42)
+        def solve_bad_comm(self) -> None:
+            ran.append("non-communicator")
+
+    with pytest.raises(AttributeError) as info:
+        Broken().solve()
+    assert "Broken.solve was not called" in "".join(info.value.__notes__)
+    with pytest.raises(TypeError, match=r"returned 42, not an MPI communicator.*not called"):
+        Broken().solve_bad_comm()
+    assert ran == []
+    first = cgc.collect(comm).sync  # the ranks are in step: the next sync points run
+    assert cgc.collect(comm).sync == first + 1
+
+
+def _private_solve(x: int) -> int:
+    return x + 1
+
+
+def public_solve(x: int, comm: MPI.Comm | None = None) -> int:
+    """A public function around a private sync point, as collective_gc.petsc's
+    solve is around its _solve."""
+    fn = cgc.sync_point(_private_solve, comm=comm)
+    return fn(x)  # type: ignore[no-any-return]
+
+
+def test_sync_point_without_comm_or_scope_names_the_call_and_the_fix() -> None:
+    """Issue 41, section 3: a bare ``cp.solve(ksp, b, x)`` outside a scope
+    raised "_solve is a sync point, but no collective_scope is open ... no
+    comm was given to @sync_point", after the solve: a private name, and not
+    the fix. Now the error names what the program called and how to give it a
+    communicator, and comes before anything ran."""
+    ran: list[int] = []
+
+    class Solver:
+        @cgc.sync_point
+        def solve(self) -> None:
+            ran.append(1)
+
+    with pytest.raises(cgc.CollectiveGCError) as info:
+        Solver().solve()
+    msg = str(info.value)
+    assert "Solver.solve() is a sync point" in msg
+    assert "@collective_gc.sync_point(comm=comm)" in msg and "collective_scope(comm)" in msg
+    assert "refused before" in msg and ran == []
+    with pytest.raises(cgc.CollectiveGCError) as info:
+        public_solve(1)
+    msg = str(info.value)
+    assert "public_solve() ends in a sync point" in msg and "_private_solve" not in msg
+    assert "public_solve(..., comm=comm)" in msg
+    assert public_solve(1, comm=MPI.COMM_SELF) == 2  # the fix it names works
+
+
+def test_strict_error_counts_objects_and_ranks_apart(comm: MPI.Intracomm) -> None:
+    """Issue 41, section 3: one object finalized cyclically on each of 4 ranks
+    was reported as "4 managed object(s)". The error now counts objects (one
+    key on every rank) and the ranks that finalized them, apart."""
+    size = comm.Get_size()
+    log = CheckedLog(comm)
+    with cgc.collective_scope(comm, strict=True, gc="off") as scope:
+        make_cycle(comm, log, "everywhere")
+        gc.collect()
+        with pytest.raises(cgc.CyclicFinalizationError) as info:
+            scope.sync()
+        head = str(info.value).splitlines()[0]
+        assert head.startswith(
+            f"1 managed object(s) were finalized by the cyclic collector on {size} of {size} "
+            f"rank(s) ({list(range(size))}; {size} finalization(s), one per object per rank"
+        ), head
+        if comm.Get_rank() == 0:  # on rank 0 only: the other ranks drop it by refcount
+            make_cycle(comm, log, "here")
+            gc.collect()
+        else:
+            o = Obj()
+            cgc.register(o, log.destroy, "here", comm=comm)
+            del o
+        with pytest.raises(cgc.CyclicFinalizationError) as info:
+            scope.sync()
+        assert str(info.value).startswith(
+            f"1 managed object(s) were finalized by the cyclic collector on 1 of {size} "
+            "rank(s) ([0]; 1 finalization(s)"
+        ), str(info.value)
+    assert log.keys == ["everywhere", "here"]
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["decorator", "collect"])
+def test_strict_mode_sees_a_cyclic_death_drained_on_a_congruent_communicator(
+    comm: MPI.Intracomm, how: str
+) -> None:
+    """Issue 39, item 3. A strict scope on the communicator; a library's
+    solve is a ``@cgc.sync_point(comm=d)`` on its own ``Dup()`` of it (no
+    scope of its own: ``cgc.collect(d)`` runs), or calls ``cgc.collect(d)``.
+    ``d`` is congruent with the scope's communicator: one family, so that
+    sync point drains the managed object that died in the cyclic collector.
+    README: "Strict mode raises CyclicFinalizationError on every rank when a
+    managed object died in the cyclic collector": at that sync point, or at
+    the latest at the scope's next one or its exit, never not at all."""
+    d = comm.Dup()
+
+    @cgc.sync_point(comm=d)
+    def solve() -> None:
+        pass
+
+    where = "nowhere"
+    try:
+        with cgc.collective_scope(comm, strict=True) as scope:
+            o = Obj()
+            o.peer = o
+            cgc.register(o, noop, comm=comm, name="cyclic")
+            del o
+            gc.collect()
+            where = "the library's sync point"
+            if how == "decorator":
+                solve()
+            else:
+                cgc.collect(d, generation=None)
+            where = "the scope's sync point"
+            scope.sync()
+            where = "the scope's exit"
+        where = "nowhere"
+    except cgc.CyclicFinalizationError:
+        pass
+    finally:
+        d.Free()
+    seen = comm.allgather(where)
+    assert seen[0] != "nowhere" and len(set(seen)) == 1, seen

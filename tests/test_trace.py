@@ -562,3 +562,67 @@ def test_a_write_that_fails_stops_the_trace_not_the_sync_points(tmp_path: Path) 
     points = sync_points(json.loads(file.read_text()))  # cut back to a whole sync point
     assert 1 <= len(points) < 50
     assert [p["args"]["seq"] for p, _ in points] == list(range(len(points)))
+
+
+# -- issue 39: the promise, round 5 ------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_families_of_one_size_have_two_ids_the_same_on_every_rank(
+    comm: MPI.Intracomm, shared_dir: Path
+) -> None:
+    """Issue 39, item 8. Two families over the same processes (the test's
+    communicator, and its processes in reverse order: not congruent, so a
+    family of its own) take turns. What the trace says of each sync point's
+    family must tell them apart, alike on every rank, since the summary and
+    ``--merge`` pair the ranks' records by it: each family needs an id the
+    same on every rank (today both are "communicator of size N")."""
+    size = comm.Get_size()
+    rev = comm.Split(0, size - comm.Get_rank())
+    with trace.tracing(shared_dir / "two.json"):
+        for _ in range(3):
+            drop_and_sync(comm, 1)
+            drop_and_sync(rev, 1)
+    mine = [
+        trace.family_key(r.family)
+        for r in trace.records(trace.read(shared_dir / f"two.rank{RANK}.json"))
+    ]
+    seen = comm.allgather(mine)
+    cgc.manager(rev).close()
+    rev.Free()
+    assert all(len(ids) == 6 and len(set(ids)) == 2 for ids in seen), seen
+    assert all(ids == seen[0] for ids in seen), seen
+
+
+_HUNG_JOB = (
+    JOB_HEAD
+    + """
+import time
+comm = MPI.COMM_WORLD
+for step in range(4):
+    cgc.register(Obj(), lambda: None, comm=comm)
+    cgc.collect(comm, generation=None)
+if rank == 2:
+    time.sleep(3)  # the others hang in sync point 4 meanwhile, with no timeout
+    comm.Abort(3)  # what a job's time limit does to them all
+cgc.collect(comm, generation=None)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_a_hung_run_s_trace_shows_the_sync_point_it_hangs_in(tmp_path: Path) -> None:
+    """Issue 39, item 8. Ranks 0, 1 and 3 wait without a timeout in sync
+    point 4, which rank 2 never reaches; the job is then killed (rank 2
+    aborts it, as a time limit would). Their trace files must show that
+    they were in sync point 4: its begin has to be written as it starts,
+    not only with its end, which never comes."""
+    path = tmp_path / "hung"
+    proc, outs, errs, _ = run_job(tmp_path, _HUNG_JOB, COLLECTIVE_GC_TRACE=str(path))
+    report = job_report(proc, outs, errs)
+    assert proc.returncode != 0, report  # aborted
+    for r in (0, 1, 3):
+        events = trace.read(tmp_path / f"hung.rank{r}.json")
+        assert [p["args"]["seq"] for p, _ in sync_points(events)][:4] == [0, 1, 2, 3], report
+        hung = [e for e in events if e.get("args", {}).get("seq") == 4]
+        assert hung, (r, events[-3:])

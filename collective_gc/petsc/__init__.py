@@ -41,6 +41,7 @@ objects keep alive); this module is the registration side.
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +52,12 @@ from .._api import add_comm_resolver, register
 from .._comms import adopt, contains, relation
 from .._errors import RegistrationError
 from .._lookup import managers
+from .._manager import Manager, State, family
 from .._registration import Registration
 from .._scope import sync_point
 from . import _internals
 from ._cleanup import SERIAL, cleanup_of, immortal, install
-from ._destroyers import batch_destroys, destroy_all, destroy_many, destroy_one
+from ._destroyers import NATIVE, batch_destroys, destroy_all, destroy_many, destroy_one
 from ._keepers import path_to
 
 __all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve", "batch_destroys"]
@@ -193,6 +195,22 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     """
     if not objs:
         raise RegistrationError("collective_gc.petsc.manage() needs at least one petsc4py object")
+    # The common case, from C: the communicator of the last call, installed
+    # and still in use, and objects that PETSc's own classes destroy, on its
+    # inner communicator or serial, with nothing in Python they refer to.
+    last = _LAST
+    if NATIVE is not None and last[0] is not None and last[0]() is comm:
+        mgr: Manager = last[1]
+        fam, cleanup = last[2], last[3]
+        if mgr.state is _OPEN and cleanup in fam.participants:
+            kind = NATIVE.sort(objs, comm)
+            if kind >= 0:
+                state = SERIAL if kind else cleanup.state
+                if name is None:
+                    name = type(owner).__name__
+                if len(objs) == 1:
+                    return mgr.register(owner, destroy_one, (objs[0], state), _NO_KWARGS, name)
+                return mgr.register(owner, destroy_many, (state, *objs), _NO_KWARGS, name)
     mgr = install(comm)
     reader = _internals.READER
     inner = None if reader is None else reader.inner(comm)
@@ -228,8 +246,21 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     if name is None:
         name = type(owner).__name__
     if len(objs) == 1:
-        return register(owner, destroy_one, objs[0], state, comm=comm, name=name)
-    return register(owner, destroy_many, state, *objs, comm=comm, name=name)
+        reg = register(owner, destroy_one, objs[0], state, comm=comm, name=name)
+    else:
+        reg = register(owner, destroy_many, state, *objs, comm=comm, name=name)
+    fam = family(mgr)
+    if fam is not None and not elsewhere:
+        _LAST[:] = [weakref.ref(comm), mgr, fam, cleanup]
+    return reg
+
+
+# manage()'s last communicator (a weak reference: it may be a managed one),
+# its manager, family and PETSc cleanup participant: what the next call on it
+# checks before taking the C path.
+_LAST: list[Any] = [None, None, None, None]
+_NO_KWARGS: dict[str, Any] = {}
+_OPEN = State.OPEN
 
 
 # -- solves as sync points -----------------------------------------------------

@@ -15,7 +15,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -25,7 +24,7 @@ from .._errors import ExitLeakWarning
 from .._lookup import manager
 from .._manager import Manager, State, open_family
 from .._syncpoint import Participant
-from . import _internals
+from . import _destroyers, _internals
 from ._destroyers import CommState
 from ._internals import Unreadable
 from ._keepers import keepers
@@ -84,11 +83,10 @@ class _Cleanup(Participant):
         """This rank's vote: whether it holds garbage (on an installed
         communicator, on COMM_SELF), has PETSc's inner communicators, and saw
         a managed destroy fail. Local."""
-        reader = _internals.READER
+        garbage = _destroyers.garbage
         mine = _FAILED if self.state.failed > 0 else 0
-        if reader is None:
+        if garbage is None:
             return mine
-        garbage = reader.garbage
         if _internals.SERIAL_DELAYED and garbage(_SELF_HANDLE) not in (-1, 0):
             mine |= _SELF_GARBAGE  # (as _self_garbage: every sync point asks)
         for ref, handle in zip(self.comms, self.handles):
@@ -98,11 +96,6 @@ class _Cleanup(Participant):
             if member is not None and not member.comm_freed and garbage(handle) not in (0, -1):
                 mine |= _HAS_GARBAGE  # (unreadable, -2: say there is: a cleanup is harmless)
         return mine
-
-    def revote(self, flags: int) -> bool:
-        """After destroys, before a cleanup: the votes again (a destroy that
-        failed on some rank would make the cleanup hang there)."""
-        return bool(self.votes(flags) & (_HAS_GARBAGE | _SELF_GARBAGE))
 
     def may_raise(self, flags: int) -> bool:
         """A cleanup's failure is reported like a failed destroy's: by the
@@ -140,7 +133,7 @@ class _Cleanup(Participant):
             elif mgr.size == 1:
                 self.state.failed = 0  # one rank: nothing can differ between ranks
                 for member in members:
-                    if reader.garbage(MPI._handleof(member.comm)) not in (-1, 0):  # see _look
+                    if not member.comm_freed and _look(member) & _HAS_GARBAGE:
                         PETSc.garbage_cleanup(member.comm)
             elif votes & _HAS_GARBAGE:
                 self._clean(mgr, members, votes)
@@ -161,10 +154,15 @@ class _Cleanup(Participant):
         # communicator (ORed) says which, and whether a rank lacks PETSc's
         # inner communicator there (a cleanup would make one on some ranks
         # only: a hang).
-        reader = _internals.READER
-        assert reader is not None
-        looked = mgr.reduce_or([_look(reader, m) for m in members])
+        looked = mgr.reduce_or([_look(m) for m in members])
         for member, seen in zip(members, looked):
+            if member.comm_freed:
+                # Freed by an earlier cleanup of this loop: PETSc's inner
+                # communicator of one installed member can be another
+                # installed member (cp.manage installs both), which the
+                # cleanup of the first frees with its last object. Freed
+                # collectively, so on every rank alike.
+                continue
             if seen & _HAS_GARBAGE and not seen & _LACKS_INNER:
                 PETSc.garbage_cleanup(member.comm)
             elif seen & _HAS_GARBAGE and seen & _HAS_INNER:
@@ -178,9 +176,11 @@ class _Cleanup(Participant):
         return keepers(mgr)
 
 
-def _look(reader: Any, member: Manager) -> int:
+def _look(member: Manager) -> int:
     """This rank's vote bits for one installed communicator. Local."""
-    found = reader.garbage(MPI._handleof(member.comm))
+    garbage = _destroyers.garbage
+    assert garbage is not None
+    found = garbage(MPI._handleof(member.comm))
     if found == -1:
         return _LACKS_INNER
     # Unreadable (-2): say there is garbage (an empty cleanup is harmless).
@@ -198,13 +198,13 @@ _SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
 
 def _self_garbage() -> bool:
     """Whether this rank holds PETSc garbage on COMM_SELF. Local."""
-    reader = _internals.READER
-    if reader is None or not _internals.SERIAL_DELAYED:
+    if not _internals.SERIAL_DELAYED:
         return False  # PETSc destroys serial objects at once: COMM_SELF's map stays empty
     # Look first: an empty cleanup of COMM_SELF is not free (PETSc
     # duplicates and frees an inner communicator to find nothing). No inner
     # communicator (-1), or an empty map: none; unreadable (-2): say there is.
-    return reader.garbage(_SELF_HANDLE) not in (-1, 0)
+    garbage = _destroyers.garbage
+    return garbage is not None and garbage(_SELF_HANDLE) not in (-1, 0)
 
 
 def _refuse(mgr: Manager) -> None:

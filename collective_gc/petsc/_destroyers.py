@@ -5,9 +5,9 @@
 explicit one. A destroy that raised leaves a wreck that is leaked, never
 destroyed again (:func:`_forget`), and is counted in the communicator's
 :class:`CommState` (the cleanup participant's vote says so to every rank).
-``BATCH``, the C loop of collective_gc._speedups given the addresses of
-petsc4py's and PETSc's C functions, destroys a sync point's run of
-single-object registrations at once, with the same outcome.
+``NATIVE`` (collective_gc._speedups.Petsc, given the addresses of petsc4py's
+and PETSc's C functions) destroys a sync point's run of managed
+registrations at once, from C, with the same outcome.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from petsc4py import PETSc
 
 from .._destroy import set_batch
-from .._registration import SPEEDUPS
+from .._switch import SPEEDUPS
 from . import _internals
 
 
@@ -172,19 +172,40 @@ def fast_types() -> tuple[type, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseException]]] | None:
-    """A batch destroy for :func:`destroy_one` calls, run in C, or None if unavailable.
+def _failed(state: CommState, bad: list[tuple[Any, BaseException]]) -> BaseException:
+    """What the C runs do when destroys of one registration raised (``bad``:
+    (object, exception) of each, last first): the wrecks are made safe and
+    counted, as the Python destroys do, and the exception to report is the
+    first (an interrupt before any other), the rest as its notes."""
+    errors = []
+    for obj, exc in bad:
+        if obj is not None:
+            _forget(obj)
+        state.failed += 1
+        errors.append((obj, _original(exc)))
+    errors.sort(key=lambda e: isinstance(e[1], Exception))  # stable: interrupts first
+    first = errors[0][1]
+    for note in [f"also raised for a {type(o).__name__}: {e!r}" for o, e in errors[1:]]:
+        first.add_note(note)
+    bad.clear()
+    del errors
+    try:
+        return first
+    finally:
+        del first  # no frame-traceback cycle keeping the objects alive
 
-    It needs our optional C extension, petsc4py's C API and PETSc's
-    PetscObjectDestroy; without any of them sync points call ``destroy()``
-    on each object from Python, with the same outcome.
-    """
-    if SPEEDUPS is None:
+
+def _native() -> Any:
+    """collective_gc._speedups.Petsc over this PETSc (where the extension is
+    built, the release's layout was read, and petsc4py's C API is there), or None."""
+    reader = _internals.READER
+    if SPEEDUPS is None or reader is None:
         return None
     try:
         lib = ctypes.CDLL(PETSc.__file__)
         addresses = (
             _capi_address("PyPetscObject_GetPtr"),
+            ctypes.cast(lib.PetscObjectGetComm, ctypes.c_void_p).value or 0,
             ctypes.cast(lib.PetscObjectDestroy, ctypes.c_void_p).value or 0,
             _capi_address("PyPetscError_Set"),
         )
@@ -193,36 +214,25 @@ def _fast_destroyer() -> Callable[[list[tuple[Any, ...]]], list[tuple[int, BaseE
         return None
     if not all(addresses):
         return None
-    destroy_each = SPEEDUPS.destroy_each
-
-    def destroy_batch(argss: list[tuple[Any, ...]]) -> list[tuple[int, BaseException]]:
-        # argss: [(obj, state), ...], the arguments of destroy_one calls; the
-        # same outcome as making each call, in order. A chunk at a time, each
-        # chunk's calls dropped from the list once done: what only they held
-        # (the Python objects of the destroyed PETSc objects, usually) is
-        # freed while still in cache, not in a second pass over the whole
-        # batch after PETSc's destroys have evicted it.
-        errors: list[tuple[int, BaseException]] = []
-        for start in range(0, len(argss), _CHUNK):
-            part = argss[start : start + _CHUNK]
-            for i, exc in destroy_each(part, 0, fast, *addresses):
-                obj, state = part[i]
-                _forget(obj)
-                state.failed += 1
-                errors.append((start + i, _original(exc)))
-                del obj, state, exc  # this frame outlives the loop in the tracebacks
-            argss[start : start + len(part)] = _NONES[: len(part)]
-            del part
-        try:
-            return errors
-        finally:
-            del errors  # see collective_gc._destroy.Failure
-
-    return destroy_batch
+    return SPEEDUPS.Petsc(*reader.keyvals(), *addresses, fast, _failed)
 
 
-_CHUNK = 512
-_NONES: list[Any] = [None] * _CHUNK
+# PETSc from C where it can be (collective_gc._speedups.Petsc): its garbage
+# counts (what every sync point's vote reads; through ctypes its reads cost
+# more than the rest of the vote), the check of what cp.manage is given, and
+# the runs of managed destroys at sync points (explicit destroys still call
+# destroy_one and destroy_many).
+NATIVE = _native()
+garbage: Callable[[int], int] | None = (
+    NATIVE.garbage
+    if NATIVE is not None
+    else None
+    if _internals.READER is None
+    else _internals.READER.garbage
+)
+_RUNNERS: dict[Callable[..., object], Any] = (
+    {} if NATIVE is None else {destroy_one: NATIVE.runner(False), destroy_many: NATIVE.runner(True)}
+)
 
 
 def destroy_all(*objs: Any) -> None:
@@ -240,16 +250,14 @@ def destroy_all(*objs: Any) -> None:
     _destroy_each(objs, None)
 
 
-# Sync points destroy runs of managed single-object wrappers in C (see
-# collective_gc._speedups); explicit destroys still call destroy_one.
-BATCH = _fast_destroyer()
-set_batch(destroy_one, BATCH)
-_batching = BATCH is not None
+for _fn, _runner in _RUNNERS.items():
+    set_batch(_fn, _runner)
+_batching = bool(_RUNNERS)
 
 
 def batch_destroys(enabled: bool | None = None) -> bool:
-    """Whether sync points destroy the objects of single-object wrappers from C,
-    a run of them at a time; ``enabled`` sets it first. Local.
+    """Whether sync points destroy managed PETSc objects from C, a run of
+    registrations at a time; ``enabled`` sets it first. Local.
 
     True by default where the C extension and petsc4py's C API are available
     (then False cannot be changed to True). False: each object's
@@ -261,7 +269,8 @@ def batch_destroys(enabled: bool | None = None) -> bool:
     if enabled is not None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True, False or None, not {enabled!r}")
-        on = enabled and BATCH is not None
-        set_batch(destroy_one, BATCH if on else None)
+        on = enabled and bool(_RUNNERS)
+        for fn, runner in _RUNNERS.items():
+            set_batch(fn, runner if on else None)
         _batching = on
     return _batching

@@ -11,14 +11,11 @@ callers read nothing (they look it up at each use, so a test may set it).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from typing import Any
 
 import petsc4py
 from mpi4py import MPI
 from petsc4py import PETSc
-
-from .._registration import SPEEDUPS
 
 # What collective_gc.petsc relies on beyond petsc4py's public API was read in PETSc's
 # and petsc4py's sources of every release from 3.18 to 3.24: the garbage map
@@ -97,20 +94,16 @@ class Internals:
         class_name.restype = ctypes.c_int
         self._class_name = class_name
         self._invalid = MPI.KEYVAL_INVALID
-        # What every sync point's vote reads (see garbage_py), from C when the
-        # extension is in use: through ctypes its four reads cost more than
-        # the rest of the vote.
-        self.garbage: Callable[[int], int] = self.garbage_py
-        if SPEEDUPS is not None:
-            SPEEDUPS.set_petsc_reader(
-                ctypes.cast(get_attr, ctypes.c_void_p).value or 0,
-                ctypes.addressof(self._inner_kv),
-                ctypes.addressof(self._counter_kv),
-                ctypes.addressof(self._garbage_kv),
-                self._invalid,
-                self._handle_t is ctypes.c_int,
-            )
-            self.garbage = SPEEDUPS.petsc_garbage
+
+    def keyvals(self) -> tuple[int, int, int]:
+        """Where PETSc keeps its inner-communicator, counter and garbage
+        keyvals (addresses: their values are read at each use, as PETSc sets
+        them when it first needs them), for the C reads of the same."""
+        return (
+            ctypes.addressof(self._inner_kv),
+            ctypes.addressof(self._counter_kv),
+            ctypes.addressof(self._garbage_kv),
+        )
 
     def _attr(self, handle: int, keyval: ctypes.c_int) -> int | None:
         kv = keyval.value
@@ -141,12 +134,13 @@ class Internals:
             return handle  # the communicator is itself a PETSc inner one
         return None
 
-    def garbage_py(self, handle: int) -> int:
+    def garbage(self, handle: int) -> int:
         """How many garbage entries this rank holds on the PETSc inner
         communicator of the communicator ``handle`` (``MPI._handleof``); -1 if
         PETSc has no inner communicator for it, -2 if its garbage map is not
         laid out as this module knows. Local. ``self.garbage`` is this, or its
-        C twin ``collective_gc._speedups.petsc_garbage``."""
+        Its C twin, where the extension is built, is
+        ``collective_gc.petsc._destroyers.garbage``."""
         inner = self._inner_of(handle)
         if inner is None:
             return -1
