@@ -2548,6 +2548,7 @@ typedef struct {
     destroy_fn destroy;
     seterr_fn seterr;
     PyObject *fast, *failed;
+    PyObject *hold; /* "hold": the method of a run's state called before its destroys */
 } Petsc;
 
 static PyTypeObject PetscType;
@@ -2565,6 +2566,7 @@ petsc_clear(Petsc *p)
 {
     Py_CLEAR(p->fast);
     Py_CLEAR(p->failed);
+    Py_CLEAR(p->hold);
     return 0;
 }
 
@@ -2601,6 +2603,10 @@ petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         p->seterr = (seterr_fn)(uintptr_t)seterr;
         p->fast = Py_NewRef(fast);
         p->failed = Py_NewRef(failed);
+        p->hold = PyUnicode_InternFromString("hold");
+        if (p->hold == NULL) {
+            Py_CLEAR(p);
+        }
     }
     return (PyObject *)p;
 }
@@ -2763,6 +2769,33 @@ destroy_petsc(Petsc *p, PyObject *obj)
     return 0;
 }
 
+/* Before obj's destroy: state.hold(handle) of its communicator (PETSc's
+ * inner one) if it is parallel and not the one held last in this run
+ * (*held): see NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
+ * in collective_gc/petsc/_destroyers.py. Best effort: an object it cannot
+ * look into is left to its destroy, which says what is wrong. */
+static void
+hold_comm(Petsc *p, PyObject *state, PyObject *obj, MPI_Comm *held)
+{
+    PetscObject *slot = p->getptr(obj);
+    MPI_Comm c;
+    int size = 0;
+    if (slot == NULL || *slot == NULL || p->getcomm(*slot, &c) != 0 || c == *held
+        || MPI_Comm_size(c, &size) != MPI_SUCCESS || size < 2) {
+        PyErr_Clear();
+        return;
+    }
+    PyObject *handle = PyLong_FromLongLong((long long)(intptr_t)c);
+    PyObject *res = handle == NULL ? NULL : PyObject_CallMethodOneArg(state, p->hold, handle);
+    Py_XDECREF(handle);
+    if (res == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    Py_DECREF(res);
+    *held = c;
+}
+
 /* The destroys of a run of managed PETSc registrations: each item of argss
  * is (obj, state) (``many`` false: collective_gc.petsc's destroy_one) or
  * (state, obj, ...) (``many``: destroy_many, its objects last first), every
@@ -2776,6 +2809,7 @@ petsc_run(Petsc *p, PyObject *argss, int many)
     if (failures == NULL) {
         return NULL;
     }
+    MPI_Comm held = MPI_COMM_NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(argss); i++) {
         PyObject *call = Py_NewRef(PyList_GET_ITEM(argss, i));
         PyObject *bad = NULL; /* [(obj, exc)] of this registration */
@@ -2791,8 +2825,10 @@ petsc_run(Petsc *p, PyObject *argss, int many)
         }
         else {
             Py_ssize_t n = PyTuple_GET_SIZE(call);
+            PyObject *state = PyTuple_GET_ITEM(call, many ? 0 : 1);
             for (Py_ssize_t j = many ? n - 1 : 0; many ? j >= 1 : j < 1; many ? j-- : j++) {
                 PyObject *obj = PyTuple_GET_ITEM(call, j);
+                hold_comm(p, state, obj, &held);
                 if (destroy_petsc(p, obj) == 0) {
                     continue;
                 }

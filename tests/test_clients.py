@@ -87,7 +87,9 @@ def test_two_library_communicators_per_step_do_not_accumulate(comm: MPI.Intracom
             mesh_comm.Free()
             map_comm.Free()
             assert len(derived(comm)) <= 4
-            assert len(cgc.managers()) <= base + 5
+            # (Beside PETSc's inner communicators of the last steps, which the
+            # sync points hold for two more: see cp.held.)
+            assert len(cgc.managers()) <= base + 5 + cp.held(comm)
         scope.sync()
         assert derived(comm) == []
     assert cgc.manager(comm).registered == 0

@@ -1195,46 +1195,107 @@ def test_collect_takes_a_petsc_object(petsc: Any) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("timeout", [None, 20.0])
-def test_a_petsc_destroy_failing_on_one_rank_is_told_at_its_own_sync_point(
-    comm: MPI.Intracomm, timeout: float | None
+def test_after_a_petsc_destroy_failing_on_one_rank_petsc_still_works_until_the_next_sync_point(
+    comm: MPI.Intracomm, timeout: float | None, batched: bool
 ) -> None:
     """Issue 39, item 2. A shell Mat, the only PETSc object on a fresh
     communicator, whose Python context raises in ``destroy`` on rank 1 only.
     Where it succeeded, the Mat was the last object on PETSc's inner
-    duplicate of the communicator, which PETSc frees with it; on rank 1 the
-    wreck (leaked on purpose) keeps it. So the program's next PETSc call on
-    the communicator hangs: ``createAIJ`` duplicates the communicator
+    duplicate of the communicator, which PETSc freed with it; on rank 1 the
+    wreck (leaked on purpose) kept it. So the program's next PETSc call on
+    the communicator hung: ``createAIJ`` duplicated the communicator
     (``MPI_Comm_dup`` in ``PetscCommDuplicate``) on the other ranks, while
-    rank 1 reuses its inner communicator and goes on to an ``MPI_Allgather``
-    in ``PetscLayoutSetUp``. The family's next agreement comes too late: the
-    failure has to reach every rank at the sync point it happened in, as a
-    DestroyError naming it, and the family must refuse from then on.
-
-    The test stops at the sync point (asserting there), so that the code it
-    finds failing never makes the hanging PETSc call."""
+    rank 1 reused its inner communicator and went on to an
+    ``MPI_Allgather``, before the family's next agreement could say what
+    failed. The promise (README, DestroyError): PETSc's state of the
+    communicator does not differ between ranks before the next sync point,
+    which raises DestroyError naming the failure on every rank; the family
+    refuses from then on (and PETSc still works on the communicator). The
+    same from the C runs of destroys and from Python's."""
     rank, bad = comm.Get_rank(), 1
-    log: list[Any] = []
-    owner = Holder()
-    owner.mat = probe_mat(comm, "shell", log, fail=rank == bad)
-    key = cp.manage(owner, owner.mat, comm=comm, name="shell").key
-    del owner
-    got: tuple[str, Any] = ("returned", None)
+    was = cp.batch_destroys()
+    cp.batch_destroys(batched)
     try:
-        cgc.collect(comm, generation=None, timeout=timeout)
-    except cgc.DestroyError as exc:
-        got = ("DestroyError", exc.failures)
-        del exc
-    verdicts = same_on_all(comm, (got, log))
-    assert verdicts, f"the ranks saw different things: {comm.allgather((got, log))}"
-    assert log == ["shell"]  # PETSc called the context's destroy on every rank
-    assert got == (
-        "DestroyError",
-        [(bad, key, "shell", "RuntimeError: probe shell refuses to be destroyed")],
-    ), got
-    # Every rank knows: no later sync point runs on the family.
-    with pytest.raises(cgc.CollectiveGCError, match="differ between ranks"):
+        log: list[Any] = []
+        owner = Holder()
+        owner.mat = probe_mat(comm, "shell", log, fail=rank == bad)
+        key = cp.manage(owner, owner.mat, comm=comm, name="shell").key
+        del owner
+        cgc.collect(comm, generation=None, timeout=timeout)  # the failure waits for the next
+        assert log == ["shell"]  # PETSc called the context's destroy on every rank
+        # The next step's PETSc objects: made and used on every rank (it hung here).
+        n = 2 * comm.Get_size()
+        A = PETSc.Mat().createAIJ([n, n], nnz=1, comm=comm)
+        A.setUp()
+        lo, hi = A.getOwnershipRange()
+        for i in range(lo, hi):
+            A.setValue(i, i, 1.0)
+        A.assemble()
+        x, y = A.createVecs()
+        x.set(1.0)
+        A.mult(x, y)
+        assert y.sum() == n
+        for obj in (A, x, y):
+            obj.destroy()
+        got: tuple[str, Any] = ("returned", None)
+        try:
+            cgc.collect(comm, generation=None, timeout=timeout)
+        except cgc.DestroyError as exc:
+            got = ("DestroyError", exc.failures)
+            del exc
+        assert same_on_all(comm, got), comm.allgather(got)
+        assert got == (
+            "DestroyError",
+            [(bad, key, "shell", "RuntimeError: probe shell refuses to be destroyed")],
+        ), got
+        # Every rank knows: no later sync point runs on the family ...
+        with pytest.raises(cgc.CollectiveGCError, match="differ between ranks"):
+            cgc.collect(comm, generation=None)
+        # ... which keeps PETSc's inner communicator alive on every rank alike.
+        assert same_on_all(comm, cp.held(comm)) and cp.held(comm) == 1
+        v = PETSc.Vec().createMPI((2, PETSc.DECIDE), comm=comm)
+        v.set(1.0)
+        assert v.sum() == 2 * comm.Get_size()
+        v.destroy()
+    finally:
+        cp.batch_destroys(was)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("batched", [True, False])
+def test_petsc_inner_communicators_held_for_destroys_are_let_go_two_sync_points_later(
+    comm: MPI.Intracomm, batched: bool
+) -> None:
+    """What the sync points hold so that a failed PETSc destroy cannot make
+    PETSc's state differ between ranks (see the test above) is let go once
+    two more sync points passed with no failure: nothing kept for longer,
+    and a loop that destroys on one communicator at every step holds one."""
+    was = cp.batch_destroys()
+    cp.batch_destroys(batched)
+    try:
+        seen = []
+        for _ in range(3):  # a solver loop: objects made and dropped at each step
+            owner = Holder()
+            owner.vec = PETSc.Vec().createMPI(2, comm=comm)
+            cp.manage(owner, owner.vec, comm=comm)
+            del owner
+            cgc.collect(comm, generation=None)
+            seen.append(cp.held(comm))
+        for _ in range(3):  # no more destroys
+            cgc.collect(comm, generation=None)
+            seen.append(cp.held(comm))
+        assert same_on_all(comm, seen), comm.allgather(seen)
+        assert seen[:4] == [1, 1, 1, 1] and seen[-1] == 0, seen
+        serial = Holder()
+        serial.vec = PETSc.Vec().createSeq(2, comm=MPI.COMM_SELF)
+        cp.manage(serial, serial.vec, comm=comm)
+        del serial
         cgc.collect(comm, generation=None)
+        assert cp.held(comm) == 0  # nothing to hold for a serial object
+    finally:
+        cp.batch_destroys(was)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -51,7 +51,7 @@ from petsc4py import PETSc
 from .._api import add_comm_resolver, register
 from .._comms import adopt, contains, relation
 from .._errors import RegistrationError
-from .._lookup import managers
+from .._lookup import manager, managers
 from .._manager import Manager, State, family
 from .._registration import Registration
 from .._scope import sync_point
@@ -60,7 +60,16 @@ from ._cleanup import SERIAL, cleanup_of, immortal, install
 from ._destroyers import NATIVE, batch_destroys, destroy_all, destroy_many, destroy_one
 from ._keepers import path_to
 
-__all__ = ["manage", "destroy_all", "install", "garbage", "immortal", "solve", "batch_destroys"]
+__all__ = [
+    "manage",
+    "destroy_all",
+    "install",
+    "garbage",
+    "held",
+    "immortal",
+    "solve",
+    "batch_destroys",
+]
 
 
 def _user_comm(obj: object) -> MPI.Comm | None:
@@ -111,6 +120,21 @@ def garbage(comm: MPI.Comm) -> list[tuple[int, str]]:
         )
     inner = reader.inner(comm)
     return [] if inner is None else reader.entries(inner)
+
+
+def held(comm: MPI.Comm) -> int:
+    """How many of PETSc's inner communicators ``comm``'s family holds on this rank. Local.
+
+    Before its sync points destroy managed parallel PETSc objects, a family
+    takes a reference on their inner communicator, which it drops once two
+    more sync points have passed with no failure: so a destroy that fails
+    on one rank only cannot leave PETSc's inner communicator alive there and
+    freed elsewhere, and the program's next PETSc call on the communicator
+    (which would hang then) works until the next sync point says what
+    failed, on every rank, and refuses the family, which keeps its holds.
+    """
+    cleanup = cleanup_of(manager(comm))
+    return 0 if cleanup is None else len(cleanup.state.holds)
 
 
 def _describe_object(obj: Any) -> str:

@@ -55,7 +55,7 @@ class _Cleanup(Participant):
         # With nothing voted (no garbage anywhere, no failure), nothing to do;
         # unless PETSc's garbage cannot be read here: then every sync point cleans.
         self.quiet_finish = _internals.READER is not None
-        self.state = CommState()
+        self.state = CommState(self._sync_count)
         # The installed members, in the order install ran on them (the same on
         # every rank: install is collective); weak, so that the family's
         # participants never keep a manager alive.
@@ -68,6 +68,14 @@ class _Cleanup(Participant):
         if all(ref() is not mgr for ref in self.comms):
             self.comms.append(weakref.ref(mgr))
             self.handles.append(MPI._handleof(mgr.comm))
+
+    def _sync_count(self) -> int:
+        # The family's count of sync points (its members share it).
+        for ref in self.comms:
+            mgr = ref()
+            if mgr is not None:
+                return mgr.sync_count
+        return 0
 
     def members(self) -> list[Manager]:
         """The installed communicators still in use (not freed: collectively,
@@ -83,6 +91,7 @@ class _Cleanup(Participant):
         """This rank's vote: whether it holds garbage (on an installed
         communicator, on COMM_SELF), has PETSc's inner communicators, and saw
         a managed destroy fail. Local."""
+        self.state.drop_old()
         garbage = _destroyers.garbage
         mine = _FAILED if self.state.failed > 0 else 0
         if garbage is None:
@@ -154,7 +163,11 @@ class _Cleanup(Participant):
         # communicator (ORed) says which, and whether a rank lacks PETSc's
         # inner communicator there (a cleanup would make one on some ranks
         # only: a hang).
-        looked = mgr.reduce_or([_look(m) for m in members])
+        # (Over a member still in use: the participant's own may be freed,
+        # and any member's collectives are the family's.)
+        if not members:
+            return
+        looked = members[0].reduce_or([_look(m) for m in members])
         for member, seen in zip(members, looked):
             if member.comm_freed:
                 # Freed by an earlier cleanup of this loop: PETSc's inner

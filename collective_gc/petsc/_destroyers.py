@@ -5,6 +5,8 @@
 explicit one. A destroy that raised leaves a wreck that is leaked, never
 destroyed again (:func:`_forget`), and is counted in the communicator's
 :class:`CommState` (the cleanup participant's vote says so to every rank).
+Before a parallel object is destroyed, its PETSc inner communicator is held
+(:meth:`CommState.hold`, see the NOTE there).
 ``NATIVE`` (collective_gc._speedups.Petsc, given the addresses of petsc4py's
 and PETSc's C functions) destroys a sync point's run of managed
 registrations at once, from C, with the same outcome.
@@ -16,6 +18,7 @@ import ctypes
 from collections.abc import Callable
 from typing import Any
 
+from mpi4py import MPI
 from petsc4py import PETSc
 
 from .._destroy import set_batch
@@ -24,16 +27,100 @@ from . import _internals
 
 
 class CommState:
-    """This rank's record of the PETSc objects managed on one communicator.
+    """This rank's record of the PETSc objects managed on one family.
 
     ``failed`` counts this rank's managed PETSc destroys that raised (the
-    wrecks are leaked, see :func:`_forget`).
+    wrecks are leaked, see :func:`_forget`); ``holds`` maps the handle of
+    each PETSc inner communicator held (see the NOTE) to its age in sync
+    points.
+
+    NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
+    A parallel PETSc object lives on PETSc's inner duplicate of its
+    communicator, which PETSc frees with the last object on it. When a
+    destroy raises on one rank only, the wreck keeps the inner communicator
+    there while the other ranks free theirs; the program's next PETSc call
+    on the communicator then makes a new inner one (MPI_Comm_dup) on those
+    ranks and not on that one: a hang, before the family's next agreement
+    could say what failed. One more collective after every sync point that
+    destroys PETSc objects would tell at once, at a price every clean step
+    pays. Instead, the reference the destroys would drop is taken first
+    (PetscCommDuplicate of the inner communicator: a counter, no MPI), at
+    the same agreed point on every rank, so the inner communicator survives
+    every rank's destroys alike and PETSc's state cannot differ between
+    the ranks before the next sync point. That one's agreement carries the
+    failure (the cleanup participant's vote) and refuses the family on every
+    rank, which keeps its holds for good. Otherwise a hold is dropped
+    (PetscCommDestroy, at a sync point's vote: every rank at once) once two
+    later votes have passed with no failure. A run of destroys on the same
+    inner communicator at every step keeps its hold and takes no other.
     """
 
-    __slots__ = ("failed",)
+    __slots__ = ("failed", "holds", "clock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
         self.failed = 0
+        # handle -> the family's sync count when last held; clock() reads it.
+        self.holds: dict[int, int] = {}
+        self.clock = clock
+
+    def hold(self, handle: int) -> None:
+        """Hold the PETSc inner communicator ``handle`` (of size > 1: the
+        callers skip COMM_SELF's), or refresh its hold. Local, no MPI."""
+        if self.clock is None:
+            return  # serial objects: nothing to differ between ranks
+        if handle not in self.holds:
+            out = _COMM_T()
+            if _COMM_DUP is None or _COMM_DUP(_COMM_T(handle), ctypes.byref(out), None) != 0:
+                return
+        self.holds[handle] = self.clock()
+
+    def drop_old(self) -> None:
+        """Drop the holds no destroy has refreshed for two sync points.
+
+        Called by each vote of the family's cleanup participant (inside
+        sync points only, several times in one: only the count matters), so
+        every rank drops a hold at the same sync point. The count moves once
+        a sync point, so a hold taken in sync point j goes once it has moved
+        twice: never before sync point j + 2, after j + 1's agreement, which
+        would have refused the family (for good) had a destroy failed at j."""
+        if not self.holds or self.clock is None:
+            return
+        now = self.clock()
+        for handle, held in list(self.holds.items()):
+            if now - held >= 2:
+                del self.holds[handle]
+                if _COMM_FREE is not None:
+                    _COMM_FREE(ctypes.byref(_COMM_T(handle)))
+
+
+def _comm_functions() -> tuple[Any, Any, Any]:
+    # PetscCommDuplicate and PetscCommDestroy through ctypes, with MPI_Comm
+    # spelled as the MPI spells it (a pointer in Open MPI, an int in MPICH).
+    pointer = MPI._sizeof(MPI.Comm) == ctypes.sizeof(ctypes.c_void_p)
+    comm_t = ctypes.c_void_p if pointer else ctypes.c_int
+    try:
+        lib = ctypes.CDLL(PETSc.__file__)
+        dup, free = lib.PetscCommDuplicate, lib.PetscCommDestroy
+    except (OSError, AttributeError):
+        return comm_t, None, None
+    dup.restype = free.restype = ctypes.c_int
+    dup.argtypes = [comm_t, ctypes.POINTER(comm_t), ctypes.c_void_p]
+    free.argtypes = [ctypes.POINTER(comm_t)]
+    return comm_t, dup, free
+
+
+_COMM_T, _COMM_DUP, _COMM_FREE = _comm_functions()
+
+
+def _hold(state: CommState, obj: Any) -> None:
+    # Before a managed destroy from Python: hold obj's inner communicator if
+    # it is parallel (the C runs do the same, calling state.hold).
+    try:
+        comm = obj.getComm()
+        if comm.getSize() > 1:
+            state.hold(MPI._handleof(comm.tompi4py()))
+    except Exception:  # a destroyed or odd object: its destroy says what is wrong
+        pass
 
 
 def _capi_address(name: str) -> int:
@@ -111,6 +198,7 @@ def _destroy(obj: Any) -> None:
 def destroy_one(obj: Any, state: CommState) -> None:
     # The managed destroy of a wrapper owning one object (the common case, so
     # no loop and no varargs).
+    _hold(state, obj)
     try:
         _destroy(obj)
     except BaseException:
@@ -131,6 +219,8 @@ def _destroy_each(objs: tuple[Any, ...], state: CommState | None) -> None:
     forgotten (see :func:`_forget`) and counted in ``state``."""
     errors: list[tuple[Any, BaseException]] = []
     for obj in reversed(objs):
+        if state is not None:
+            _hold(state, obj)
         try:
             _destroy(obj)
         except BaseException as exc:  # every object is still tried; raised after
