@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, get_type_hints
 
 import numpy as np
 from mpi4py import MPI
@@ -107,6 +107,13 @@ class CollectStats(NamedTuple):
     sync: int
     collected: int | None = None
     visits: int = 0
+
+
+# This module's annotations are strings (``from __future__ import annotations``),
+# which NamedTuple hands its generated __new__ unresolved, so help() and
+# inspect.signature showed ``destroyed: ForwardRef('int')``: resolve them once.
+CollectStats.__annotations__ = get_type_hints(CollectStats)
+CollectStats.__new__.__annotations__ = dict(CollectStats.__annotations__)
 
 
 class Participant:

@@ -135,6 +135,22 @@ def test_parallel_assert_is_a_public_name_of_the_package() -> None:
     assert cgc.parallel_assert is parallel_assert
 
 
+def test_help_shows_collect_stats_fields_with_their_types() -> None:
+    """Issue 41, section 3: ``help(CollectStats)`` showed ``destroyed:
+    ForwardRef('int')`` for every field (the module's string annotations,
+    which ``NamedTuple`` wraps unresolved into its ``__new__``). Its signature
+    now reads as the class is written."""
+    import inspect
+    import pydoc
+
+    sig = str(inspect.signature(cgc.CollectStats))
+    assert sig == (
+        "(destroyed: int, pending: int, cyclic: int, seconds: float, sync: int, "
+        "collected: int | None = None, visits: int = 0)"
+    ), sig
+    assert "ForwardRef" not in pydoc.render_doc(cgc.CollectStats, renderer=pydoc.plaintext)
+
+
 @pytest.mark.launcher  # a child process that imports mpi4py: from the serial session only
 def test_star_import_needs_no_pytest() -> None:
     """Where pytest is not installed, ``from collective_gc import *`` still
