@@ -156,6 +156,10 @@ bench: install bench-loader
 	$(MPIRUN) bench/bench_petsc.py
 	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_petsc.py
 	$(MPIRUN) bench/bench_petsc.py --python-destroys
+	$(MPIRUN) bench/bench_step.py
+	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_step.py
+	$(MPIRUN) bench/bench_backoff.py
+	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_backoff.py
 	$(MPIRUN) bench/bench_gcpause.py
 	$(MPIRUN) bench/bench_trace.py
 	tools/mpirun 2 900 $(PY) -m mpi4py bench/bench_trace.py

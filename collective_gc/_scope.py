@@ -148,34 +148,87 @@ class _Exit(_Seen):
         return super().identity() + "/" + SCOPE_EXIT
 
 
+class _Pace:
+    """How many of a scope's sync points to let pass after an agreement
+    (``seconds=``): see NOTE [ A scope's back-off ]. This rank's part:
+    how many calls of ``sync`` it expects in ``seconds``, from its own clock
+    (durations only: no rank compares clock readings with another's)."""
+
+    __slots__ = ("seconds", "calls", "since")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.calls = 0  # sync calls since the last agreement, this one included
+        self.since = time.perf_counter()  # when the last agreement ended
+
+    def code(self) -> int:
+        """This rank's vote: bit i set if it expects fewer than 4 ** (i + 1)
+        calls in ``seconds`` (a thermometer: the OR over the ranks is the code
+        of the fewest any rank expects)."""
+        elapsed = time.perf_counter() - self.since
+        expected = self.seconds * self.calls / elapsed if elapsed > 0 else _PACE_MAX
+        code = 0
+        for i in range(_PACE_BITS):
+            if expected < 4 ** (i + 1):
+                code |= 1 << i
+        return code
+
+    @staticmethod
+    def skips(code: int) -> int:
+        """The sync points every rank lets pass, from the agreed code: one
+        fewer than the power of 4 at or below the fewest calls expected."""
+        if code == 0:
+            return _PACE_MAX - 1
+        return 4 ** ((code & -code).bit_length() - 1) - 1
+
+    def agreed(self) -> None:
+        self.calls = 0
+        self.since = time.perf_counter()
+
+
+_PACE_BITS = 5  # bits 3-7 of the scope's field (the generation takes 0-2)
+_PACE_MAX = 4**_PACE_BITS  # at most 1024 calls between agreements
+
+
 class _Policy(_Seen):
-    """A managed scope's GC policy at one sync point: each rank votes for the
-    generation its automatic collector would collect now; all collect the
-    oldest any of them wants, at the same point, after the destroys (what that
-    collection finds is queued for the next sync point)."""
+    """A scope's policy at one sync point, voted in one field: for a managed
+    scope, each rank votes for the generation its automatic collector would
+    collect now, and all collect the oldest any of them wants, at the same
+    point, after the destroys (what that collection finds is queued for the
+    next sync point); with ``seconds=``, how often to agree (:class:`_Pace`)."""
 
     field = FIELD_GC
 
-    def __init__(self) -> None:
+    def __init__(self, managed: bool = True, pace: _Pace | None = None) -> None:
         super().__init__()
         self.collected = False
+        self.managed = managed
+        self.pace = pace
+        self.skips = 0
 
     def reset(self) -> None:
         super().reset()
         self.collected = False
+        self.skips = 0 if self.pace is None else _PACE_MAX - 1
 
     def vote(self, mgr: Manager) -> int:
         # A thermometer code (generation g as g + 1 low bits), so that the OR
         # over the ranks is the code of the oldest generation anyone wants.
-        return (1 << (_gcpolicy.wanted_generation() + 1)) - 1
+        mine = (1 << (_gcpolicy.wanted_generation() + 1)) - 1 if self.managed else 0
+        if self.pace is not None:
+            mine |= self.pace.code() << 3
+        return mine
 
     def may_raise(self, flags: int) -> bool:
         # Only a collection runs code that may raise (an interrupt in a finalizer).
-        return self.votes(flags) != 0
+        return self.votes(flags) & 7 != 0
 
     def finish(self, mgr: Manager, flags: int) -> None:
         super().finish(mgr, flags)
-        generation = self.votes(flags).bit_length() - 1
+        votes = self.votes(flags)
+        if self.pace is not None:
+            self.skips = _Pace.skips(votes >> 3)
+        generation = (votes & 7).bit_length() - 1
         if generation >= 0:
             # Agreed: the same on every rank, so the frozen long-lived heap
             # may stay frozen (see _gcpolicy).
@@ -215,6 +268,18 @@ class collective_scope:
             (default 2, a full collection, so that nothing dropped inside the
             scope stays queued; its cost grows with the heap, so a scope around
             each of many short solves may prefer 0, or None for no collection).
+        every: a back-off: only every ``every``-th call of :meth:`sync` (a
+            ``@sync_point`` inside the scope calls it) is a sync point; the
+            others return at once (``CollectStats.sync == -1``). Decided from
+            the call count, the same on every rank.
+        seconds: a back-off: the ranks agree about every ``seconds`` at most.
+            Each agreement carries how many calls to let pass before the next:
+            each rank says how many it expects in ``seconds`` at the pace it
+            measured since the last one, and all take the fewest, rounded down
+            to a power of 4 (1 to 1024). Objects that die meanwhile are
+            destroyed at the next agreement: within about ``seconds`` while
+            the pace holds. Not with ``every``, nor with ``strict`` (which
+            checks every sync point); the exit sync point is never skipped.
 
     The scope syncs at exit, after the ``exit_collect`` collection on every
     rank (``gc="off"``: none). If the body raised, that exit sync gets a
@@ -234,6 +299,8 @@ class collective_scope:
         timeout: float | None = None,
         track_origins: bool = False,
         exit_collect: int | None = 2,
+        every: int | None = None,
+        seconds: float | None = None,
     ) -> None:
         if gc not in ("managed", "auto", "off"):
             raise ValueError(f"gc must be 'managed', 'auto' or 'off', not {gc!r}")
@@ -248,11 +315,30 @@ class collective_scope:
         if exit_collect not in (None, 0, 1, 2):
             raise ValueError(f"exit_collect must be 0, 1, 2 or None, not {exit_collect!r}")
         self.exit_collect = exit_collect
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"every must be a positive int or None, not {every!r}")
+        if seconds is not None and (
+            not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf")
+        ):
+            raise ValueError(f"seconds must be a positive number or None, not {seconds!r}")
+        if every is not None and seconds is not None:
+            raise ValueError("give every= or seconds=, not both")
+        if strict and (every is not None or seconds is not None):
+            raise ValueError(
+                "a strict scope checks every sync point for cyclic deaths: it takes no "
+                "back-off (every=, seconds=)"
+            )
+        self.every = every
+        self.seconds_between = seconds
+        pace = None if seconds is None else _Pace(float(seconds))
         self.manager: Manager = manager(comm)
         # Its sync points' own participant; and while it is open, in strict
         # mode, its family's (see _Watch: strict=True gathers every rank's
         # cyclic deaths, "warn" notes this rank's).
-        self._seen = _Policy() if gc == "managed" else _Seen()
+        self._seen = _Policy(gc == "managed", pace) if gc == "managed" or pace else _Seen()
+        self._pace = pace
+        self._skip = 0  # calls of sync still to let pass (the back-off)
+        self.skipped = 0
         self._watch = _Watch(strict is True, timeout) if strict else None
         self.syncs = 0
         self.destroyed = 0
@@ -366,7 +452,24 @@ class collective_scope:
         """Collective: a sync point on the scope's communicator (see the class docs)."""
         if self._state != "open":
             raise CollectiveGCError(f"cannot sync {self!r}: it is not open")
-        return self._sync(collect=False, deadline_s=self.timeout)
+        if self._pace is not None:
+            self._pace.calls += 1
+        if self._skip:
+            # NOTE [ A scope's back-off ]: every rank makes the same calls of
+            # sync (they are collective), so a count of calls that every rank
+            # took from the same agreement, or from every=, lets pass the
+            # same ones everywhere, with no message and no clock compared.
+            self._skip -= 1
+            self.skipped += 1
+            return _LET_PASS
+        stats = self._sync(collect=False, deadline_s=self.timeout)
+        if self.every is not None:
+            self._skip = self.every - 1
+        elif self._pace is not None:
+            assert isinstance(self._seen, _Policy)
+            self._skip = self._seen.skips  # agreed: the same on every rank
+            self._pace.agreed()
+        return stats
 
     def _sync(self, *, collect: bool, deadline_s: float | None) -> CollectStats:
         t0 = time.perf_counter()
@@ -439,6 +542,10 @@ class collective_scope:
             "rank's allocations. Break the reference cycles (cgc.find_cycles(obj) on a live "
             "instance shows them):\n" + lines
         )
+
+
+# What a sync call the back-off lets pass returns.
+_LET_PASS = CollectStats(destroyed=0, pending=-1, cyclic=0, seconds=0.0, sync=-1)
 
 
 def _warn_unseen(scope: collective_scope, count: int) -> None:
@@ -562,7 +669,11 @@ def sync_point(
             if c is None and not _stack():
                 raise _no_scope(f, sys._getframe(1), ran=False)
             result = f(*args, **kwargs)
-            scope = current_scope(c)
+            # The common case first: the innermost scope is on this very
+            # communicator object (what a loop under a back-off calls most).
+            stack = _stack()
+            top = stack[-1] if stack else None
+            scope = top if top is not None and top.comm is c else current_scope(c)
             if scope is not None:
                 scope.sync()
             elif c is not None:

@@ -1027,9 +1027,12 @@ fs_store(FamilyState *s, PyObject *reg)
     Py_RETURN_NONE;
 }
 
-/* functools.partial, looked up once when the module is made: what the
- * destroy check looks into, with functions and methods. */
+/* functools.partial and the type of a bound slot wrapper (``None.__str__``:
+ * Python 3.13 no longer declares _PyMethodWrapper_Type), looked up once when
+ * the module is made: what the destroy check looks into, with functions and
+ * methods. */
 static PyObject *partial_type = NULL;
+static PyTypeObject *method_wrapper_type = NULL;
 
 /* Whether an argument is ``obj`` or what collective_gc._registration's
  * destroy check looks into for a reference to it (exact types, as there):
@@ -1039,7 +1042,7 @@ inspected(PyObject *x, PyObject *obj)
 {
     PyTypeObject *t = Py_TYPE(x);
     return x == obj || t == &PyFunction_Type || t == &PyMethod_Type || t == &PyCFunction_Type
-           || t == &_PyMethodWrapper_Type
+           || t == method_wrapper_type
            || (partial_type != NULL && PyObject_TypeCheck(x, (PyTypeObject *)partial_type));
 }
 
@@ -2998,6 +3001,12 @@ exec_module(PyObject *m)
     if (partial_type == NULL || !PyType_Check(partial_type)) {
         return -1;
     }
+    PyObject *wrapper = PyObject_GetAttrString(Py_None, "__str__");
+    if (wrapper == NULL) {
+        return -1;
+    }
+    method_wrapper_type = Py_TYPE(wrapper); /* a static type: never freed */
+    Py_DECREF(wrapper);
     RegType.tp_base = &_PyWeakref_RefType;
     PyTypeObject *types[] = {&GcStateType, &RegType, &RegionType, &FamilyStateType, &PetscType,
                              &PetscRunType};
