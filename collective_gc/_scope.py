@@ -169,7 +169,7 @@ class _Pace:
         expected = self.seconds * self.calls / elapsed if elapsed > 0 else _PACE_MAX
         code = 0
         for i in range(_PACE_BITS):
-            if expected < 4 ** (i + 1):
+            if expected < 1 << 2 * (i + 1):
                 code |= 1 << i
         return code
 
@@ -179,7 +179,7 @@ class _Pace:
         fewer than the power of 4 at or below the fewest calls expected."""
         if code == 0:
             return _PACE_MAX - 1
-        return 4 ** ((code & -code).bit_length() - 1) - 1
+        return (1 << 2 * ((code & -code).bit_length() - 1)) - 1
 
     def agreed(self) -> None:
         self.calls = 0
@@ -187,7 +187,7 @@ class _Pace:
 
 
 _PACE_BITS = 5  # bits 3-7 of the scope's field (the generation takes 0-2)
-_PACE_MAX = 4**_PACE_BITS  # at most 1024 calls between agreements
+_PACE_MAX = 1 << 2 * _PACE_BITS  # at most 4 ** 5 = 1024 calls between agreements
 
 
 class _Policy(_Seen):
