@@ -82,7 +82,7 @@ test-clients-debian12: install test-plugin-mpipytest
 	bash tools/install-system-deps.sh python3-dolfinx python3-h5py-mpi python3-slepc4py
 	$(CLIENTS_LEG) debian12
 
-# The chroot script installs what is missing of DEBIAN13_CLIENTS (~300
+# The chroot script installs what is missing of DEBIAN13_CLIENTS (~210
 # packages the first time; a no-op after).
 test-clients-debian13: .stacks/debian13/.installed
 	bash tools/stacks/debian13-chroot.sh .stacks/debian13 $(DEBIAN13_CLIENTS)

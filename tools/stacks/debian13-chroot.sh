@@ -3,7 +3,7 @@
 # in DIR: Debian's own Python 3.13, mpi4py 4.0, petsc4py 3.22 and Open MPI 5.
 # debian13-chroot.sh DIR PKG...: the same, with Debian 13's packages PKG also
 # installed in it (`make test-clients-debian13` names DOLFINx 0.9, slepc4py
-# 3.22 and h5py 3.13 so: `make test-stacks` does not need their ~300 packages).
+# 3.22 and h5py 3.13 so: `make test-stacks` does not need their ~210 packages).
 # Needs root, debootstrap and rsync (installed here with apt-get when missing).
 # Idempotent: a finished chroot is marked with DIR/.bootstrapped; packages
 # added to APT_PKGS since are installed into it.
