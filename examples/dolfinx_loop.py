@@ -3,13 +3,16 @@
 Each step makes a mesh (DOLFINx duplicates the communicator for it, and for its
 IndexMaps), a P1 space and a LinearProblem (CG + Jacobi), solves, writes the
 solution to an open XDMFFile, and leaves its wrapper in cycles, as real codes do.
+It runs on DOLFINx 0.5.2 (Debian 12) and 0.9.0 (Debian 13): ``make test-clients``.
 
     mpiexec -n 4 python -m mpi4py examples/dolfinx_loop.py [--steps N] [--mode M]
 
-``--mode cgc`` (the default) is the documented path: one scope on COMM_WORLD;
-the PETSc objects are managed on COMM_WORLD (they live on DOLFINx's own
-duplicates of it: collective_gc reaches those), the XDMF file and the mesh are
-kept (their C++ destructors are collective) and dropped at the sync point.
+``--mode cgc`` (the default) is the documented path (docs/guides/fenicsx.rst,
+:func:`manage_step`): one scope on COMM_WORLD; the PETSc objects are managed
+on COMM_WORLD (they live on DOLFINx's own duplicates of it: collective_gc
+reaches those); the LinearProblem (DOLFINx 0.9's ``__del__`` destroys its
+PETSc objects), the XDMF file and the mesh (their C++ destructors are
+collective) are kept and dropped at the sync point.
 ``--mode gc`` (plain GC: it leaks every PETSc object, and hangs with the open
 XDMF file) and ``--mode collect`` (``gc.disable()`` + ``gc.collect()`` +
 ``PETSc.garbage_cleanup()`` per step) are there to compare. The last line
@@ -79,13 +82,18 @@ def petsc_log_alive() -> dict[str, int]:
     return {k: v for k, v in alive.items() if v}
 
 
+# DOLFINx 0.7 made the space with functionspace(); FunctionSpace became the
+# class that wraps a C++ space (0.9: FunctionSpace(mesh, element, cppV)).
+functionspace = getattr(dolfinx.fem, "functionspace", None) or dolfinx.fem.FunctionSpace
+
+
 class Step:
     """One step: mesh, space, problem, solution, output file, in cycles."""
 
     def __init__(self, n: int, out_dir: str, i: int, xdmf: bool) -> None:
         self.me = self  # a cycle, as real codes leave them
         self.mesh = dolfinx.mesh.create_unit_square(WORLD, n, n)
-        V = dolfinx.fem.FunctionSpace(self.mesh, ("Lagrange", 1))
+        V = functionspace(self.mesh, ("Lagrange", 1))
         u, v = ufl.TrialFunction(V), ufl.TestFunction(V)
         x = ufl.SpatialCoordinate(self.mesh)
         f = 10 * ufl.exp(-((x[0] - 0.5) ** 2 + (x[1] - 0.5) ** 2) / 0.02)
@@ -109,6 +117,29 @@ class Step:
             self.file.write_mesh(self.mesh)
             self.file.write_function(uh)
         return uh
+
+
+def manage_step(step: Step) -> None:
+    """The documented registrations of one step (docs/guides/fenicsx.rst), on
+    DOLFINx 0.5.2 and 0.9 alike. Collective over WORLD.
+
+    The PETSc objects are managed on WORLD (they live on DOLFINx's duplicates
+    of it, the mesh's and the IndexMap's). The step keeps what has a
+    collective destructor and no destroy call to register: the XDMF file (its
+    HDF5 close), the mesh (it frees its communicator) and the LinearProblem,
+    whose ``__del__`` in DOLFINx 0.9 (0.5.2 has none) destroys its KSP, Mat
+    and Vecs: held by the registration, it survives the collection that finds
+    the step dead and goes at the sync point, on every rank in the agreed
+    order, whichever way the scope collects (gc="auto": when each rank's
+    collector fires). The managed destroys and the problem's ``__del__`` then
+    run at the same sync point; the second to reach an object finds it
+    destroyed (petsc4py's destroy() of a destroyed object does nothing).
+    """
+    p = step.problem
+    cp.manage(step, p.solver, p.A, p.b, p._x, comm=WORLD)
+    # Dropped last first: this reference to the mesh, the file (its collective
+    # close), then the problem (its destroys, then the forms and the mesh).
+    cgc.keep(step, p, *[r for r in (step.file, step.mesh) if r is not None], comm=WORLD)
 
 
 def run(
@@ -137,19 +168,13 @@ def run(
         with cgc.collective_scope(WORLD, timeout=120) as scope:
             for i in range(steps):
                 step = Step(n, out_dir, i, xdmf)
-                p = step.problem
-                # The PETSc objects, managed on WORLD: they live on DOLFINx's
-                # duplicates of it (the mesh's, the IndexMap's).
-                cp.manage(step, p.solver, p.A, p.b, p._x, comm=WORLD)
-                # What has a collective C++ destructor and no destroy call,
-                # kept by another member of the cycle (one registration per
-                # owner and communicator).
-                kept = [r for r in (step.file, step.mesh) if r is not None]
-                cgc.keep(step.problem, *kept, comm=WORLD)
-                del kept
+                manage_step(step)
                 step.solve()
-                del step, p
-                gc.collect()  # the step's cycles die (a young collection would do)
+                del step
+                # The step's cycles die: the scope's collector is off, so the
+                # dead step is young (a full collection cost 60-100 ms a step
+                # on 4 ranks, issue 41).
+                gc.collect(0)
                 wait_apart()
                 s0 = time.perf_counter()
                 scope.sync()

@@ -1,7 +1,6 @@
 """SLEPc as a real client (issue 33): run by ``make test-clients`` on 4 ranks,
-with Debian 12's python3-slepc4py 3.18 (installed by the Makefile's
-test-clients, which also sets SLEPC_DIR: Debian's slepc4py is found only
-with it)."""
+with Debian 12's python3-slepc4py 3.18 and Debian 13's 3.22 (installed by the
+Makefile's test-clients-LEG; both import without SLEPC_DIR)."""
 
 from __future__ import annotations
 

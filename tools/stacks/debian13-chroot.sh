@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Build the Debian 13 (trixie) chroot of the `debian13` leg of `make test-stacks`
 # in DIR: Debian's own Python 3.13, mpi4py 4.0, petsc4py 3.22 and Open MPI 5.
+# debian13-chroot.sh DIR PKG...: the same, with Debian 13's packages PKG also
+# installed in it (`make test-clients-debian13` names DOLFINx 0.9, slepc4py
+# 3.22 and h5py 3.13 so: `make test-stacks` does not need their ~210 packages).
 # Needs root, debootstrap and rsync (installed here with apt-get when missing).
 # Idempotent: a finished chroot is marked with DIR/.bootstrapped; packages
 # added to APT_PKGS since are installed into it.
 set -euo pipefail
-DIR=${1:?usage: debian13-chroot.sh DIR}
+DIR=${1:?usage: debian13-chroot.sh DIR [PKG...]}
+shift
 
 # The host's tools for this leg, checked even when the chroot exists: a chroot
 # made on another machine (or kept in .stacks/) does not bring them. debootstrap
@@ -22,7 +26,7 @@ PKGS=$PKGS,python3-pytest,python3-setuptools,python3-wheel,gcc,make,git,procps
 # chroot is there: debootstrap's resolver does not follow virtual packages
 # (libltdl-dev, which libopenmpi-dev pulls in, needs automake-1.17, which
 # automake provides); and so a chroot bootstrapped before gets it too.
-APT_PKGS="libopenmpi-dev"
+APT_PKGS="libopenmpi-dev $*"
 
 if [ ! -e "$DIR/.bootstrapped" ]; then
     rm -rf "$DIR.partial"
