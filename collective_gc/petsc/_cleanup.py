@@ -55,11 +55,11 @@ class _Cleanup(Participant):
         # With nothing voted (no garbage anywhere, no failure), nothing to do;
         # unless PETSc's garbage cannot be read here: then every sync point cleans.
         self.quiet_finish = _internals.READER is not None
-        self.state = CommState(self._sync_count)
         # The installed members, in the order install ran on them (the same on
         # every rank: install is collective); weak, so that the family's
         # participants never keep a manager alive.
         self.comms: list[weakref.ref[Manager]] = []
+        self.state = CommState(self.comms)
         # Their communicators' handles, read at install (the vote's reads).
         self.handles: list[int] = []
 
@@ -68,14 +68,6 @@ class _Cleanup(Participant):
         if all(ref() is not mgr for ref in self.comms):
             self.comms.append(weakref.ref(mgr))
             self.handles.append(MPI._handleof(mgr.comm))
-
-    def _sync_count(self) -> int:
-        # The family's count of sync points (its members share it).
-        for ref in self.comms:
-            mgr = ref()
-            if mgr is not None:
-                return mgr.sync_count
-        return 0
 
     def members(self) -> list[Manager]:
         """The installed communicators still in use (not freed: collectively,

@@ -15,8 +15,9 @@ registrations at once, from C, with the same outcome.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -24,6 +25,9 @@ from petsc4py import PETSc
 from .._destroy import set_batch
 from .._switch import SPEEDUPS
 from . import _internals
+
+if TYPE_CHECKING:
+    from .._manager import Manager
 
 
 class CommState:
@@ -55,18 +59,28 @@ class CommState:
     inner communicator at every step keeps its hold and takes no other.
     """
 
-    __slots__ = ("failed", "holds", "clock")
+    __slots__ = ("failed", "holds", "members")
 
-    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, members: list[weakref.ref[Manager]] | None = None) -> None:
         self.failed = 0
-        # handle -> the family's sync count when last held; clock() reads it.
+        # handle -> the family's sync count when last held (clock()).
         self.holds: dict[int, int] = {}
-        self.clock = clock
+        # The family's installed members (the cleanup participant's list, not
+        # the participant: no reference cycle through it); None: serial.
+        self.members = members
+
+    def clock(self) -> int:
+        """The family's count of sync points (its members share it)."""
+        for ref in self.members or ():
+            mgr = ref()
+            if mgr is not None:
+                return mgr.sync_count
+        return 0
 
     def hold(self, handle: int) -> None:
         """Hold the PETSc inner communicator ``handle`` (of size > 1: the
         callers skip COMM_SELF's), or refresh its hold. Local, no MPI."""
-        if self.clock is None:
+        if self.members is None:
             return  # serial objects: nothing to differ between ranks
         if handle not in self.holds:
             out = _COMM_T()
@@ -83,7 +97,7 @@ class CommState:
         a sync point, so a hold taken in sync point j goes once it has moved
         twice: never before sync point j + 2, after j + 1's agreement, which
         would have refused the family (for good) had a destroy failed at j."""
-        if not self.holds or self.clock is None:
+        if not self.holds:
             return
         now = self.clock()
         for handle, held in list(self.holds.items()):
@@ -116,6 +130,8 @@ def _hold(state: CommState, obj: Any) -> None:
     # Before a managed destroy from Python: hold obj's inner communicator if
     # it is parallel (the C runs do the same, calling state.hold).
     try:
+        if not obj.handle:
+            return  # destroyed already (petsc4py 3.18 fails reading its comm), nothing to hold
         comm = obj.getComm()
         if comm.getSize() > 1:
             state.hold(MPI._handleof(comm.tompi4py()))
