@@ -127,6 +127,7 @@ class Collective:
         "next_tag",
         "participants",
         "owners",
+        "also",
         "identities",
         "fingerprint",
         "extra",
@@ -150,6 +151,9 @@ class Collective:
         self.next_tag = 0
         self.participants: list[Participant] = []
         self.owners: list[Manager] = []  # the member each participant was added on (a proxy)
+        # The other members each participant was added on too (by its id): it
+        # stays while one of them does (see drop_participants).
+        self.also: dict[int, list[Manager]] = {}
         self.identities = ""  # of participants (see Participant.identity)
         self.fingerprint = 0  # _agree.fingerprint of identities (0: none)
         # A sync point's own participant (a scope's), as the steady state
@@ -387,6 +391,12 @@ class Collective:
         """See :meth:`Manager.add_participant`: two participants of one family
         may not vote in the same field."""
         if participant in self.participants:
+            # Added on another member too (cp.install on two communicators of
+            # the family): it outlives the first one's leaving.
+            i = self.participants.index(participant)
+            more = self.also.setdefault(id(participant), [])
+            if self.owners[i] is not owner and all(m is not owner for m in more):
+                more.append(owner)
             return
         if self.leaving:
             # Members whose communicators were freed leave first, with their
@@ -409,15 +419,30 @@ class Collective:
         kept = [(p, o) for p, o in zip(self.participants, self.owners) if p is not participant]
         if len(kept) == len(self.participants):
             return
+        self.also.pop(id(participant), None)
         self.participants = [p for p, _ in kept]
         self.owners = [o for _, o in kept]
         self._participants_changed()
 
     def drop_participants(self, owner: Manager) -> None:
         """The participants added on ``owner``, a member that leaves, leave
-        too. Collective in effect: members leave at the same point on every rank."""
-        kept = [(p, o) for p, o in zip(self.participants, self.owners) if o is not owner]
-        if len(kept) == len(self.participants):
+        too, unless they were added on another member still here: that one
+        is theirs from now on. Collective in effect: members leave at the
+        same point on every rank."""
+        kept = []
+        changed = False
+        for p, o in zip(self.participants, self.owners):
+            more = self.also.get(id(p))
+            if more is not None:
+                more[:] = [m for m in more if m is not owner]
+            if o is owner:
+                changed = True
+                if not more:
+                    self.also.pop(id(p), None)
+                    continue
+                o = more.pop(0)
+            kept.append((p, o))
+        if not changed:
             return
         self.participants = [p for p, _ in kept]
         self.owners = [o for _, o in kept]
