@@ -172,8 +172,18 @@ class Registry:
             guard.release()
 
     def _refuse_duplicate(self, owner: Owner, obj: object) -> None:
+        # Twice on one communicator is refused (one registration per object
+        # and communicator, as before families). On two communicators of the
+        # family (two layers of a program each managing what it owns on one
+        # owner: a solver on the mesh's communicator, a Mat on PETSc's inner
+        # duplicate of it) it is two keys, like any two registrations, both
+        # queued when the object dies and destroyed newest first.
         for ref in _getweakrefs(obj):
-            if isinstance(ref, Registration) and self.live.get(ref.key) is ref:
+            if (
+                isinstance(ref, Registration)
+                and self.live.get(ref.key) is ref
+                and owned_by([ref], owner)
+            ):
                 raise RegistrationError(
                     f"this {type(obj).__name__!r} object is already registered on the "
                     f"{owner.describe()} as key {ref.key} ({ref.name!r}); register "

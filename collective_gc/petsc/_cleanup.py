@@ -282,8 +282,10 @@ def install(comm: MPI.Comm | None = None) -> Manager:
         cleanup = cleanup_of(mgr)
         if cleanup is None:
             cleanup = _Cleanup()
-            mgr.add_participant(cleanup)
             _INSTALLED.add(cleanup)
+        # On each installed member (again if another member installed it: the
+        # family's cleanup then outlives whichever of them is freed first).
+        mgr.add_participant(cleanup)
         cleanup.add(mgr)
     return mgr
 
