@@ -372,7 +372,7 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
             self._pos = pos + 1
             channel.consumed = consumed
             if consumed - channel.sent_consumed >= channel.batch or (
-                need and (need < 0 or need <= consumed)
+                need and need != channel.rang and (need < 0 or need <= consumed)
             ):
                 self._ready = element
                 channel.flush()

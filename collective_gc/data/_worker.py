@@ -43,6 +43,7 @@ import mmap
 import os
 import pickle
 import runpy
+import select
 import signal
 import socket
 import struct
@@ -325,6 +326,12 @@ class Pickler(pickle.Pickler):
 
 
 _ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
+# A wait for the parent longer than this is taken under the default policy (_Server._sleep).
+LONG_SLEEP = 2e-3
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    return sock.recv(size)
 
 
 class _Server:
@@ -450,24 +457,29 @@ class _Server:
             P.WORD.pack_into(ring, at, 0)
             self._take()
             return
-        self._handle(self._sleep(self.sock.recv, P.MAX_MESSAGE))
+        self._handle(self._sleep(_recv, self.sock, P.MAX_MESSAGE))
 
-    def _sleep(self, call: Callable[..., bytes], *args: Any) -> bytes:
-        """``call(*args)``, a blocking wait for the parent, under the default policy.
+    def _sleep(self, call: Callable[..., bytes], fd: Any, *args: Any) -> bytes:
+        """``call(fd, *args)``, a blocking wait for the parent on ``fd``.
 
-        Asleep, a SCHED_BATCH worker woken by a SIGKILL (its parent died: the
-        death signal) would wait for a running task's time slice to end
-        before it can exit, milliseconds on a busy machine; under the default
-        policy it takes a core at once. A sleep comes once per half window
-        at most (see _protocol, "Doorbells"), so the two system calls are cheap.
+        Under the default policy once the wait is long (``LONG_SLEEP``): a
+        SCHED_BATCH worker asleep when a SIGKILL comes (its parent died: the
+        death signal) waits for a running task's time slice to end before it
+        can exit, milliseconds on a busy machine; under the default policy
+        it takes a core at once. A short wait stays SCHED_BATCH: a worker
+        woken under the default policy would preempt the parent that woke
+        it, which is what SCHED_BATCH is for (see ``_be_batch``).
         """
-        _be_normal()
         try:
-            return call(*args)
+            if select.select([fd], [], [], LONG_SLEEP)[0]:
+                return call(fd, *args)
+            _be_normal()
+            try:
+                return call(fd, *args)
+            finally:
+                _be_batch()
         except OSError:
             raise _ParentGone from None
-        finally:
-            _be_batch()
 
     def _drain(self) -> None:
         if self.ring is not None:
