@@ -275,9 +275,11 @@ class Channel:
         else:
             ring_it = 0 < need <= consumed and need != self.rang
         if ring_it and self._begin_io():
-            self.rang = need
             try:
                 os.write(self.wake, _ONE)
+                # Only once rung: an interrupt before this store rings again (harmless);
+                # one after an earlier store would leave the worker asleep for ever.
+                self.rang = need
             except OSError:  # the worker is gone; it needs nothing more from us
                 pass
             finally:
