@@ -273,7 +273,9 @@ class Channel:
         if need == P.NEEDS_SLOT:
             ring_it = wrote
         else:
-            ring_it = 0 < need <= consumed and need != self.rang
+            # Again while it still sleeps (it clears SLEEP when it wakes): a
+            # second count is harmless, a sleeper left waiting is not.
+            ring_it = 0 < need <= consumed
         if ring_it and self._begin_io():
             try:
                 os.write(self.wake, _ONE)

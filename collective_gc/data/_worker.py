@@ -328,6 +328,8 @@ class Pickler(pickle.Pickler):
 _ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
 # A wait for the parent longer than this is taken under the default policy (_Server._sleep).
 LONG_SLEEP = 2e-3
+# The longest a worker sleeps on its doorbell before it looks at the control area anyway.
+POLL = 0.05
 
 
 def _recv(sock: socket.socket, size: int) -> bytes:
@@ -453,13 +455,15 @@ class _Server:
                 P.WORD.pack_into(ring, at, 0)
                 return
             self._ring_if_asked(self.seq, before_sleep=True)  # it may wait for what we posted
-            self._sleep(os.read, self.wake, 8)
+            self._sleep(os.read, self.wake, 8, timeout=POLL)
             P.WORD.pack_into(ring, at, 0)
             self._take()
             return
         self._handle(self._sleep(_recv, self.sock, P.MAX_MESSAGE))
 
-    def _sleep(self, call: Callable[..., bytes], fd: Any, *args: Any) -> bytes:
+    def _sleep(
+        self, call: Callable[..., bytes], fd: Any, *args: Any, timeout: float | None = None
+    ) -> bytes:
         """``call(fd, *args)``, a blocking wait for the parent on ``fd``.
 
         Under the default policy once the wait is long (``LONG_SLEEP``): a
@@ -469,13 +473,19 @@ class _Server:
         it takes a core at once. A short wait stays SCHED_BATCH: a worker
         woken under the default policy would preempt the parent that woke
         it, which is what SCHED_BATCH is for (see ``_be_batch``).
+
+        With a ``timeout`` (the ring's doorbell), returns ``b""`` after it
+        without a ring: the caller looks at the control area again, so a
+        ring the parent never made costs a stall, never a hang.
         """
         try:
             if select.select([fd], [], [], LONG_SLEEP)[0]:
                 return call(fd, *args)
             _be_normal()
             try:
-                return call(fd, *args)
+                if timeout is None or select.select([fd], [], [], timeout)[0]:
+                    return call(fd, *args)
+                return b""
             finally:
                 _be_batch()
         except OSError:
