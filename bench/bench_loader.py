@@ -168,7 +168,26 @@ def _run_queue(fn: Any, args: argparse.Namespace) -> float:
     return elapsed
 
 
+def _run_limit(fn: Any, args: argparse.Namespace) -> float:
+    """No loader: make each element and copy it once (as into a slot), in this process.
+
+    The machine's limit for a loader of ``--workers`` processes is this rate
+    times the cores that can make elements at once (``_cores``), with the
+    consumer's own work free: what a loader must approach.
+    """
+    total = args.warmup + args.n
+    out = np.empty(ELEMENT, np.float32)
+
+    def made() -> Any:
+        for i in range(total):
+            out[:] = fn(i)
+            yield out
+
+    return _consume(made(), args.warmup, args.n)
+
+
 RUNNERS = {
+    "limit": _run_limit,
     "collective_gc": _run_cgc,
     "grain": _run_grain,
     "torch": _run_torch,
@@ -261,8 +280,12 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _cores(workers: int) -> int:
+    return max(1, min(workers, os.cpu_count() or 1))
+
+
 def _measure(python: str, method: str, pipeline: str, args: argparse.Namespace) -> float:
-    n = args.n if method == "collective_gc" else args.n_slow
+    n = args.n if method in ("collective_gc", "limit") else args.n_slow
     cmd = [
         python, __file__, "--one", method, "--pipeline", pipeline, "--n", str(n),
         "--warmup", str(args.warmup), "--workers", str(args.workers), "--buffer", str(args.buffer),
@@ -281,11 +304,14 @@ NAMES = {
     "grain": "grain 0.2.18 mp_prefetch",
     "torch": "torch 2.13 DataLoader",
     "mp.Queue": "multiprocessing.Queue (pickle)",
+    "limit": "limit: in-process make + 1 copy",
 }
 # The throughput targets (issue 34), each against a baseline measured in the
 # same run.
 TARGETS = {"grain": 40.0, "torch": 40.0}
-DEATH_TARGET_MS = 5.0
+# Against the machine's limit (issue 40): the in-process rate times _cores().
+LIMIT_TARGET = 0.5
+DEATH_TARGET_MS = 3.0
 
 
 def _throughput(pipeline: str, methods: list[str], args: argparse.Namespace) -> dict[str, float]:
@@ -294,6 +320,7 @@ def _throughput(pipeline: str, methods: list[str], args: argparse.Namespace) -> 
         f"elements, {args.workers} workers, prefetch {args.buffer}; median of {args.reps} runs "
         f"of {args.n} timed elements ({args.n_slow} for the baselines) after {args.warmup}"
     )
+    methods = [*methods, "limit"]
     rates: dict[str, list[float]] = {m: [] for m in methods}
     pythons = {"grain": args.grain_python, "torch": args.torch_python}
     for _ in range(args.reps):  # the methods alternate, so load changes hit all alike
@@ -305,13 +332,21 @@ def _throughput(pipeline: str, methods: list[str], args: argparse.Namespace) -> 
         gbs = med[m] * ELEMENT * 4 / 1e9
         print(f"  {NAMES[m]:32s} {med[m]:10,.0f} elements/s  {gbs:5.2f} GB/s  (runs {spread})")
     ours = med["collective_gc"]
-    for m in methods[1:]:
+    for m in methods[1:-1]:
         print(f"  ratio collective_gc / {m}: {ours / med[m]:.1f}x")
+    cores = _cores(args.workers)
+    limit = med["limit"] = cores * med["limit"]
+    print(
+        f"  the machine's limit: {cores} cores x the in-process rate = {limit:,.0f} elements/s; "
+        f"collective_gc / limit: {ours / limit:.2f}"
+    )
     verdict = [
         f">= {TARGETS[m]:.0f}x {m}: {'yes' if ours >= TARGETS[m] * med[m] else 'NO'}"
         for m in TARGETS
         if m in med
     ]
+    met = "yes" if ours >= LIMIT_TARGET * limit else "NO"
+    verdict.append(f">= {LIMIT_TARGET} of the limit: {met}")
     if verdict:
         print("  targets: " + "; ".join(verdict))
     return med
@@ -348,7 +383,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--buffer", type=int, default=8, help="prefetch depth, all workers")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--workers-more", type=int, default=4, help="workers of the extra `full` row (0: none)"
+    )
     parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--death-only", action="store_true", help="only the parent-death rounds")
     parser.add_argument(
         "--grain-python", default=os.environ.get("GRAIN_PYTHON", sys.executable),
         help="a Python that can import grain 0.2.18 (default: $GRAIN_PYTHON or this one)",
@@ -380,6 +419,9 @@ def main() -> None:
         print(json.dumps({"elements_per_s": args.n / elapsed}))
         return
 
+    if args.death_only:
+        _death(args)
+        return
     methods = ["collective_gc"]
     if _can_import(args.grain_python, "grain.python"):
         methods.append("grain")
@@ -407,6 +449,8 @@ def main() -> None:
         med = _throughput(pipeline, methods, args)
         row: dict[str, Any] = {"bench": f"loader_{pipeline}", "ours_per_s": med["collective_gc"]}
         row["mpq_per_s"] = med["mp.Queue"]
+        row["limit_per_s"] = med["limit"]
+        row["ratio_limit"] = med["collective_gc"] / med["limit"]
         if "torch" in med:
             row["torch_per_s"] = med["torch"]
             row["ratio_torch"] = med["collective_gc"] / med["torch"]
@@ -418,7 +462,30 @@ def main() -> None:
             row["ratio"] = med["collective_gc"] / med["mp.Queue"]
             row["target"] = "vs mp.Queue (Grain not installed)"
         rows.append(row)
+    if args.workers_more:
+        # More workers than cores: the same depth per worker, the same baselines
+        # (mp.Queue aside), the same limit (the cores, not the workers, bound it).
+        more = argparse.Namespace(**vars(args))
+        more.buffer = args.buffer * args.workers_more // args.workers
+        more.workers = args.workers_more
+        few = [m for m in methods if m != "mp.Queue"]
+        med = _throughput("full", few, more)
+        row = {"bench": f"loader_full_{more.workers}_workers", "ours_per_s": med["collective_gc"]}
+        row["limit_per_s"] = med["limit"]
+        row["ratio_limit"] = med["collective_gc"] / med["limit"]
+        for m in ("grain", "torch"):
+            if m in med:
+                row[f"{m}_per_s"] = med[m]
+                row[f"ratio_{m}"] = med["collective_gc"] / med[m]
+        rows.append(row)
 
+    rows.append(_death(args))
+    _save(rows, load_before)
+    if "grain" in methods:
+        _grain_death(args)
+
+
+def _death(args: argparse.Namespace) -> dict[str, Any]:
     latencies = []
     for _ in range(args.kills):
         latency, children, survivors = _kill_round(sys.executable, "collective_gc", 5.0)
@@ -433,34 +500,34 @@ def main() -> None:
             f"{len(latencies)}): {ms:.1f} ms (max {max(latencies) * 1e3:.1f} ms); "
             f"target <= {DEATH_TARGET_MS:.0f} ms: {'yes' if ms <= DEATH_TARGET_MS else 'NO'}"
         )
-        rows.append(
-            {
-                "bench": "parent_death_ms",
-                "median_ms": ms,
-                "max_ms": max(latencies) * 1e3,
-                "target": f"<= {DEATH_TARGET_MS:.0f} ms",
-            }
-        )
-    _save(rows, load_before)
-    if "grain" in methods:
-        shm_before = set(os.listdir("/dev/shm"))
-        latency, children, survivors = _kill_round(args.grain_python, "grain", 2.0)
-        time.sleep(0.5)  # let the killed survivors go
-        # What Grain left in /dev/shm after the kill: its segments, and its queues'
-        # semaphores. Remove them (they appeared during this round only).
-        leaked = [
-            n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("psm_", "sem.mp-"))
-        ]
-        for name in leaked:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
-        print(
-            f"  grain 0.2.18 after SIGKILL: {survivors} of {children} child processes "
-            f"still alive 2 s later, {len(leaked)} entries left in /dev/shm "
-            "(both cleaned up by this bench)"
-        )
+        return {
+            "bench": "parent_death_ms",
+            "median_ms": ms,
+            "max_ms": max(latencies) * 1e3,
+            "target": f"<= {DEATH_TARGET_MS:.0f} ms",
+        }
+    return {"bench": "parent_death_ms", "survivors": True}
+
+
+def _grain_death(args: argparse.Namespace) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    latency, children, survivors = _kill_round(args.grain_python, "grain", 2.0)
+    time.sleep(0.5)  # let the killed survivors go
+    # What Grain left in /dev/shm after the kill: its segments, and its queues'
+    # semaphores. Remove them (they appeared during this round only).
+    leaked = [
+        n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("psm_", "sem.mp-"))
+    ]
+    for name in leaked:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+    print(
+        f"  grain 0.2.18 after SIGKILL: {survivors} of {children} child processes "
+        f"still alive 2 s later, {len(leaked)} entries left in /dev/shm "
+        "(both cleaned up by this bench)"
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from . import _protocol as P
@@ -105,6 +106,9 @@ _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 # How often a consumer waiting for a worker wakes up to send it slots freed
 # meanwhile on other threads (the only case where nobody else would).
 POLL = 0.05
+# A waiting consumer asks to be woken once per this many seconds of a
+# worker's posts (at most a window of them): see _protocol, "Doorbells".
+ASK_SPAN = 5e-4
 EMPTY = bytes(4)  # written over an inbox's kind: the inbox is empty
 _ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
 END = 256  # the inbox's kind once the worker's end is seen (no message has it)
@@ -164,13 +168,19 @@ class Channel:
         self.entries, self.control = 1, 0
         self.bell, self.wake = bell, wake
         self.put = 0  # FREE records written into the ring's control area
+        self.rang = 0  # the worker's SLEEP we last rang its doorbell for
+        # How fast the worker posts, for ASK (see _protocol, "Doorbells"): when
+        # the last wait ended, and the element it waited for.
+        self.tick, self.tick_seq = 0.0, 0
         if ring is not None:
             self.ring = memoryview(ring)
             self.entries, self.control = P.ring_control(len(ring))
         # Owed to the worker (see "sending" below).
         self.consumed = 0
         self.sent_consumed = 0
-        self.batch = max(1, window // 2)
+        # Freed slots go back once per `batch` elements (CONSUMED through the
+        # ring goes per element, a store: the ring's batch is free to be longer).
+        self.batch = max(1, window if self.shared else window // 2)
         self.sent_allowance = window
 
     # -- sending ----------------------------------------------------------------
@@ -231,12 +241,10 @@ class Channel:
             return
         at = self.control
         word = P.WORD.pack_into
-        wrote = False
+        wrote = False  # a slot for a worker that waits for one
         consumed = self.consumed
-        if consumed != self.sent_consumed:
-            word(ring, at + P.CONSUMED_AT, consumed)
-            self.sent_consumed = consumed
-            wrote = True
+        word(ring, at + P.CONSUMED_AT, consumed)  # the consumer stores it per element too
+        self.sent_consumed = consumed
         allowance = self.allowance()
         if allowance != self.sent_allowance:
             word(ring, at + P.ALLOWANCE_AT, allowance)
@@ -257,9 +265,23 @@ class Channel:
                 self.put = put
                 del freed[: len(batch)]  # only those: collect_dead may append meanwhile
                 wrote = True
-        if wrote and self._begin_io():
+        # Our progress, then the fence, then the worker's condition: a worker
+        # that stored it and looked at our progress before we stored it is
+        # seen asleep here (see _protocol, "Doorbells").
+        P.fence()
+        need = P.WORD.unpack_from(ring, at + P.SLEEP_AT)[0]
+        if need == P.NEEDS_SLOT:
+            ring_it = wrote
+        else:
+            # Again while it still sleeps (it clears SLEEP when it wakes): a
+            # second count is harmless, a sleeper left waiting is not.
+            ring_it = 0 < need <= consumed
+        if ring_it and self._begin_io():
             try:
                 os.write(self.wake, _ONE)
+                # Only once rung: an interrupt before this store rings again (harmless);
+                # one after an earlier store would leave the worker asleep for ever.
+                self.rang = need
             except OSError:  # the worker is gone; it needs nothing more from us
                 pass
             finally:
@@ -319,24 +341,34 @@ class Channel:
         empty and ``seq`` not in the ring only when ``seq`` was lost (see
         :meth:`_ring_moved`).
         """
+        # Wake once the worker has posted `ask` elements: k more than we need
+        # now when it posts fast (a wake-up per k elements), 1 when it is slow
+        # (no element waits for others). See _protocol, "Doorbells".
+        now = time.perf_counter()
+        gap = (now - self.tick) / max(1, seq - self.tick_seq)
+        k = max(1, min(self.window, int(ASK_SPAN / gap) if gap > 0 else self.window))
+        ask = seq + k
         while True:
             self.flush()
             if self._ring_moved(seq):
-                return
+                break
             if not self._begin_io():
                 self._mark_end()
-                return
+                break
             moved = False
             try:
                 bell = self.bell
-                if bell >= 0:
-                    # Drain the counts of posts taken already, then look again:
-                    # a post after this look rings the bell we are about to sleep on.
+                ring = self.ring
+                if bell >= 0 and ring is not None:
+                    # Our condition, then the fence, then a look: a post after
+                    # this look sees ASK and rings the bell we sleep on.
+                    P.WORD.pack_into(ring, self.control + P.ASK_AT, ask)
+                    P.fence()
                     try:
-                        os.read(bell, 8)
+                        os.read(bell, 8)  # drain the rings of posts taken already
                     except BlockingIOError:
-                        pass  # no count to drain: nothing was posted since
-                    moved = self.posted(seq) or self.posted(seq + 1)
+                        pass  # no count to drain: nothing rang since
+                    moved = self.posted(ask - 1) or self.posted(seq + 1)
                 if not moved:
                     owes = [self.sock] if self._owes() else []
                     watch: list[Any] = [self.sock]
@@ -351,7 +383,7 @@ class Channel:
                 continue  # _ring_moved() says what it found
             if self.sock in readable:
                 if self._recv(_DONTWAIT):
-                    return
+                    break
             elif (self.pidfd >= 0 and self.pidfd in readable) or (
                 self.pidfd < 0 and self.proc.poll() is not None
             ):
@@ -359,7 +391,8 @@ class Channel:
                 # after that, the end.
                 if not self._ring_moved(seq) and not self._recv(_DONTWAIT):
                     self._mark_end()
-                return
+                break
+        self.tick, self.tick_seq = time.perf_counter(), seq
 
     def _ring_moved(self, seq: int) -> bool:
         """Whether the ring has element ``seq``, or is past it.

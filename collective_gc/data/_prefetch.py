@@ -46,6 +46,8 @@ T = TypeVar("T")
 
 _unpack_head = P.HEAD.unpack_from
 _read_mark = P.read_mark
+_read_word = P.WORD.unpack_from
+_store_word = P.WORD.pack_into
 
 
 class ProcessPrefetch(Loader[T, _pool.Pool]):
@@ -352,6 +354,15 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
                 raise StopIteration from None
             if lease is None and slot >= 0:
                 self._lost(worker, pos)
+            consumed = mine + 1
+            need = 0
+            if ring is not None:
+                # CONSUMED once per element, a store (an element dropped by an
+                # interrupt after it is built again from the same slot and entry,
+                # which the worker rewrites only after two more), and a look at
+                # whether the worker sleeps until it (see _protocol, "Doorbells").
+                _store_word(ring, channel.control + P.CONSUMED_AT, consumed)
+                need = _read_word(ring, channel.control + P.SLEEP_AT)[0]
             # Delivered: plain stores to the return (rule 2 of the NOTE in
             # _loader); an interrupt in flush() leaves the element in _ready.
             if lease is not None:
@@ -359,8 +370,10 @@ class ProcessPrefetch(Loader[T, _pool.Pool]):
             if not at:  # from the inbox (a ring entry stays until the worker rewrites it)
                 channel.inview[:4] = _channel.EMPTY
             self._pos = pos + 1
-            consumed = channel.consumed = mine + 1
-            if consumed - channel.sent_consumed >= channel.batch:
+            channel.consumed = consumed
+            if consumed - channel.sent_consumed >= channel.batch or (
+                need and need != channel.rang and (need < 0 or need <= consumed)
+            ):
                 self._ready = element
                 channel.flush()
                 self._ready = NOTHING

@@ -48,10 +48,29 @@ reads half a message.
 Then the control area, the parent's records in the same ring: the counts
 CONSUMED and ALLOWANCE, and the FREE records in a ring of their own (the
 parent advances PUT after writing them, the worker TAKEN after reading them),
-each the same as on the socket and as harmless twice. The parent writes them
-every few elements and then rings the worker's doorbell (another
-``eventfd``, on which a worker that must wait sleeps): it rings after every
-write, so a worker that looked just before the write is woken by it.
+each the same as on the socket and as harmless twice. The parent writes
+CONSUMED after every element (one store) and the rest every few elements.
+
+Doorbells, batched: a wake-up costs more than the element on a busy
+machine (each one waits for a core), so neither side rings for every
+element, only when the other sleeps and asked for what it now has. A
+parent that finds element ``s`` not posted stores ``ASK = s + k`` (wake me
+once your count of posted elements reaches it; ``k``, up to the window,
+grows with how fast the worker posts, so a fast worker wakes the parent
+once per ``k`` elements and a slow one once per element); the worker rings
+the parent's doorbell when a post reaches ASK, before it sleeps itself
+(the parent may wait for what it posted), and after DONE and ERROR. A
+worker that must wait stores ``SLEEP = n`` (wake me once CONSUMED reaches
+``n``: half a window on, so one wake-up per half window) or ``NEEDS_SLOT``
+(wake me when you hand a slot back or raise the allowance); the parent
+rings the worker's doorbell (another ``eventfd``) when that holds. Either
+side stores its condition, then :func:`fence`, then looks at the other's
+progress once more before it sleeps, and the other stores its progress,
+then :func:`fence`, then reads the condition: of two such store-then-load
+sequences one always sees the other's store, so a sleeper is never
+forgotten. (The parent's per-element look at SLEEP has no fence; the
+fenced look it takes before it sleeps, and every few elements, catches
+what that one missed.) A parent's wait also wakes every ``POLL`` seconds.
 
 Exceptions cross pickled when they can be (the worker's exception object, its
 traceback left behind) and as type + text otherwise; the worker's formatted
@@ -65,12 +84,17 @@ from __future__ import annotations
 import pickle
 import struct
 import traceback
+from _thread import allocate_lock as _allocate_lock
 from typing import Any
 
 from .._errors import CollectiveGCError
 
 __all__ = [
     "ALLOW",
+    "ASK_AT",
+    "NEEDS_SLOT",
+    "SLEEP_AT",
+    "fence",
     "ARRAY",
     "ARRAY_META",
     "CONSUMED",
@@ -138,9 +162,28 @@ read_mark = WORD.unpack_from
 # written; the worker writes TAKEN, the count it has read, on a cache line of
 # its own; then the records, a ring of FREED_RECORDS (slot, element) pairs.
 CONSUMED_AT, ALLOWANCE_AT, PUT_AT, TAKEN_AT, RECORDS_AT = 0, 8, 16, 64, 128
+# The doorbells' conditions (see "Doorbells, batched" below): ASK, the
+# parent's, on its cache line; SLEEP, the worker's, on the worker's.
+ASK_AT, SLEEP_AT = 24, 72
 FREED_RECORDS = 1024
 FREED_RECORD = struct.Struct("@qq")
 CONTROL_BYTES = RECORDS_AT + FREED_RECORDS * FREED_RECORD.size
+# SLEEP's value while a worker waits for a slot rather than for CONSUMED.
+NEEDS_SLOT = -1
+
+
+def fence() -> None:
+    """A full memory barrier: every store before it is visible before any load after it.
+
+    x86 keeps stores in order and loads in order, but lets a load pass an
+    earlier store (to another address) still in the core's store buffer;
+    a locked instruction drains that buffer. The cheapest one Python can
+    reach is a fresh lock's acquire (glibc's ``sem_trywait``: a ``lock
+    cmpxchg``). A fresh lock each time, never released: an interrupt between
+    an acquire and a release of a shared lock would leave it held for ever
+    (NOTE [ Loader shutdown and interrupts ] in ``_loader``, rule 4).
+    """
+    _allocate_lock().acquire(False)
 
 
 def ring_entries(window: int) -> int:

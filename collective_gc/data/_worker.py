@@ -43,6 +43,7 @@ import mmap
 import os
 import pickle
 import runpy
+import select
 import signal
 import socket
 import struct
@@ -175,6 +176,14 @@ def _set_pdeathsig(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(0)
+
+
+def _be_normal() -> None:
+    # Back to the default policy while we sleep (see _Server._sleep).
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or refused: we stay as we were
+        return
 
 
 def _be_batch() -> None:
@@ -317,6 +326,14 @@ class Pickler(pickle.Pickler):
 
 
 _ONE = (1).to_bytes(8, sys.byteorder)  # one count on an eventfd
+# A wait for the parent longer than this is taken under the default policy (_Server._sleep).
+LONG_SLEEP = 2e-3
+# The longest a worker sleeps on its doorbell before it looks at the control area anyway.
+POLL = 0.05
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    return sock.recv(size)
 
 
 class _Server:
@@ -338,6 +355,7 @@ class _Server:
         self.marks: memoryview | None = None
         self.entries = self.control = 0
         self.taken = 0  # FREE records read from the control area
+        self.rang = 0  # the parent's last ASK we rang for (see _protocol: "Doorbells")
         self.bell, self.wake = bell_fd, wake_fd
         if ring_fd >= 0:
             size = os.fstat(ring_fd).st_size
@@ -406,21 +424,72 @@ class _Server:
         except OSError:  # cannot happen while the parent lives; if it is gone, so are we
             raise _ParentGone from None
 
-    def _wait(self) -> None:
-        if self.ring is not None:
-            # Returns at once if the parent wrote anything since the last read:
-            # it rings after every write, so no write is missed by sleeping here.
-            try:
-                os.read(self.wake, 8)
-            except OSError:
-                raise _ParentGone from None
+    def _ring_if_asked(self, posted: int, before_sleep: bool = False) -> None:
+        """Ring the parent's doorbell if its ASK is reached (or, before we sleep, pending).
+
+        ``posted``: our count of elements posted. Called after a fence: our
+        post is visible before ASK is read (see _protocol: "Doorbells").
+        """
+        ring = self.ring
+        assert ring is not None
+        ask = P.WORD.unpack_from(ring, self.control + P.ASK_AT)[0]
+        if ask > self.rang and (before_sleep or posted >= ask):
+            if posted >= ask:
+                self.rang = ask  # rung for this ASK; before a sleep it stays pending
+            self._ring_bell()
+
+    def _wait(self, need: int = P.NEEDS_SLOT) -> None:
+        """Wait for the parent: CONSUMED to reach ``need``, or (``NEEDS_SLOT``) a slot.
+
+        The caller looks at its condition again afterwards (a wake-up may be
+        early: a count left on the doorbell).
+        """
+        ring = self.ring
+        if ring is not None:
+            at = self.control + P.SLEEP_AT
+            before = (len(self.free), self.allowance)
+            P.WORD.pack_into(ring, at, need)  # our condition, then the fence, then a look
+            P.fence()
+            self._take()
+            if (self.consumed >= need) if need > 0 else (len(self.free), self.allowance) != before:
+                P.WORD.pack_into(ring, at, 0)
+                return
+            self._ring_if_asked(self.seq, before_sleep=True)  # it may wait for what we posted
+            self._sleep(os.read, self.wake, 8, timeout=POLL)
+            P.WORD.pack_into(ring, at, 0)
             self._take()
             return
+        self._handle(self._sleep(_recv, self.sock, P.MAX_MESSAGE))
+
+    def _sleep(
+        self, call: Callable[..., bytes], fd: Any, *args: Any, timeout: float | None = None
+    ) -> bytes:
+        """``call(fd, *args)``, a blocking wait for the parent on ``fd``.
+
+        Under the default policy once the wait is long (``LONG_SLEEP``): a
+        SCHED_BATCH worker asleep when a SIGKILL comes (its parent died: the
+        death signal) waits for a running task's time slice to end before it
+        can exit, milliseconds on a busy machine; under the default policy
+        it takes a core at once. A short wait stays SCHED_BATCH: a worker
+        woken under the default policy would preempt the parent that woke
+        it, which is what SCHED_BATCH is for (see ``_be_batch``).
+
+        With a ``timeout`` (the ring's doorbell), returns ``b""`` after it
+        without a ring: the caller looks at the control area again, so a
+        ring the parent never made costs a stall, never a hang.
+        """
         try:
-            data = self.sock.recv(P.MAX_MESSAGE)
+            if select.select([fd], [], [], LONG_SLEEP)[0]:
+                return call(fd, *args)
+            _be_normal()
+            try:
+                if timeout is None or select.select([fd], [], [], timeout)[0]:
+                    return call(fd, *args)
+                return b""
+            finally:
+                _be_batch()
         except OSError:
             raise _ParentGone from None
-        self._handle(data)
 
     def _drain(self) -> None:
         if self.ring is not None:
@@ -476,22 +545,30 @@ class _Server:
 
     def serve(self, keys: Sequence[Any]) -> None:
         fn = self.fn
+        # Woken once per half window, not per element (see _protocol: "Doorbells").
+        batch = max(1, self.window // 2)
         for key in keys:
+            if self.seq >= self.consumed + self.window and self.ring is not None:
+                self._take()  # the parent stores CONSUMED after every element
             while self.seq >= self.consumed + self.window:
-                self._wait()
+                self._wait(self.seq - self.window + batch)
             try:
                 self._send_element(fn(key))
             except _ParentGone:
                 raise
             except Exception as exc:  # noqa: BLE001 (any error of fn crosses to the parent)
                 blob = P.pack_error(exc, f"while loading key {key!r}")
-                self._post(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob)
+                self._post(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob, last=True)
                 return
             self.seq += 1
-        self._post(P.HEAD.pack(P.DONE, -1, self.seq, 0, 0, 0))
+        self._post(P.HEAD.pack(P.DONE, -1, self.seq, 0, 0, 0), last=True)
 
-    def _post(self, message: bytes, fd: int = -1) -> None:
-        """Send the message of element ``self.seq``: through the ring if it can, else the socket."""
+    def _post(self, message: bytes, fd: int = -1, last: bool = False) -> None:
+        """Send the message of element ``self.seq``: through the ring if it can, else the socket.
+
+        The parent's doorbell rings only when the post reaches what it asked
+        for, and after the ``last`` message (DONE, ERROR): see _protocol, "Doorbells".
+        """
         ring = self.ring
         if ring is not None and fd < 0 and len(message) <= P.RING_MESSAGE:
             seq = self.seq
@@ -499,7 +576,11 @@ class _Server:
             start = index * P.RING_ENTRY + 8
             ring[start : start + len(message)] = message
             self.marks[index * P.MARK] = seq + 1  # type: ignore[index]  # the message is whole
-            self._ring_bell()
+            if last:
+                self._ring_bell()
+                return
+            P.fence()  # the mark is visible before we read ASK
+            self._ring_if_asked(seq + 1)
             return
         self._send(message, fd)
 
