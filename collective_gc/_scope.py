@@ -501,6 +501,10 @@ class collective_scope:
         finally:
             if isinstance(seen, _Policy) and seen.collected:
                 self.collections += 1
+            # What the strict watch noted belongs to this sync point, even if
+            # it raised here (an interrupt it held, say): the other ranks
+            # report it now, so no later sync point of this rank may.
+            rows = [] if self._watch is None else self._watch.take()
         self.syncs += 1
         self.destroyed += stats.destroyed
         self.cyclic += stats.cyclic
@@ -508,7 +512,6 @@ class collective_scope:
         if self._unseen and self.strict:
             _warn_unseen(self, self._unseen)
             self._unseen = 0
-        rows = [] if self._watch is None else self._watch.take()
         if rows:
             self._report_cyclic(rows)
         return stats
