@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpi4py import MPI
 
-from . import _agree, _destroy, _interrupts, _tracing
+from . import _agree, _destroy, _interrupts, _tracing, _tree
 from ._destroy import Failure
 from ._errors import (
     CollectiveGCError,
@@ -335,6 +335,8 @@ class Collective:
         self.leaving = []
         core.set_hold(HOLD_LEAVING, False)
         forget(self)
+        if self.children:
+            _tree.orphan(self, families())  # its children: reached by another family now
         return True
 
     # -- state ---------------------------------------------------------------------

@@ -327,17 +327,34 @@ def _first_collective(mgr: Manager, new: bool) -> None:
     """At a manager's first collective (every rank of its communicator at the
     same point): a new family of size > 1 (nothing congruent with it existed)
     is reached by a containing family's sync points, or named unreached."""
-    if not new or mgr.size == 1:
+    if not new:
         return
     fam = _manager.family(mgr)
     if fam is None:
         return
+    _tree.made(fam)
     try:
         comm = mgr.comm
     except CollectiveGCError:
         return
     if isinstance(comm.Get_attr(_keyval()), _Owned):
         return  # made by split: linked there
+    if mgr.size == 1:
+        # A library's part of one process (Split(rank, 0)) made inside a
+        # scope is reached by the scope's sync points, as cgc.split's is;
+        # outside one (and COMM_SELF itself, which no library makes) it keeps
+        # sync points of its own, as a program expects of COMM_SELF's.
+        # (Its first use is rank-local: the scope's family, if not made yet,
+        # cannot be made here; its next sync point adopts it, see _tree.reach.)
+        scope = current_scope()
+        if scope is None or MPI.Comm.Compare(comm, MPI.COMM_SELF) == MPI.IDENT:
+            return
+        parent = _manager.family(scope.manager)
+        if parent is None:
+            _tree.add_unreached(fam, mgr, families())
+        elif parent is not fam and parent.core.reason is None:
+            link(parent, fam, comm, f"a communicator of size 1 reached from a {parent.label}")
+        return
     parent = _parent_for(mgr)
     if parent is not None and parent is not fam:
         label = f"a communicator of size {mgr.size} reached from a {parent.label}"

@@ -45,6 +45,8 @@ __all__ = [
     "ranks_in",
     "add_unreached",
     "forget_unreached",
+    "made",
+    "orphan",
     "reach",
     "wanted",
     "visit",
@@ -225,6 +227,33 @@ def add_unreached(fam: Collective, mgr: Manager, families: Iterable[Collective])
     for other in families:
         if other is not fam and other.size > 1:
             other.core.set_hold(HOLD_REACH, True)
+
+
+def made(fam: Collective) -> None:
+    """``fam`` was just made: if unreached families wait, its sync points
+    look through them too (they may contain one made before it: a library's
+    part of one process, first used inside a scope whose family was made
+    later, at its first sync point). Local."""
+    if _UNREACHED and fam.size > 1:
+        fam.core.set_hold(HOLD_REACH, True)
+
+
+def orphan(fam: Collective, families: Iterable[Collective]) -> None:
+    """``fam`` let go (every communicator of it freed or closed): its
+    children, which its sync points reached, are unreached again, for the
+    next sync point of a family that contains them to adopt (a library's
+    Split made under a scope on a duplicate the library then frees is
+    reached by the sync points of the communicator it duplicated). Local;
+    at the same point on every rank of each child, as letting go is."""
+    children, fam.children = fam.children, []
+    _publish(fam)
+    for child in children:
+        if child.done() or child.fam.parent is not fam:
+            continue
+        child.fam.parent = None
+        owner = child.owner()
+        if owner is not None:
+            add_unreached(child.fam, owner, families)
 
 
 def forget_unreached(fam: Collective) -> None:
