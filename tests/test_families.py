@@ -1243,6 +1243,9 @@ print("stray", [m.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for m in made], flush=True
 )
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
+)
 @pytest.mark.launcher
 def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(tmp_path: Path) -> None:
     """Issue 39, item 8. Ranks 0-2 are done with a communicator: freed,

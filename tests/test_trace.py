@@ -567,6 +567,9 @@ def test_a_write_that_fails_stops_the_trace_not_the_sync_points(tmp_path: Path) 
 # -- issue 39: the promise, round 5 ------------------------------------------------
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
+)
 @pytest.mark.mpi(min_size=2)
 def test_two_families_of_one_size_have_two_ids_the_same_on_every_rank(
     comm: MPI.Intracomm, shared_dir: Path
@@ -610,6 +613,9 @@ cgc.collect(comm, generation=None)
 )
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
+)
 @pytest.mark.launcher
 def test_a_hung_run_s_trace_shows_the_sync_point_it_hangs_in(tmp_path: Path) -> None:
     """Issue 39, item 8. Ranks 0, 1 and 3 wait without a timeout in sync
