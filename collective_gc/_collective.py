@@ -26,7 +26,6 @@ the other ranks so through the watch.
 
 from __future__ import annotations
 
-import array
 import os
 import threading
 import time
@@ -66,7 +65,7 @@ from ._syncpoint import (
     keep_failures,
     may_raise_ever,
 )
-from ._transport import LEFT, Deadline, dup, keep_alive, wait
+from ._transport import LEFT, Deadline, dup
 
 # A protected region's entry and exit, bound once (the hot path's calls).
 _enter = _interrupts.enter
@@ -83,7 +82,6 @@ _T = TypeVar("_T")
 _CODE = {state: code for code, state in enumerate(STATES)}
 _FORKED = _CODE[State.FORKED]
 _RELEASED = _CODE[State.RELEASED]
-_MASK64 = (1 << 64) - 1
 
 PERSISTENT = _agree.PERSISTENT  # (COLLECTIVE_GC_PERSISTENT=0: a new Iallreduce each time)
 
@@ -134,7 +132,6 @@ class Collective:
         "children",
         "parent",
         "leaving",
-        "joining",
         "__weakref__",
     )
 
@@ -172,9 +169,6 @@ class Collective:
         # once done. Appended to from MPI attribute delete callbacks (a list
         # append: no MPI there).
         self.leaving: list[Callable[[], bool]] = []
-        # The tag checks of members that joined at their first use since the
-        # last sync point (see joined_at_first_use): (tag, request, buffers).
-        self.joining: list[tuple[int, MPI.Request, array.array[int], array.array[int]]] = []
 
     # -- reads of the core ---------------------------------------------------------
 
@@ -243,69 +237,6 @@ class Collective:
         self.members[tag] = member
         self.core.set_hold(HOLD_GONE, False)
         return tag
-
-    def joined_at_first_use(self, tag: int, comm: MPI.Intracomm) -> None:
-        """The member ``tag`` (its communicator ``comm``) joined at its first
-        use, not where it was made: a library's ``comm.Dup()``, PETSc's inner
-        duplicate. Its tag is the order it was first used in on this rank,
-        and nothing yet says that is the order on every rank: a rank that
-        first used two library communicators the other way round gives each
-        the other's tag, and registrations on them then number alike (the
-        same tags in the same order: the order fingerprint agrees), while
-        key k is an object of one communicator here and of the other there
-        (one agreed order would run collective destroys on two communicators
-        at once). Only a collective over ``comm`` itself can tell which
-        communicator the tag is on every rank: here the smallest and the
-        largest tag any rank gave it, by a non-blocking allreduce over
-        ``comm`` (every rank posts it at its own first use; two posted on two
-        communicators never wait for each other), completed by the family's
-        next sync point (see :meth:`check_joins`). Local: it only posts."""
-        if self.size == 1:
-            return
-        buf = array.array("q", (tag, -tag))
-        out = array.array("q", (0, 0))
-        self.joining.append((tag, comm.Iallreduce(buf, out, MPI.MAX), buf, out))
-
-    def joins_word(self) -> int:
-        """What the members that joined at their first use since the last sync
-        point add to the agreement's fingerprint word (0: none): ranks that
-        first used different numbers of its communicators disagree there,
-        before :meth:`check_joins` would wait for a check some rank never posted."""
-        n = len(self.joining)
-        return 0 if not n else (n * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
-
-    def check_joins(self, deadline: Deadline) -> None:
-        """Collective: a sync point's step once its agreement found the ranks
-        alike (and so with as many members joined since the last one: see
-        :meth:`joins_word`), before anything is destroyed: the tag checks
-        of those members (see :meth:`joined_at_first_use`). Every rank
-        posted all of them before this sync point, so the waits complete. A
-        tag given differently on two ranks is a mismatch, seen on every rank
-        alike (an allreduce's result is the same on all of them): raises
-        :class:`CollectiveMismatchError` on every rank."""
-        joins, self.joining = self.joining, []
-        what = self.what("a check of the order its communicators were first used in")
-        wrong = []
-        for i, (tag, req, buf, out) in enumerate(joins):
-            try:
-                wait(req, deadline, what, buf, out)
-            except BaseException:
-                for _, later, lbuf, lout in joins[i + 1 :]:
-                    keep_alive(later, lbuf, lout)
-                raise
-            if out[0] != tag or -out[1] != tag:
-                wrong.append(f"#{tag} here, from #{-out[1]} to #{out[0]} across the ranks")
-        if wrong:
-            raise CollectiveMismatchError(
-                f"rank {self.rank}: the ranks of the {self.label} disagree at sync point "
-                f"{self.core.seq}: they disagree on which of the family's communicators "
-                "each registration was made on: they first used its communicators (a "
-                "library's Dup(), PETSc's inner duplicates) in different orders (the member "
-                f"number of a communicator, the order it was first used in, was "
-                f"{'; '.join(wrong)}). Registration is collective over the communicator it "
-                "is made on: on a library's communicators too, register in the same order "
-                "on every rank. Nothing was destroyed."
-            )
 
     def leave(self, tag: int) -> bool:
         """The member ``tag`` has let go. True if the family let go too (see
@@ -547,13 +478,7 @@ class Collective:
         comes here: what is not the steady state's is in :meth:`_unsteady`.)"""
         core = self.core
         with self.lock:
-            if (
-                core.code
-                or core.destroying
-                or self.size == 1
-                or self.joining
-                or _tracing.TRACER is not None
-            ):
+            if core.code or core.destroying or self.size == 1 or _tracing.TRACER is not None:
                 # (Traced, a sync point takes the steps, which mark their phases.)
                 parts: tuple[Participant, ...] = () if extra is None else (extra,)
                 return self.sync(owner, collected=collected, t0=t0, participants=parts)

@@ -507,10 +507,6 @@ class Manager:
                         # No call from here to the stores: nothing comes back.
                         self._tag = tag
                         self._fam = fam
-                        if not new:
-                            # Joined where it was first used, not where it
-                            # was made: its tag is checked (see there).
-                            fam.joined_at_first_use(tag, self._user_comm)
                         for hook in _ON_FIRST:
                             hook(self, new)
                         return fam

@@ -407,7 +407,7 @@ class SyncPoint:
                 found = core.exchange(
                     self.at_exit,
                     self.flags,
-                    _agree.as_int64(self.fingerprint ^ core.order ^ fam.joins_word()),
+                    _agree.as_int64(self.fingerprint ^ core.order),
                     self.wanted,
                     self.dl.at,
                 )
@@ -425,8 +425,6 @@ class SyncPoint:
             agreed = _agree.resolve(core, self.dl, what)
             if agreed.mismatch:
                 raise self._mismatch(core.comm)
-            if fam.joining:  # (as many on every rank: the agreement says so)
-                fam.check_joins(self.dl)
             # The agreed next key (the one every rank sent: a registration on
             # another thread meanwhile is the next sync point's).
             core.agreed(core.reduced()[2])
@@ -668,7 +666,6 @@ class SyncPoint:
             self.identities,
             self.core.order,
             sorted(set(newest)),
-            len(fam.joining),
         )
         assert comm is not None
         everyone = allgather(comm, mine, self.dl, fam.what("its mismatch report"))
@@ -710,13 +707,6 @@ class SyncPoint:
                 + "); registration is collective over the processes of these "
                 "communicators, which share one key counter: register on them in the "
                 "same order on every rank"
-            )
-        joined = [e[6] for e in everyone]
-        if len(set(joined)) > 1:
-            parts.append(
-                "the ranks first used different numbers of the family's communicators (a "
-                f"library's Dup(), PETSc's inner duplicates) since the last sync point (by "
-                f"rank: {joined}); a communicator's first use is collective over it"
             )
         if len(set(keys)) > 1 or len(set(orders)) > 1:
             shown = "; ".join(
