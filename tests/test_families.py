@@ -51,6 +51,7 @@ from _util import (
     noop,
     run_job,
 )
+from conftest import mpi_flavour
 
 
 def settle(comm: MPI.Intracomm, quiet: int = 12) -> None:
@@ -1252,11 +1253,10 @@ print("stray", [m.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for m in made], flush=True
 )
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
-)
 @pytest.mark.launcher
-def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(tmp_path: Path) -> None:
+def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Issue 39, item 8. Ranks 0-2 are done with a communicator: freed,
     and its family let go of (its private duplicate freed) at their next
     lookup. Rank 3 runs one sync point more on it, alone, with a timeout:
@@ -1268,7 +1268,15 @@ def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(tmp_path: Pa
     communicator "rather than free it: its messages may still arrive".
     The job must end normally, rank 3 having given up, and no message
     reach a communicator made afterwards. A job of its own: what the ranks
-    have freed decides it."""
+    have freed decides it.
+
+    Where the defect shows, Open MPI (4 and 5), this is a strict xfail until
+    issue 39 item 8 is built (see the issue's closing note); on MPICH, which
+    matches nothing to a freed communicator, it must pass as it is."""
+    if mpi_flavour().startswith("openmpi"):
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="issue 39 item 8 is not built yet")
+        )
     proc, outs, errs, _ = run_job(tmp_path, _NOTICE_TO_A_RANK_THAT_LET_GO_JOB)
     report = job_report(proc, outs, errs)
     assert proc.returncode == 0, report
