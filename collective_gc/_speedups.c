@@ -40,7 +40,7 @@
  * PetscRun           a runner: a run of managed PETSc destroys in one loop
  *                    (PetscObjectDestroy on petsc4py's handle, every object
  *                    tried whatever raises), holding each parallel object's
- *                    inner communicator first (the FamilyState's `hold`, see
+ *                    inner communicator first (CommState.hold, its NOTE in
  *                    collective_gc/petsc/_destroyers.py); FamilyState.destroy
  *                    calls it from C directly.
  *
