@@ -31,11 +31,18 @@
  *                    case, in one call: prepare, agree, destroy, finish (the
  *                    steps of collective_gc._syncpoint, named alike below), and
  *                    hands anything unusual back to them (`progress`).
- * PetscReader        how many garbage entries PETSc holds on a communicator,
- *                    read where PETSc keeps them (its keyvals' addresses given
- *                    at construction).
- * destroy_each       a run of PETSc destroys in one loop (PetscObjectDestroy on
- *                    petsc4py's handle slot, through addresses given per call).
+ * Petsc              what collective_gc.petsc reads and runs of PETSc, given
+ *                    the addresses of PETSc's and petsc4py's functions once, at
+ *                    construction: how many garbage entries PETSc holds on a
+ *                    communicator (read where PETSc keeps them), `sort`
+ *                    (whether cp.manage's objects take its fast path), and
+ *                    the runners.
+ * PetscRun           a runner: a run of managed PETSc destroys in one loop
+ *                    (PetscObjectDestroy on petsc4py's handle, every object
+ *                    tried whatever raises), holding each parallel object's
+ *                    inner communicator first (CommState.hold, its NOTE in
+ *                    collective_gc/petsc/_destroyers.py); FamilyState.destroy
+ *                    calls it from C directly.
  *
  * The GIL is held throughout, except in a wait's polling. Every method does
  * what its Python twin does; where the two must agree on layout (the message),

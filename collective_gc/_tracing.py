@@ -1,7 +1,7 @@
 """Where a sync point's phases go when someone watches: the tracer hook.
 
 Off by default: then a sync point reads one list item and does nothing
-more, and the steady state runs in C (``_speedups.steady``). With a tracer
+more, and the steady state runs in C (``FamilyState.steady``). With a tracer
 set (:mod:`collective_gc.trace`, from ``COLLECTIVE_GC_TRACE=path`` or its
 API), every sync point, the steady ones included (they then run in their
 Python twin, which marks its phases), hands the tracer what it did, on
