@@ -41,9 +41,9 @@ pytestmark = pytest.mark.launcher
 
 @pytest.fixture(params=["ring", "socket"])
 def transport(request: Any) -> Iterator[str]:
-    """Run the test over the ring (where this machine has it) and over the socket alone."""
+    """Run the test over the ring (where the platform has it) and over the socket alone."""
     if request.param == "ring" and not testing.RING_AVAILABLE:
-        pytest.skip("no ring on this machine")
+        pytest.skip("no shared-memory ring on this platform (x86-64 only)")
     if request.param == "ring":
         yield request.param
     else:
@@ -56,7 +56,7 @@ def transport(request: Any) -> Iterator[str]:
 def test_the_ring_is_used_on_x86_64() -> None:
     assert testing.RING_AVAILABLE == (platform.machine().lower() in ("x86_64", "amd64"))
     if not testing.RING_AVAILABLE:
-        pytest.skip("no ring on this machine")
+        pytest.skip("no shared-memory ring on this platform (x86-64 only)")
     with ProcessPrefetch(plain, range(40), num_workers=2, buffer_size=4) as it:
         assert [next(it) for _ in range(30)][:3] == [(0, "0"), (1, "1"), (2, "2")]
         # Each worker has its ring, and its elements were posted there.

@@ -39,7 +39,7 @@ __all__ = [
 #: unmaps them itself (docs/loader.md: "more than 32 wait").
 RELEASE_BACKLOG = _leases.BACKLOG
 
-#: Whether loaders on this machine post elements through a shared-memory ring
+#: Whether loaders post elements through a shared-memory ring on this platform
 #: (x86-64), besides the socket.
 RING_AVAILABLE = _pool.RING
 
