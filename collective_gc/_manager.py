@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-from . import _interrupts
+from . import _interrupts, _lineage
 from ._collective import Collective, State, family_of, leak_text
 from ._errors import CollectiveGCError, ExitLeakWarning
 from ._registration import DETACHED, Registration, check_name, owned_by
@@ -120,6 +120,9 @@ class Manager:
         self._user_comm = MPI.Intracomm(comm)
         self._fam: Collective | None = None  # joined at the first collective
         self._tag = -1  # in the family: the order it joined in (0: its first member)
+        # What its registrations add to the order fingerprint with: its tag,
+        # or where it was made if it joined at its first use (see _lineage).
+        self._mark = -1
         # What registrations point to: a proxy, since the family's registry
         # holds the registrations and the manager holds the family.
         self._proxy = weakref.proxy(self)
@@ -397,10 +400,10 @@ class Manager:
         if self._state is not _OPEN or core.code or core.destroying or MPI.Is_finalized():
             self.refuse_if_unusable("register an object")
         if not kwargs:
-            reg = core.add_plain(self._proxy, self._tag, obj, destroy, args, name)
+            reg = core.add_plain(self._proxy, self._mark, obj, destroy, args, name)
             if reg is not None:
                 return reg  # type: ignore[no-any-return]
-        return fam.registry.add(self._proxy, self._tag, obj, destroy, args, kwargs, name)
+        return fam.registry.add(self._proxy, self._mark, obj, destroy, args, kwargs, name)
 
     def destroy_registration(self, reg: Registration) -> None:
         """``reg.destroy()``: run it now, once. Collective like the destroy itself."""
@@ -502,11 +505,17 @@ class Manager:
                     )
                     raise
                 if self._fam is None:
+                    # Joined where it was first used, not where it was made:
+                    # where it was made, if it says (a call, so before the join).
+                    made = 0 if new or fam.size == 1 else _lineage.mark(self._user_comm)
                     tag = fam.join(self)  # (a call: a collection may run as it starts)
                     if self._fam is None:
                         # No call from here to the stores: nothing comes back.
                         self._tag = tag
+                        self._mark = made or tag
                         self._fam = fam
+                        if new and fam.size > 1:
+                            _lineage.root(self._user_comm, tag)
                         for hook in _ON_FIRST:
                             hook(self, new)
                         return fam
@@ -676,8 +685,10 @@ def join(mgr: Manager, fam: Collective) -> None:
     collectively. Local."""
     with _FIRST:
         if mgr._fam is None:
-            mgr._tag = fam.join(mgr)
+            mgr._tag = mgr._mark = fam.join(mgr)
             mgr._fam = fam
+            if fam.size > 1:
+                _lineage.root(mgr._user_comm, mgr._tag)
 
 
 def comm_was_freed(mgr: Manager) -> None:

@@ -104,7 +104,7 @@ class Registry:
     def add(
         self,
         owner: Owner,
-        tag: int,
+        mark: int,
         obj: object,
         destroy: Callable[..., object],
         args: tuple[Any, ...],
@@ -113,7 +113,8 @@ class Registry:
         then: Callable[[], object] | None = None,
     ) -> Registration:
         """Give ``obj`` the next key, as a registration of ``owner`` (the
-        member tagged ``tag``), then call ``then`` (if given) while still the
+        member whose order mark is ``mark``: its tag, or where it was made,
+        see collective_gc._lineage), then call ``then`` (if given) while still the
         only registering thread. Local; the caller makes it collective. The
         guarded path: the state's ``add_plain`` takes the common case in one
         call, and leaves this to the rest."""
@@ -151,13 +152,13 @@ class Registry:
             # thread stores anything more (CPython 3.12 runs a scheduled one
             # when a C call returns), whose finalizers may register on this
             # very thread (the guard is re-entrant) and must get keys of their own.
-            key = state.take_key(tag)
+            key = state.take_key(mark)
             try:
                 reg = make_registration(
                     obj, owner, state.inbox.append, key, destroy, args, kwargs, name
                 )
             except BaseException:
-                state.give_back(key, tag)  # refused: the key back, unless one was taken since
+                state.give_back(key, mark)  # refused: the key back, unless one was taken since
                 raise
             state.store(reg)
             if then is not None:

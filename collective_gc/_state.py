@@ -115,7 +115,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def order_step(key: int, tag: int) -> int:
-    """What a registration with ``key`` on the member tagged ``tag`` adds to
+    """What a registration with ``key`` on the member whose order mark is
+    ``tag`` (its tag, or where it was made: collective_gc._lineage) adds to
     the order fingerprint (mod 2**64): nothing on the family's first member
     (tag 0), so a family of one communicator never pays for it. A hash of
     both (splitmix64's finalizer), so that sums of these differ, but for a

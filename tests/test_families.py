@@ -1172,10 +1172,6 @@ def test_a_destroy_that_reenters_collective_gc_from_the_steady_state(
 # -- issue 39: the promise, round 5 ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 item 1: its fix was reverted (it hung on Open MPI 5): see the closing note",
-)
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_two_library_duplicates_used_in_different_orders_are_an_error_everywhere(
