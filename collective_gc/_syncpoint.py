@@ -334,6 +334,8 @@ class SyncPoint:
         phases: Phases = []
         self.phases = phases
         outcome = "ok"
+        fam = self.fam
+        tracer.sync_point_began(fam.label, fam.rank, self.seq, t0)
         try:
             for name, step in STEPS[start:]:
                 began = clock()
@@ -344,7 +346,6 @@ class SyncPoint:
             phases.append((name, began, clock()))
             raise
         finally:
-            fam = self.fam
             tracer.sync_point(
                 fam.label, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
             )

@@ -32,6 +32,12 @@ Phases = list[tuple[str, float, float]]
 class Tracer(Protocol):
     """What receives each sync point's phases (see the module docs)."""
 
+    def sync_point_began(self, family: str, rank: int, seq: int, start: float) -> None:
+        """Sync point ``seq`` of ``family`` began on this rank at ``start``
+        (before its agreement: a run that hangs there, or is killed, has
+        this and no :meth:`sync_point` for it)."""
+        ...
+
     def sync_point(
         self,
         family: str,

@@ -23,9 +23,13 @@ rank's own clock (``time.perf_counter``, microseconds): ``prepare``,
 ``agree`` with the ``wait`` inside it (blocked in the allreduce until the
 other ranks arrive), ``destroy``, ``visit`` (derived families, whose own
 sync points nest in it), ``release``, ``check``, ``finish`` (participants),
-``report``. The file is written as the run goes, one write per sync point,
-and is a complete JSON array after every write: a crash or a kill leaves
-every finished sync point readable. Nothing is held in memory.
+``report``. Before all that, as the sync point begins, an instant event
+"sync point began" (family, number, rank): a rank that hangs in a sync
+point, and is then killed, keeps it, where the end is never written, and
+the summary names the sync point each rank hung in (:func:`unfinished`).
+The file is written as the run goes, two writes per sync point, and is a
+complete JSON array after every write: a crash or a kill leaves every
+finished sync point readable. Nothing is held in memory.
 
 Tracing is local (each rank decides for itself) and never raises inside a
 sync point: a write that fails stops tracing on that rank, says so on
@@ -73,6 +77,7 @@ __all__ = [
     "read",
     "Record",
     "records",
+    "unfinished",
     "family_key",
     "keyed",
     "PHASES",
@@ -157,6 +162,17 @@ class Trace:
         return f"<collective_gc.trace.Trace rank {self.rank} to {str(self.file)!r}, {state}>"
 
     # -- the Tracer protocol (collective_gc._tracing) ------------------------------
+
+    def sync_point_began(self, family: str, rank: int, seq: int, start: float) -> None:
+        """Append an instant event: the sync point began. Written as it
+        begins (one more write per sync point while tracing): a run killed
+        while it hangs there keeps it, where its end is never written."""
+        fam = self._names.get(family) or self._name(family)
+        self._write(
+            f',\n{{"name":"sync point began","cat":"collective_gc","ph":"i","s":"t",'
+            f'"pid":{self.rank},"tid":{threading.get_native_id()},"ts":{start * _US:.3f},'
+            f'"args":{{"family":{fam},"seq":{seq},"rank":{rank}}}}}'
+        )
 
     def sync_point(
         self,
@@ -457,6 +473,21 @@ def records(events: Sequence[dict[str, Any]]) -> list[Record]:
     return out
 
 
+def unfinished(events: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The sync points of one rank's events that began and never ended
+    (family label, number): where it hung, or was killed, or cut short."""
+    open_: dict[tuple[str, int, int], None] = {}
+    for e in events:
+        name = e.get("name")
+        if name == "sync point began":
+            a = e.get("args", {})
+            open_[(str(a.get("family", "")), int(a.get("seq", -1)), int(e.get("tid", 0)))] = None
+        elif name == "sync point" and e.get("ph") == "X":
+            a = e.get("args", {})
+            open_.pop((str(a.get("family", "")), int(a.get("seq", -1)), int(e.get("tid", 0))), None)
+    return [(fam, seq) for fam, seq, _ in open_]
+
+
 _RANK_IN_LABEL = re.compile(r"\s*\(rank \d+\)$")
 
 
@@ -530,6 +561,7 @@ class Missing:
     seq: int
     ended: dict[int, str]  # world rank -> how it ended there ("ok", or what it raised)
     absent: list[int]  # world ranks that traced the family from before, without it
+    began: list[int] = field(default_factory=list)  # world ranks where it began, never ended
 
 
 @dataclass
@@ -591,11 +623,15 @@ class Summary:
             lines.append("that never came; the absent rank is the one to look at):")
             for m in self.missing[:5]:
                 how = sorted(set(m.ended.values()))
-                lines.append(
-                    f"  sync point {m.seq} of the {m.family}: ended on rank(s) "
-                    f"{', '.join(map(str, sorted(m.ended)))} ({', '.join(how)}); "
-                    f"no record on rank(s) {', '.join(map(str, m.absent))}"
-                )
+                parts = []
+                if m.ended:
+                    ended = ", ".join(map(str, sorted(m.ended)))
+                    parts.append(f"ended on rank(s) {ended} ({', '.join(how)})")
+                if m.began:
+                    parts.append(f"began and never ended on rank(s) {', '.join(map(str, m.began))}")
+                if m.absent:
+                    parts.append(f"no record on rank(s) {', '.join(map(str, m.absent))}")
+                lines.append(f"  sync point {m.seq} of the {m.family}: " + "; ".join(parts))
             if len(self.missing) > 5:
                 lines.append(f"  and {len(self.missing) - 5} more")
         if self.ranks:
@@ -683,12 +719,15 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
     found = _expand(paths)
     per_rank: list[tuple[int, str, float | None, list[Record]]] = []
     sizes: set[int] = set()
+    hung: dict[tuple[str, int], list[int]] = defaultdict(list)  # began, never ended: ranks
     for n, f in enumerate(found):
         events = read(f)
         started, info = _start_info(events)
         rank = int(info.get("world_rank", n))
         sizes.add(int(info.get("world_size", 0)))
         per_rank.append((rank, str(info.get("host", "")), started, records(events)))
+        for fam, seq in unfinished(events):
+            hung[(family_key(fam), seq)].append(rank)
     per_rank.sort(key=lambda t: t[0])
     notes = []
     sizes.discard(0)  # a file without its header says nothing
@@ -729,14 +768,25 @@ def summarize(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) 
         for rec in recs:
             mine = lowest[family_key(rec.family)]
             mine[rank] = min(mine.get(rank, rec.seq), rec.seq)
+    for fam, seq in hung:  # a family some rank only began a sync point of
+        lowest[fam].update({r: seq for r in hung[(fam, seq)] if r not in lowest[fam]})
     missing = []
     for (fam, seq, _), members in groups.items():
         if fam in unclear:
             continue
         present = {rank for rank, _ in members}
-        absent = sorted(r for r, lo in lowest[fam].items() if r not in present and lo <= seq)
-        if absent:
-            missing.append(Missing(fam, seq, {rank: rec.outcome for rank, rec in members}, absent))
+        began = sorted(hung.pop((fam, seq), []))
+        absent = sorted(
+            r for r, lo in lowest[fam].items() if r not in present and r not in began and lo <= seq
+        )
+        if absent or began:
+            ended = {rank: rec.outcome for rank, rec in members}
+            missing.append(Missing(fam, seq, ended, absent, began))
+    for (fam, seq), began in hung.items():  # ended nowhere: every rank there hung, or never came
+        if fam in unclear:
+            continue
+        absent = sorted(r for r, lo in lowest[fam].items() if r not in began and lo <= seq)
+        missing.append(Missing(fam, seq, {}, absent, sorted(began)))
     missing.sort(key=lambda m: (m.seq, m.family))
 
     out = []

@@ -613,9 +613,6 @@ cgc.collect(comm, generation=None)
 )
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
-)
 @pytest.mark.launcher
 def test_a_hung_run_s_trace_shows_the_sync_point_it_hangs_in(tmp_path: Path) -> None:
     """Issue 39, item 8. Ranks 0, 1 and 3 wait without a timeout in sync
@@ -631,4 +628,10 @@ def test_a_hung_run_s_trace_shows_the_sync_point_it_hangs_in(tmp_path: Path) -> 
         events = trace.read(tmp_path / f"hung.rank{r}.json")
         assert [p["args"]["seq"] for p, _ in sync_points(events)][:4] == [0, 1, 2, 3], report
         hung = [e for e in events if e.get("args", {}).get("seq") == 4]
-        assert hung, (r, events[-3:])
+        assert [e["name"] for e in hung] == ["sync point began"], (r, events[-3:])
+        assert [seq for _, seq in trace.unfinished(events)] == [4], (r, events[-3:])
+    assert trace.unfinished(trace.read(tmp_path / "hung.rank2.json")) == [], report
+    (missing,) = trace.summarize(path).missing
+    assert (missing.seq, missing.began, missing.absent, missing.ended) == (4, [0, 1, 3], [2], {})
+    text = trace.summarize(path).text()
+    assert "began and never ended on rank(s) 0, 1, 3; no record on rank(s) 2" in text, text
