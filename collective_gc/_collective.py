@@ -26,6 +26,7 @@ the other ranks so through the watch.
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import time
@@ -65,7 +66,7 @@ from ._syncpoint import (
     keep_failures,
     may_raise_ever,
 )
-from ._transport import LEFT, Deadline, dup
+from ._transport import LEFT, Deadline, allreduce, dup
 
 # A protected region's entry and exit, bound once (the hot path's calls).
 _enter = _interrupts.enter
@@ -118,6 +119,7 @@ class Collective:
         "rank",
         "size",
         "label",
+        "name",
         "core",
         "registry",
         "lock",
@@ -138,6 +140,9 @@ class Collective:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.label = f"communicator of size {size} (rank {rank})"
+        # What a trace calls it: the label with the family's number, the same
+        # on every rank (see open); the label alone for a family of size 1.
+        self.name = self.label
         self.core: FamilyState = FamilyState(rank, size, GC, Registration, CollectStats)
         self.registry = Registry(self.core, self.label)
         # Sync points and explicit destroys, one thread at a time.
@@ -211,6 +216,16 @@ class Collective:
                 first=False,
             )
             raise
+        try:
+            number = _number(comm, deadline, what)
+        except BaseException as exc:
+            self.become(
+                State.UNUSABLE,
+                f"numbering the family was abandoned ({type(exc).__name__})",
+                first=False,
+            )
+            raise
+        self.name = f"communicator of size {self.size} #{number} (rank {self.rank})"
         # Local: it only posts the receive of the watch.
         self.core.open(comm, PERSISTENT)
 
@@ -818,6 +833,22 @@ def family_of(
 
 
 _SAME = (MPI.IDENT, MPI.CONGRUENT)
+
+# The next family number this process may give: every family of size > 1
+# takes the largest any of its ranks offers, and each of them goes past it.
+_next_number = 1
+
+
+def _number(comm: MPI.Intracomm, deadline: Deadline, what: Callable[[], str]) -> int:
+    """Collective over a new family's private duplicate: its number, the same
+    on every rank (what a trace names it by, so that two families of one
+    size over the same processes are told apart when the ranks' records are
+    paired), and no rank's earlier family's. One allreduce, once per family."""
+    global _next_number
+    got = allreduce(comm, array.array("q", (_next_number,)), MPI.MAX, deadline, what)
+    number = int(got[0])
+    _next_number = number + 1
+    return number
 
 
 def forget(fam: Collective) -> None:

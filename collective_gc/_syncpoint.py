@@ -335,7 +335,7 @@ class SyncPoint:
         self.phases = phases
         outcome = "ok"
         fam = self.fam
-        tracer.sync_point_began(fam.label, fam.rank, self.seq, t0)
+        tracer.sync_point_began(fam.name, fam.rank, self.seq, t0)
         try:
             for name, step in STEPS[start:]:
                 began = clock()
@@ -347,7 +347,7 @@ class SyncPoint:
             raise
         finally:
             tracer.sync_point(
-                fam.label, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
+                fam.name, fam.rank, self.seq, t0, clock(), phases, self.count, outcome
             )
 
     def _stats(self, collected: int | None, t0: float) -> CollectStats:

@@ -567,9 +567,6 @@ def test_a_write_that_fails_stops_the_trace_not_the_sync_points(tmp_path: Path) 
 # -- issue 39: the promise, round 5 ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 39 item 8 is not built yet (see the issue's closing note)"
-)
 @pytest.mark.mpi(min_size=2)
 def test_two_families_of_one_size_have_two_ids_the_same_on_every_rank(
     comm: MPI.Intracomm, shared_dir: Path
