@@ -47,6 +47,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
         # py312-openmpi stack leg showed only "exited due to abort").
         time.sleep(1.0)
         WORLD.Abort(1)
+        # MPICH's MPI_Abort returns once it has asked its launcher to kill
+        # the job: this rank must not run the next test meanwhile.
+        os._exit(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

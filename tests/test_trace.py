@@ -605,6 +605,9 @@ for step in range(4):
 if rank == 2:
     time.sleep(3)  # the others hang in sync point 4 meanwhile, with no timeout
     comm.Abort(3)  # what a job's time limit does to them all
+    # MPICH's MPI_Abort returns once it has asked its launcher to kill the
+    # job: rank 2 must not go on into sync point 4 before the kill lands.
+    time.sleep(60)
 cgc.collect(comm, generation=None)
 """
 )
