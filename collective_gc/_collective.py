@@ -66,7 +66,7 @@ from ._syncpoint import (
     keep_failures,
     may_raise_ever,
 )
-from ._transport import LEFT, Deadline, allreduce, dup
+from ._transport import LEFT, Deadline, allreduce, dup, retire
 
 # A protected region's entry and exit, bound once (the hot path's calls).
 _enter = _interrupts.enter
@@ -265,14 +265,15 @@ class Collective:
 
     def maybe_free(self) -> bool:
         """If no member is left and nothing is registered: let go of the
-        private duplicate (local), unless a sync point is under way (its end
-        does it). True if done."""
+        private duplicate (local; kept a while, not freed: a late rank's
+        notice may still come, see _transport.retire), unless a sync point is
+        under way (its end does it). True if done."""
         core = self.core
         if self.members or not self.registry.is_empty() or core.inside:
             return False
         if core.comm is None and core.code != OPEN:
             return True
-        core.close(True)
+        retire(core.close(True))
         if core.code == OPEN:
             core.become(_RELEASED, "every communicator of it was freed or closed", False)
         # Nothing is left to let go: what still waits (a freed member's
@@ -720,11 +721,6 @@ class Collective:
                 raise first
         finally:
             del errors  # see _destroy.Failure: no frame may hold what was raised
-
-    def free_private(self) -> None:
-        """Let go of the private duplicate. Local: the watch's standing receive
-        is withdrawn first."""
-        self.core.close(True)
 
     def exit_agreement(self, owner: Manager, deadline: float) -> None:
         """At exit: the exit agreement (if any collective was ever made here),

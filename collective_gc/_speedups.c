@@ -1971,36 +1971,33 @@ fs_left(FamilyState *s, PyObject *unused)
 static PyObject *
 fs_close(FamilyState *s, PyObject *arg)
 {
-    int free_comm = PyObject_IsTrue(arg);
-    if (free_comm < 0) {
+    int let_go = PyObject_IsTrue(arg);
+    if (let_go < 0) {
         return NULL;
     }
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) {
-        if (s->have_preq) {
-            MPI_Request_free(&s->preq);
-            s->have_preq = 0;
-        }
-        s->closed = 1;
-        if (s->wreq != MPI_REQUEST_NULL) {
-            MPI_Cancel(&s->wreq);
-            MPI_Wait(&s->wreq, MPI_STATUS_IGNORE); /* at once: cancelled, or a notice came */
-        }
-        if (free_comm && s->comm != Py_None) {
-            MPI_Comm *c = PyMPIComm_Get(s->comm);
-            if (c == NULL) {
-                return NULL;
-            }
-            if (*c != MPI_COMM_NULL) {
-                MPI_Comm_free(c);
-            }
-        }
-    }
-    if (free_comm || finalized) {
+    if (finalized) {
         Py_SETREF(s->comm, Py_NewRef(Py_None));
+        Py_RETURN_NONE;
     }
-    Py_RETURN_NONE;
+    if (s->have_preq) {
+        MPI_Request_free(&s->preq);
+        s->have_preq = 0;
+    }
+    s->closed = 1;
+    if (s->wreq != MPI_REQUEST_NULL) {
+        MPI_Cancel(&s->wreq);
+        MPI_Wait(&s->wreq, MPI_STATUS_IGNORE); /* at once: cancelled, or a notice came */
+    }
+    if (!let_go) {
+        Py_RETURN_NONE;
+    }
+    /* The private duplicate is the caller's now (it keeps it a while:
+       messages may still arrive on it, _transport.retire). */
+    PyObject *comm = s->comm;
+    s->comm = Py_NewRef(Py_None);
+    return comm;
 }
 
 /* -- destroys ----------------------------------------------------------------- */

@@ -961,22 +961,25 @@ class FamilyState:
             if other != self.rank:
                 keep_alive(comm.Isend([note, MPI.INT64_T], other, TAG_GAVE_UP), note)
 
-    def close(self, free: bool) -> None:
+    def close(self, let_go: bool) -> MPI.Intracomm | None:
         """Withdraw the watch's receive and free an inactive persistent
-        request, then (``free``) the private duplicate. Local."""
+        request; then (``let_go``) the private duplicate is no longer this
+        state's: returned, for the caller to keep or free (_transport.retire:
+        messages may still arrive on it). Local."""
+        comm = self.comm
         if MPI.Is_finalized():
             self.comm = None
-            return
+            return None
         self._drop_request()
         self._closed = True
         req, self._wreq = self._wreq, None
         if req is not None and req != MPI.REQUEST_NULL:
             req.Cancel()
             req.Wait()  # completes at once: cancelled, or a notice had arrived
-        if free and self.comm is not None:
-            self.comm.Free()
-        if free:
-            self.comm = None
+        if not let_go:
+            return None
+        self.comm = None
+        return comm
 
     # -- destroys ----------------------------------------------------------------
 

@@ -27,6 +27,7 @@ its next wait).
 from __future__ import annotations
 
 import array
+import collections
 import os
 import pickle
 import time
@@ -48,6 +49,9 @@ __all__ = [
     "GRACE",
     "keep_alive",
     "dup",
+    "retire",
+    "kept",
+    "RETIRED",
     "allreduce",
     "allgather",
     "SPIN",
@@ -303,6 +307,39 @@ def _hold_parent(comm: MPI.Intracomm) -> tuple[object, ...]:
     buf = bytearray(1)
     me = comm.Get_rank()  # a real source: with MPI_PROC_NULL the request holds no communicator
     return (buf, *(comm.Recv_init(buf, source=me, tag=0) for _ in range(_HOLDS)))
+
+
+# A family's private duplicate, let go of, is kept (the newest RETIRED of
+# them) rather than freed at once. A rank that was still in one of its sync
+# points (late, or alone in one too many) gives up there and sends its
+# notices to the others on it, however long after they let go; Open MPI (4
+# and 5) matches a message that arrives for a freed communicator to the next
+# communicator given its context id (a stray message there, a crash in
+# mca_pml_ob1_add_comm when the sizes differ), where MPICH drops it. Kept,
+# the communicator takes such messages in. It is freed once RETIRED newer
+# ones are kept, and what it took in goes with it (Open MPI 4 and 5 and
+# MPICH match none of it to a later communicator: test_families). A bound,
+# not all of them: an MPI has only so many context ids (a few thousand in
+# MPICH), and a program may open and let go of families for ever. Only this
+# module writes _RETIRED.
+RETIRED = 64
+_RETIRED: collections.deque[MPI.Intracomm] = collections.deque()
+_PID = os.getpid()
+
+
+def retire(comm: MPI.Intracomm | None) -> None:
+    """Keep ``comm``, a private duplicate no family uses any more, and free
+    the oldest kept beyond :data:`RETIRED`. Local."""
+    if comm is None or os.getpid() != _PID or MPI.Is_finalized():
+        return  # (a forked child's MPI is its parent's: nothing is called on it)
+    _RETIRED.append(comm)
+    while len(_RETIRED) > RETIRED:
+        _RETIRED.popleft().Free()
+
+
+def kept() -> int:
+    """How many let-go private duplicates :func:`retire` keeps now."""
+    return len(_RETIRED)
 
 
 def allreduce(

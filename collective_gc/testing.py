@@ -15,6 +15,8 @@ state. (``collective_gc.data.testing`` is the loader's.)
   with the C extension and with the Python twins.
 - :func:`family`: a :class:`Family` snapshot of the family a communicator
   belongs to.
+- :func:`retired`: how many private duplicates of families this rank let
+  go of it keeps (messages may still arrive on them), and the most it keeps.
 - :func:`speedups`: ``"c+mpi"`` or ``"python"`` (collective_gc._switch).
 """
 
@@ -26,13 +28,13 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from . import _tracing, _tree
+from . import _tracing, _transport, _tree
 from ._lookup import lookup
 from ._manager import family as _family_of
 from ._state import HOLD_GONE, HOLD_LEAVING, HOLD_PARTS, HOLD_REACH
 from ._switch import speedups
 
-__all__ = ["Family", "outcomes", "family", "speedups"]
+__all__ = ["Family", "outcomes", "family", "retired", "speedups"]
 
 
 class Family(NamedTuple):
@@ -124,3 +126,9 @@ def family(comm: MPI.Comm) -> Family | None:
         len(core.unreported),
         core.reason,
     )
+
+
+def retired() -> tuple[int, int]:
+    """(kept, most): the private duplicates of families this rank let go of
+    that it keeps, not yet freed, and the most it keeps. Local."""
+    return _transport.kept(), _transport.RETIRED

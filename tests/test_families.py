@@ -51,7 +51,6 @@ from _util import (
     noop,
     run_job,
 )
-from conftest import mpi_flavour
 
 
 def settle(comm: MPI.Intracomm, quiet: int = 12) -> None:
@@ -1217,7 +1216,7 @@ def test_two_library_duplicates_used_in_different_orders_are_an_error_everywhere
         assert destroyed == [], verdicts  # nothing destroyed, in no order
 
 
-_NOTICE_TO_A_RANK_THAT_LET_GO_JOB = (
+_A_RANK_ALONE_IN_ONE_SYNC_POINT_TOO_MANY = (
     JOB_HEAD
     + """
 import time
@@ -1243,39 +1242,69 @@ else:
         print("gave up", flush=True)
 test.Barrier()
 time.sleep(0.5)
+"""
+)
+_STRAY = """
 made = [MPI.COMM_SELF.Dup() for _ in range(6)]
 print("stray", [m.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for m in made], flush=True)
 """
+_NOTICE_TO_A_RANK_THAT_LET_GO_JOB = _A_RANK_ALONE_IN_ONE_SYNC_POINT_TOO_MANY + _STRAY
+_NOTICE_THEN_MANY_FAMILIES_LET_GO_JOB = (
+    _A_RANK_ALONE_IN_ONE_SYNC_POINT_TOO_MANY
+    + """
+import collective_gc.testing
+if rank == 3:
+    c.Free()  # (its family, unusable here, goes at the next lookup)
+kept, most = cgc.testing.retired()
+for _ in range(most + 1):
+    d = world.Dup()
+    o = Obj()
+    cgc.register(o, lambda: None, comm=d)
+    del o
+    cgc.collect(d, generation=None, timeout=10)
+    d.Free()
+    cgc.manager(test)  # lets go of d's family
+print("kept", cgc.testing.retired() == (most, most), flush=True)
+same = [world.Dup() for _ in range(6)]
+print("stray4", [m.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for m in same], flush=True)
+"""
+    + _STRAY
 )
 
 
 @pytest.mark.launcher
-def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(
-    tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_a_notice_to_a_rank_that_let_go_of_the_family_lands_nowhere(tmp_path: Path) -> None:
     """Issue 39, item 8. Ranks 0-2 are done with a communicator: freed,
-    and its family let go of (its private duplicate freed) at their next
-    lookup. Rank 3 runs one sync point more on it, alone, with a timeout:
-    it gives up and sends its notice to the others on the private
-    duplicate, which they have freed. Open MPI 4 hands a message for a
-    freed communicator to the next communicator given its context id, and
-    the next ``COMM_SELF.Dup()`` there crashed (Open MPI's
-    ``mca_pml_ob1_add_comm``, a segmentation fault). README: keep such a
-    communicator "rather than free it: its messages may still arrive".
-    The job must end normally, rank 3 having given up, and no message
-    reach a communicator made afterwards. A job of its own: what the ranks
-    have freed decides it.
-
-    Where the defect shows, Open MPI (4 and 5), this is a strict xfail until
-    issue 39 item 8 is built (see the issue's closing note); on MPICH, which
-    matches nothing to a freed communicator, it must pass as it is."""
-    if mpi_flavour().startswith("openmpi"):
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="issue 39 item 8 is not built yet")
-        )
+    and its family let go of at their next lookup. Rank 3 runs one sync
+    point more on it, alone, with a timeout: it gives up and sends its
+    notice to the others on the private duplicate, which they have let go
+    of. Open MPI (4 and 5) hands a message for a freed communicator to the
+    next communicator given its context id: when the family freed it, the
+    next ``COMM_SELF.Dup()`` there crashed (Open MPI 4's
+    ``mca_pml_ob1_add_comm``, a segmentation fault). The job must end
+    normally, rank 3 having given up, and no message reach a communicator
+    made afterwards: the family keeps the duplicate it let go of a while
+    instead of freeing it, and the notice lands there. A job of its own:
+    what the ranks have freed decides it."""
     proc, outs, errs, _ = run_job(tmp_path, _NOTICE_TO_A_RANK_THAT_LET_GO_JOB)
     report = job_report(proc, outs, errs)
     assert proc.returncode == 0, report
     assert "gave up" in outs[3], report
     for out in outs:
+        assert "stray [False, False, False, False, False, False]" in out, report
+
+
+@pytest.mark.launcher
+def test_a_kept_private_duplicate_is_freed_with_nothing_left_on_it(tmp_path: Path) -> None:
+    """Issue 39, item 8: what a rank keeps of the families it let go of is
+    bounded. After the notice above lands on ranks 0-2's kept duplicate,
+    every rank opens and lets go of one family more than it keeps: the
+    duplicate holding the notice is freed, and what it held must not reach
+    a communicator made afterwards (the notice is received first)."""
+    proc, outs, errs, _ = run_job(tmp_path, _NOTICE_THEN_MANY_FAMILIES_LET_GO_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert "gave up" in outs[3], report
+    for out in outs:
+        assert "kept True" in out, report
         assert "stray [False, False, False, False, False, False]" in out, report
