@@ -273,7 +273,9 @@ class Collective:
             return False
         if core.comm is None and core.code != OPEN:
             return True
-        retire(core.close(True))
+        # (A forked child makes no MPI call: its parent's requests and
+        # communicators are not its own.)
+        private = None if core.code == _FORKED else core.close(True)
         if core.code == OPEN:
             core.become(_RELEASED, "every communicator of it was freed or closed", False)
         # Nothing is left to let go: what still waits (a freed member's
@@ -284,6 +286,7 @@ class Collective:
         forget(self)
         if self.children:
             _tree.orphan(self, families())  # its children: reached by another family now
+        retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
         return True
 
     # -- state ---------------------------------------------------------------------

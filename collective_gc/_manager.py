@@ -611,8 +611,9 @@ class Manager:
         Later registrations and sync points on this communicator raise
         :class:`CollectiveGCError`. Registrations left on it (objects still
         alive, or queued on some ranks only) are detached, never destroyed,
-        and named in an :class:`ExitLeakWarning` on their rank; the family's
-        private duplicate is freed once no communicator of it is left. Call
+        and named in an :class:`ExitLeakWarning` on their rank; the family
+        lets go of its private duplicate once no communicator of it is left
+        (kept a while, then freed: docs/design.rst, "Letting go"). Call
         it before freeing a communicator you are done with; a second call
         does nothing.
         """

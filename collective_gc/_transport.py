@@ -31,6 +31,7 @@ import collections
 import os
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
@@ -331,10 +332,21 @@ def retire(comm: MPI.Intracomm | None) -> None:
     """Keep ``comm``, a private duplicate no family uses any more, and free
     the oldest kept beyond :data:`RETIRED`. Local."""
     if comm is None or os.getpid() != _PID or MPI.Is_finalized():
-        return  # (a forked child's MPI is its parent's: nothing is called on it)
+        return  # (a forked child's MPI is its parent's: no call on it)
     _RETIRED.append(comm)
     while len(_RETIRED) > RETIRED:
-        _RETIRED.popleft().Free()
+        oldest = _RETIRED.popleft()
+        try:
+            oldest.Free()
+        except MPI.Exception as exc:
+            # The delete callback of an attribute it copied from the user's
+            # communicator (MPI_Comm_idup) failed: the program's, which this
+            # unrelated call (a lookup, a sync point's end) must not raise.
+            warnings.warn(
+                f"collective_gc: freeing a family's private duplicate it let go of: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def kept() -> int:

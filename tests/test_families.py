@@ -1307,4 +1307,64 @@ def test_a_kept_private_duplicate_is_freed_with_nothing_left_on_it(tmp_path: Pat
     assert "gave up" in outs[3], report
     for out in outs:
         assert "kept True" in out, report
+        assert "stray4 [False, False, False, False, False, False]" in out, report
         assert "stray [False, False, False, False, False, False]" in out, report
+
+
+_A_FAILING_DELETE_CALLBACK_JOB = (
+    JOB_HEAD
+    + """
+import warnings
+import collective_gc.testing
+world = MPI.COMM_WORLD
+armed = []
+def delete(comm, keyval, value):
+    if armed:
+        raise RuntimeError("the program's delete callback")
+keyval = MPI.Comm.Create_keyval(copy_fn=True, delete_fn=delete)  # a library's cache
+kept, most = cgc.testing.retired()
+for i in range(most + 1):
+    d = world.Dup()
+    if i == 0:
+        d.Set_attr(keyval, "cache")  # the family's private duplicate copies it
+    o = Obj()
+    cgc.register(o, lambda: None, comm=d)
+    del o
+    cgc.collect(d, generation=None, timeout=10)
+    if i == 0:
+        d.Delete_attr(keyval)  # the program's own copy: gone before its free
+        armed.append(True)
+    d.Free()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cgc.manager(world)  # lets go of d's family: the last one frees the first kept
+    for w in seen:
+        print("warned", i, w.category.__name__, str(w.message).splitlines()[0], flush=True)
+armed.clear()
+d = world.Dup()
+o = Obj()
+cgc.register(o, lambda: None, comm=d)
+del o
+print("after", cgc.collect(d, generation=None, timeout=10).destroyed, flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_a_failing_delete_callback_at_a_kept_duplicate_s_free_is_a_warning(
+    tmp_path: Path,
+) -> None:
+    """Issue 39, item 8 (a review of its kept duplicates): a kept private
+    duplicate is freed by a later, unrelated call (the lookup that lets go
+    of another family), and its free runs the delete callbacks of the
+    attributes it copied from the program's communicator. One that raises
+    must not come out of that call, nor leave the family it lets go of
+    half let go: a RuntimeWarning there, once, and the next family works."""
+    proc, outs, errs, _ = run_job(tmp_path, _A_FAILING_DELETE_CALLBACK_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    for out in outs:
+        warned = [line for line in out.splitlines() if line.startswith("warned")]
+        assert len(warned) == 1, report
+        assert "RuntimeWarning collective_gc: freeing a family's private duplicate" in warned[0]
+        assert "after 1" in out, report
