@@ -1322,6 +1322,19 @@ def delete(comm, keyval, value):
     if armed:
         raise RuntimeError("the program's delete callback")
 keyval = MPI.Comm.Create_keyval(copy_fn=True, delete_fn=delete)  # a library's cache
+# Does this stack's Comm.Free report a delete callback's failure? mpi4py 3.1 on
+# Open MPI 4 raises MPI.Exception; mpi4py 4 on Open MPI 5 and MPICH prints the
+# callback's traceback and the free goes on (measured).
+def failing(comm, keyval, value):
+    raise RuntimeError("the probe's delete callback")
+probe_key = MPI.Comm.Create_keyval(delete_fn=failing)
+probe = world.Dup()
+probe.Set_attr(probe_key, "probe")
+try:
+    probe.Free()
+    print("reports False", flush=True)
+except MPI.Exception:
+    print("reports True", flush=True)
 kept, most = cgc.testing.retired()
 for i in range(most + 1):
     d = world.Dup()
@@ -1359,12 +1372,20 @@ def test_a_failing_delete_callback_at_a_kept_duplicate_s_free_is_a_warning(
     of another family), and its free runs the delete callbacks of the
     attributes it copied from the program's communicator. One that raises
     must not come out of that call, nor leave the family it lets go of
-    half let go: a RuntimeWarning there, once, and the next family works."""
+    half let go: a RuntimeWarning there, once, and the next family works.
+    Where the stack's free does not report the callback's failure (mpi4py 4
+    prints its traceback and frees), there is nothing to warn of: no warning,
+    the callback's traceback on stderr, and the next family works."""
     proc, outs, errs, _ = run_job(tmp_path, _A_FAILING_DELETE_CALLBACK_JOB)
     report = job_report(proc, outs, errs)
     assert proc.returncode == 0, report
-    for out in outs:
+    for out, err in zip(outs, errs):
         warned = [line for line in out.splitlines() if line.startswith("warned")]
-        assert len(warned) == 1, report
-        assert "RuntimeWarning collective_gc: freeing a family's private duplicate" in warned[0]
+        if "reports True" in out:
+            assert len(warned) == 1, report
+            assert "RuntimeWarning collective_gc: freeing a family's private duplicate" in warned[0]
+        else:
+            assert "reports False" in out, report
+            assert warned == [], report
+            assert "RuntimeError: the program's delete callback" in err, report
         assert "after 1" in out, report
