@@ -12,7 +12,9 @@ the PETSc objects each rank has left after the mode (PETSc's own log:
 creations minus destructions). Each mode's time is also given as a ratio to the
 plain-GC run of the same job, and to the ``collect`` mode (what a user would
 call instead). ``--profile`` adds where collective_gc's sync
-points spend their time on rank 0 (cProfile, by function, cumulative).
+points spend their time on rank 0 (cProfile, by function, cumulative), the
+cost of an empty sync point right after a step's against one before any mesh,
+and the share of sync points that took the steady state.
 """
 
 from __future__ import annotations
@@ -35,21 +37,38 @@ from petsc4py import PETSc  # noqa: E402
 
 import collective_gc as cgc  # noqa: E402
 from collective_gc import petsc as cp  # noqa: E402
+from collective_gc import testing  # noqa: E402
 
 from _common import save, say  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+EMPTY_RUN = 50  # empty sync points in a row, timed together
+
+
+def empty_syncs(scope: Any, n: int = EMPTY_RUN) -> float:
+    """Seconds per call of ``n`` sync points in a row with nothing queued."""
+    WORLD.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        scope.sync()
+    return (time.perf_counter() - t0) / n
 
 
 def profile_sync(steps: int, n: int) -> str:
     """The collective_gc loop again, its sync points under cProfile on rank 0:
     the top of the profile by cumulative time, with the time a barrier just
     before each sync point waits (the ranks' skew, which the sync point would
-    otherwise absorb) and an empty sync point timed after each real one (our
-    own floor: the agreement with nothing queued). Collective."""
+    otherwise absorb), EMPTY_RUN empty sync points in a row after each real
+    one and before any mesh (our own floor: the agreement with nothing
+    queued, after a step and with nothing made yet), and how many of all
+    these sync points took the steady state (collective_gc.testing).
+    Collective."""
     prof = cProfile.Profile()
-    empty = skew = syncs = 0.0
-    with cgc.collective_scope(WORLD, timeout=120) as scope:
+    skew = syncs = after = 0.0
+    with testing.outcomes() as ways, cgc.collective_scope(WORLD, timeout=120) as scope:
+        cp.install(WORLD)  # as the loop's first cp.manage does
+        scope.sync()
+        before = empty_syncs(scope)
         for i in range(steps):
             step = loop.Step(n, "", i, xdmf=False)
             p = step.problem
@@ -67,17 +86,19 @@ def profile_sync(steps: int, n: int) -> str:
             scope.sync()
             if WORLD.rank == 0:
                 prof.disable()
-            t1 = time.perf_counter()
-            scope.sync()  # nothing queued: what a sync point costs by itself
-            empty += time.perf_counter() - t1
-            syncs += t1 - t0
+            syncs += time.perf_counter() - t0
+            after += empty_syncs(scope)
+    steady = ways.count("steady")
     out = io.StringIO()
     if WORLD.rank == 0:  # the other ranks profiled nothing
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
     return (
         f"rank {WORLD.rank}: a barrier before each sync point {1e3 * skew / steps:.2f} ms"
-        f" (waiting for the slowest rank), then the sync point {1e3 * syncs / steps:.2f} ms,"
-        f" an empty one right after {1e3 * empty / steps:.3f} ms\n" + out.getvalue()
+        f" (waiting for the slowest rank), then the sync point {1e3 * syncs / steps:.2f} ms;"
+        f" {EMPTY_RUN} empty ones right after it {1e6 * after / steps:.1f} us a call,"
+        f" before any mesh {1e6 * before:.1f} us: ratio {after / steps / before:.2f};"
+        f" sync points that took the steady state {steady} of {len(ways)}"
+        f" ({100 * steady / max(1, len(ways)):.1f}%)\n" + out.getvalue()
     )
 
 
