@@ -139,8 +139,8 @@ def collect(
     ``generation`` raises ValueError before any collective.
     """
     t0 = _perf_counter()
-    # The common case (no timeout) without extra calls: an empty sync point
-    # is mostly overhead around one small allreduce.
+    # Without extra calls: an empty sync point is mostly overhead around one
+    # small allreduce.
     seconds = None if timeout is None else check_timeout(timeout)
     if generation is not None and generation != 2:
         _check_generation(generation)
@@ -152,9 +152,9 @@ def collect(
             # frozen that died is missed (a young collection never walks it).
             _gcpolicy.POLICY.thaw()
         collected = gc.collect(generation)
-    if seconds is None:
-        return quick_sync(mgr, t0, collected)
-    return mgr.sync(deadline=time.monotonic() + seconds, collected=collected, t0=t0)
+    return quick_sync(
+        mgr, t0, collected, None, None if seconds is None else time.monotonic() + seconds
+    )
 
 
 _perf_counter = time.perf_counter

@@ -488,19 +488,27 @@ class Collective:
                 _leave(entered)
 
     def quick(
-        self, owner: Manager, t0: float, collected: int | None, extra: Participant | None
+        self,
+        owner: Manager,
+        t0: float,
+        collected: int | None,
+        extra: Participant | None,
+        deadline: float | None = None,
     ) -> CollectStats:
-        """:meth:`sync` without a deadline or a final report, with ``extra``
-        (or no participant) of its own: the steady state in one call where
-        the extension runs it, else (or where it found something unusual)
-        the steps. Collective. (Every ``cgc.collect`` and scope sync point
-        comes here: what is not the steady state's is in :meth:`_unsteady`.)"""
+        """:meth:`sync` without a final report, with ``extra`` (or no
+        participant) of its own: the steady state in one call where the
+        extension runs it, else (or where it found something unusual) the
+        steps. Collective. (Every ``cgc.collect`` and scope sync point comes
+        here, with its deadline or none: what is not the steady state's is
+        in :meth:`_unsteady`.)"""
         core = self.core
         with self.lock:
             if core.code or core.destroying or self.size == 1 or _tracing.TRACER is not None:
                 # (Traced, a sync point takes the steps, which mark their phases.)
                 parts: tuple[Participant, ...] = () if extra is None else (extra,)
-                return self.sync(owner, collected=collected, t0=t0, participants=parts)
+                return self.sync(
+                    owner, deadline=deadline, collected=collected, t0=t0, participants=parts
+                )
             if extra is None:
                 fp, described = self.fingerprint, None
             else:
@@ -511,12 +519,12 @@ class Collective:
             entered = _enter()
             try:
                 stats = (
-                    core.steady(t0, collected, described, fp, _destroy.BATCHES)
+                    core.steady(t0, collected, described, fp, _destroy.BATCHES, deadline)
                     if extra is None or described is not None
                     else None
                 )
                 if stats is None or core.progress:
-                    return self._unsteady(stats, owner, t0, collected, extra)
+                    return self._unsteady(stats, owner, t0, collected, extra, deadline)
                 if _tracing.OBSERVER is not None:
                     _tracing.OBSERVER(self.label, "steady")
                 return stats  # type: ignore[no-any-return]  # (CollectStats, from C)
@@ -538,6 +546,7 @@ class Collective:
         t0: float,
         collected: int | None,
         extra: Participant | None,
+        deadline: float | None,
     ) -> CollectStats:
         """What the steady state did not finish (see :meth:`quick`): the
         steps, from the start or from its agreement, or the failures of its
@@ -554,7 +563,7 @@ class Collective:
             if MPI.Is_finalized():  # (the steady state looked: the steps refuse)
                 self.check_usable("run a sync point", owner.describe())
             point = SyncPoint(
-                self, Deadline(None), () if extra is None else (extra,), owner, False, False
+                self, Deadline(deadline), () if extra is None else (extra,), owner, False, False
             )
             try:
                 return point.run(collected, t0, progress if progress == AGREE else 0)
@@ -608,7 +617,6 @@ class Collective:
             core.inbox
             or core.pending_keys()[0]
             or core.stale
-            or core.cyclic_seen
             or extra
             or self.participants
             or self.children

@@ -226,7 +226,7 @@ class Manager:
     @property
     def last_cyclic(self) -> list[tuple[str, str, int, traceback.StackSummary | None]]:
         """(type, name, key, origin) of the cyclic deaths the last sync point drained."""
-        return [] if self._fam is None else list(self._fam.registry.last_cyclic)
+        return [] if self._fam is None else self._fam.registry.cyclic_of_last()
 
     def cyclic_deaths(
         self, since: int = 0
@@ -579,12 +579,13 @@ class Manager:
         if (
             fam is not None
             and self._state is _OPEN
-            and deadline is None
             and not participants
             and not at_exit
             and not final
         ):
-            return fam.quick(self, time.perf_counter() if t0 is None else t0, collected, None)
+            return fam.quick(
+                self, time.perf_counter() if t0 is None else t0, collected, None, deadline
+            )
         if self._state is not _OPEN:
             self._check_own("run a sync point")
         if fam is None:
@@ -654,15 +655,24 @@ def family(mgr: Manager) -> Collective | None:
 
 
 def quick_sync(
-    mgr: Manager, t0: float, collected: int | None, extra: Participant | None = None
+    mgr: Manager,
+    t0: float,
+    collected: int | None,
+    extra: Participant | None = None,
+    deadline: float | None = None,
 ) -> CollectStats:
-    """``mgr.sync(t0=t0, collected=collected, participants=(extra,))`` (no
-    deadline; ``extra`` None: no participant of its own), with as few calls
-    as can be: what ``cgc.collect`` and a scope's sync run."""
+    """``mgr.sync(deadline=deadline, t0=t0, collected=collected,
+    participants=(extra,))`` (``extra`` None: no participant of its own),
+    with as few calls as can be: what ``cgc.collect`` and a scope's sync run."""
     fam = mgr._fam
     if fam is not None and mgr._state is _OPEN:
-        return fam.quick(mgr, t0, collected, extra)
-    return mgr.sync(t0=t0, collected=collected, participants=() if extra is None else (extra,))
+        return fam.quick(mgr, t0, collected, extra, deadline)
+    return mgr.sync(
+        deadline=deadline,
+        t0=t0,
+        collected=collected,
+        participants=() if extra is None else (extra,),
+    )
 
 
 def set_label(mgr: Manager, label: str) -> None:

@@ -63,6 +63,7 @@ class Registry:
         "named",
         "cyclic_total",
         "last_cyclic",
+        "last_cyclic_at",
         "cyclic_log",
     )
 
@@ -88,10 +89,13 @@ class Registry:
         # path begins intervals too, without a name: found then).
         self.named: tuple[int, str] = (0, "")
         self.cyclic_total = 0
-        # (type, name, key, origin) of the cyclic deaths the last drain found,
-        # and of the last LOG ones found by any drain (cyclic_total - len of
-        # it is the ordinal of its first entry).
+        # (type, name, key, origin) of the cyclic deaths the last drain that
+        # found any found, the sync point it drained at, and the last LOG ones
+        # found by any drain (cyclic_total - len of it is the ordinal of its
+        # first entry). The steady state drains no cyclic death (it leaves
+        # them to the steps) and so never clears them: see cyclic_of_last.
         self.last_cyclic: list[tuple[str, str, int, Any]] = []
+        self.last_cyclic_at = -1
         self.cyclic_log: list[tuple[str, str, int, Any]] = []
 
     @property
@@ -238,11 +242,17 @@ class Registry:
         found = self.state.drain(seq)
         if found:
             self.last_cyclic = [(r.typename, r.name, r.key, r.origin) for r in found]
+            self.last_cyclic_at = seq
             self.cyclic_total += len(found)
             self.cyclic_log.extend(self.last_cyclic)
             if len(self.cyclic_log) > self.LOG:
                 del self.cyclic_log[: len(self.cyclic_log) - self.LOG]
         return len(found)
+
+    def cyclic_of_last(self) -> list[tuple[str, str, int, Any]]:
+        """The cyclic deaths the last agreed sync point drained (it is
+        counted once agreed: the one before ``seq``). Local."""
+        return list(self.last_cyclic) if self.last_cyclic_at == self.state.seq - 1 else []
 
     def forget_all(self) -> None:
         """Detach every registration, without running them (the family lets go)."""

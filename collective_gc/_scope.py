@@ -486,8 +486,14 @@ class collective_scope:
             seen = self._seen  # the same participant at each of its sync points
             seen.reset()
         try:
-            if deadline_s is None and not collect:
-                stats = quick_sync(self.manager, t0, None, seen)
+            if not collect:
+                stats = quick_sync(
+                    self.manager,
+                    t0,
+                    None,
+                    seen,
+                    None if deadline_s is None else time.monotonic() + deadline_s,
+                )
             else:
                 # The exit sync point reports its own failures before the
                 # scope ends (final): nothing is left for a later one to say.

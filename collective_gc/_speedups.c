@@ -664,7 +664,7 @@ typedef struct FamilyState {
     PyObject *inbox; /* list */
     PyObject *push;  /* inbox.append */
     PyObject *finalize; /* gc.finalize, every registration's callback */
-    char stale, cyclic_seen;
+    char stale;
     int64_t *pend, *ages; /* pending keys, ascending, and the sync point each was drained at */
     Py_ssize_t npend, cap;
     GcState *gc;
@@ -1306,7 +1306,6 @@ fs_drain(FamilyState *s, PyObject *arg)
     if (seq == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    s->cyclic_seen = 0;
     Py_ssize_t n = PyList_GET_SIZE(s->inbox);
     PyObject *cyclic = PyList_New(0);
     if (cyclic == NULL) {
@@ -1369,7 +1368,6 @@ fs_drain(FamilyState *s, PyObject *arg)
     }
     PyMem_Free(keys);
     Py_DECREF(batch);
-    s->cyclic_seen = PyList_GET_SIZE(cyclic) > 0;
     return cyclic;
 fail:
     PyMem_Free(keys);
@@ -1467,18 +1465,6 @@ fs_open(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     s->persistent = 0; /* MPI-4's persistent allreduce is not there: Iallreduce */
 #endif
     Py_RETURN_NONE;
-}
-
-static int
-ready_c(FamilyState *s)
-{
-    return s->nbits == s->wbits && (!s->persistent || s->have_preq);
-}
-
-static PyObject *
-fs_ready(FamilyState *s, PyObject *unused)
-{
-    return PyBool_FromLong(ready_c(s));
 }
 
 static PyObject *
@@ -2228,8 +2214,7 @@ quiet(FamilyState *s)
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (s->code != OPEN || s->destroying || s->hold || PyList_GET_SIZE(s->unreported) || s->stale
-        || s->cyclic_seen || s->npend || s->comm == Py_None || s->gone != Py_None || !ready_c(s)
-        || finalized) {
+        || s->npend || s->comm == Py_None || s->gone != Py_None || finalized) {
         return 0;
     }
     return children_idle(s);
@@ -2248,9 +2233,22 @@ static int
 plain_header(FamilyState *s, Py_ssize_t n)
 {
     const int64_t *red = s->buf;
-    return red != NULL && red[0] == ~red[1] && red[2] == ~red[3] && red[4] == ~red[5]
-           && red[7] == 0 && red[8] == ~0LL && !((~red[6]) & SYNC_FLAGS)
-           && (s->last - s->first) == n && count_window(s) == n;
+    if (red == NULL || red[0] != ~red[1] || red[2] != ~red[3] || red[4] != ~red[5] || red[7] != 0
+        || red[8] != ~0LL || ((~red[6]) & SYNC_FLAGS & ~FLAG_DEADLINE)
+        || (s->last - s->first) != n || count_window(s) != n) {
+        return 0;
+    }
+    /* Some rank had a deadline: it may have given up after sending its part,
+     * and this agreement completed only because of what it left behind
+     * (then its notice is here, or on its way: the steps say so). */
+    if ((~red[6]) & FLAG_DEADLINE) {
+        int f = fired_c(s);
+        if (f != 0) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *
@@ -2283,13 +2281,15 @@ fs_plain(FamilyState *s, PyObject *votes)
 static PyObject *
 fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
-    if (n != 5 || !PyTuple_Check(a[4]) || PyTuple_GET_SIZE(a[4]) != 2
+    if (n != 6 || !PyTuple_Check(a[4]) || PyTuple_GET_SIZE(a[4]) != 2
         || !PyTuple_Check(PyTuple_GET_ITEM(a[4], 0)) || !PyTuple_Check(PyTuple_GET_ITEM(a[4], 1))) {
         PyErr_SetString(PyExc_TypeError,
-                        "steady(t0, collected, extra, fingerprint, (batched, runners))");
+                        "steady(t0, collected, extra, fingerprint, (batched, runners), deadline)");
         return NULL;
     }
     PyObject *batched = PyTuple_GET_ITEM(a[4], 0), *runners = PyTuple_GET_ITEM(a[4], 1);
+    /* time.monotonic()'s clock (CLOCK_MONOTONIC), or -1: none. */
+    double at = a[5] == Py_None ? -1.0 : PyFloat_AsDouble(a[5]);
     double t0 = PyFloat_AsDouble(a[0]);
     PyObject *collected = a[1], *extra = a[2];
     long long fp = PyLong_AsLongLong(a[3]);
@@ -2336,10 +2336,11 @@ fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     long long seq = s->seq;
     /* 2. agree. */
     long long parts = (long long)((uint64_t)fp ^ (uint64_t)s->order);
-    int found = exchange_c(s, keys, nk, 0, flags, parts, 0, -1.0);
+    int found = exchange_c(s, keys, nk, 0, flags, parts, 0, at);
     if (found != DONE) {
-        /* A handler's exception, or a rank gave up: nothing may be lost, the
-         * drained keys are pending again; the steps say what happened. */
+        /* A handler's exception, a rank gave up, or this one did (LATE: its
+         * notice names it): nothing may be lost, the drained keys are
+         * pending again; the steps say what happened. */
         PyObject *exc = take_exception();
         int stored = add_pending(s, keys, nk, seq);
         PyMem_Free(keys);
@@ -2453,7 +2454,6 @@ static PyMethodDef fs_methods[] = {
     {"pending_keys", (PyCFunction)fs_pending_keys, METH_NOARGS, NULL},
     {"remove_pending", (PyCFunction)fs_remove_pending, METH_O, NULL},
     {"open", (PyCFunction)(void (*)(void))fs_open, METH_FASTCALL, NULL},
-    {"ready", (PyCFunction)fs_ready, METH_NOARGS, NULL},
     {"exchange", (PyCFunction)(void (*)(void))fs_exchange, METH_FASTCALL, NULL},
     {"reduced", (PyCFunction)fs_reduced, METH_NOARGS, NULL},
     {"window_keys", (PyCFunction)fs_window_keys, METH_NOARGS, NULL},
@@ -2493,7 +2493,6 @@ static PyMemberDef fs_members[] = {
     {"live", T_OBJECT, offsetof(FamilyState, live), READONLY, NULL},
     {"inbox", T_OBJECT, offsetof(FamilyState, inbox), READONLY, NULL},
     {"stale", T_BOOL, offsetof(FamilyState, stale), READONLY, NULL},
-    {"cyclic_seen", T_BOOL, offsetof(FamilyState, cyclic_seen), READONLY, NULL},
     {"comm", T_OBJECT, offsetof(FamilyState, comm), READONLY, NULL},
     {"first", T_LONGLONG, offsetof(FamilyState, first), READONLY, NULL},
     {"last", T_LONGLONG, offsetof(FamilyState, last), READONLY, NULL},

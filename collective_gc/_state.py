@@ -378,7 +378,6 @@ class FamilyState:
         "live",
         "inbox",
         "stale",
-        "cyclic_seen",
         # the agreement and the watch
         "comm",
         "first",
@@ -441,7 +440,6 @@ class FamilyState:
         self.live: dict[int, Any] = {}
         self.inbox: list[Any] = []
         self.stale = False  # an explicit destroy or detach may have left dead keys queued
-        self.cyclic_seen = False  # the last drain found cyclic deaths
         self.comm: MPI.Intracomm | None = None
         self.first = self.last = 0
         self.gone: tuple[int, int, int] | None = None
@@ -518,11 +516,9 @@ class FamilyState:
             and not self.hold
             and not self.unreported
             and not self.stale
-            and not self.cyclic_seen
             and not self._pend.size
             and self.comm is not None
             and self.gone is None
-            and self.ready()
             and not MPI.Is_finalized()
             and self._idle_children()
         )
@@ -542,10 +538,14 @@ class FamilyState:
             or red[4] != ~red[5]
             or red[7] != 0
             or red[8] != -1
-            or agreed & _SYNC_FLAGS
+            or agreed & _SYNC_FLAGS & ~_FLAG_DEADLINE
             or self.last - self.first != self._pend.size
             or len(self.window_keys()) // 8 != self._pend.size
         ):
+            return False
+        if agreed & _FLAG_DEADLINE and self.fired():
+            # A rank with a deadline gave up after sending its part: this
+            # agreement completed only because of what it left behind.
             return False
         return not any(
             shift >= 0 and (agreed >> shift) & 0xFF and raises for shift, raises in votes
@@ -702,7 +702,6 @@ class FamilyState:
     def drain(self, seq: int) -> list[Any]:
         """Take the inbox into the pending keys (drained at sync point
         ``seq``); returns the cyclic deaths among them. Only sync points drain."""
-        self.cyclic_seen = False
         inbox = self.inbox
         n = len(inbox)
         if not n and not self.stale:
@@ -718,7 +717,6 @@ class FamilyState:
             keep = np.fromiter((k in live for k in self._pend.tolist()), bool, self._pend.size)
             self._pend, self._ages = self._pend[keep], self._ages[keep]
         cyclic = [r for r in batch if r.cyclic and r._state == ALIVE]
-        self.cyclic_seen = bool(cyclic)
         if batch:
             new = np.fromiter((r.key for r in batch), np.int64, len(batch))
             pend = np.concatenate((self._pend, new))
@@ -774,11 +772,6 @@ class FamilyState:
     def last_key(self) -> int:
         """The next key the last sync point agreed on."""
         return self._marks[-1]
-
-    def ready(self) -> bool:
-        """Whether the buffer (and the persistent request, where one is used)
-        fits the window: the steady state needs nothing made."""
-        return self._nbits == self._wbits and (self._persistent is None or self._preq is not None)
 
     def _reshape(self) -> None:
         """A buffer for the window (agreed, so on every rank): the persistent
@@ -1046,10 +1039,13 @@ class FamilyState:
         extra: Any,
         fingerprint: int,
         batches: tuple[tuple[Any, ...], tuple[Any, ...]],
+        deadline: float | None,
     ) -> Any:
         """A sync point whose every step takes its fast case, in one call: in C
-        (see collective_gc._speedups). The twin leaves it to the steps, whose
-        fast cases are the reference: None, with ``progress`` 0."""
+        (see collective_gc._speedups), waiting in its agreement until
+        ``deadline`` (``time.monotonic()``; None: for ever). The twin leaves
+        it to the steps, whose fast cases are the reference: None, with
+        ``progress`` 0."""
         self.progress = 0
         return None
 

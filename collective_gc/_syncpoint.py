@@ -379,7 +379,7 @@ class SyncPoint:
             # every rank, since the agreement tells every rank of them.
             self.failures.extend(core.take_unreported())
             self.flags |= FLAG_FAILED
-        if core.inbox or core.stale or core.cyclic_seen:
+        if core.inbox or core.stale:
             self.cyclic = fam.registry.drain(self.seq)
             if self.cyclic:
                 self.flags |= FLAG_CYCLIC
@@ -402,7 +402,11 @@ class SyncPoint:
             what = fam.what("its agreement")
             self.dl.watch = core
             if self.resumed:
-                found = DONE if core.gone is None else WATCHED_NOW
+                # The steady state's exchange ended by a rank's notice (it
+                # names that rank), or by this rank's own deadline (this
+                # rank gave up: its notice names it).
+                gone = core.gone
+                found = DONE if gone is None else LATE if gone[0] == fam.rank else WATCHED_NOW
             else:
                 began = time.perf_counter()
                 found = core.exchange(

@@ -4,8 +4,8 @@ test suites: ours, and a library's that wants to check it takes the steady
 state. (``collective_gc.data.testing`` is the loader's.)
 
 - :func:`outcomes`: a context manager collecting, for each sync point that
-  tried the steady state (``cgc.collect`` without a timeout, a scope's
-  ``sync``, a ``@sync_point``), which way it went: ``"steady"`` (every step
+  tried the steady state (``cgc.collect``, a scope's ``sync``, a
+  ``@sync_point``, with a timeout or without), which way it went: ``"steady"`` (every step
   took its fast case: one collective, no Python steps where the extension
   runs it), ``"failed"`` (the same, but destroys or finishes raised: kept for
   the family's next agreement), ``"resume"`` (nothing was unusual here, but

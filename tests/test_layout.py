@@ -181,7 +181,7 @@ def test_star_import_needs_no_pytest() -> None:
 _STATE_FIELDS = {
     "code", "reason", "seq", "inside", "destroying", "destroyed", "progress", "hold",
     "unreported", "next_key", "order", "thread", "busy", "live", "inbox", "stale",
-    "cyclic_seen", "comm", "first", "last", "gone",
+    "comm", "first", "last", "gone",
 }  # fmt: skip
 # The derived-family tree's fields of a family: collective_gc._tree writes them.
 _TREE_FIELDS = {"children", "parent"}

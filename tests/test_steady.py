@@ -52,6 +52,33 @@ def test_an_empty_sync_point_is_the_steady_state(comm: MPI.Intracomm, outcomes: 
     assert everyone(comm, outcomes) == [["steady"] * 5] * comm.Get_size()
 
 
+def test_a_sync_point_with_a_deadline_is_the_steady_state(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """A timeout only bounds the wait in the agreement: ``cgc.collect(...,
+    timeout=)`` and a scope's sync points with a ``timeout`` take the steady
+    state as those without one do, and destroy there. (Issue 38: the
+    DOLFINx loop's scope has ``timeout=120``, and none of its sync points
+    took the steady state.)"""
+    log: list[int] = []
+    cgc.collect(comm, generation=None, timeout=30)
+    outcomes.clear()
+    for _ in range(3):
+        assert cgc.collect(comm, generation=None, timeout=30).destroyed == 0
+    with GcDisabled(), cgc.collective_scope(comm, timeout=30) as scope:
+        scope.sync()  # the scope's first: its participant joins the fingerprint
+        o = Obj()
+        cgc.register(o, log.append, 1, comm=comm)
+        scope.sync()  # reshapes the window for the registration
+        del o
+        seen = len(outcomes)
+        assert scope.sync().destroyed == 1
+        assert scope.sync().destroyed == 0
+        ways = outcomes[seen:]
+    got = everyone(comm, (outcomes[:3], ways, log))
+    assert all(g == (["steady"] * 3, ["steady"] * 2, [1]) for g in got), got
+
+
 def test_keys_dropped_everywhere_are_destroyed_in_the_steady_state(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
@@ -162,7 +189,7 @@ def test_a_participant_that_votes_finishes_on_every_rank(
     try:
         p = _Quiet(raises)
         mgr.add_participant(p)
-        cgc.collect(own, generation=None, timeout=30)  # (a deadline: the steps)
+        cgc.collect(own, generation=None, timeout=30)  # the participant's first sync point
         outcomes.clear()
         p.finished.clear()
         cgc.collect(own, generation=None)  # votes 0, quiet: nothing to finish
@@ -196,8 +223,9 @@ def test_a_cyclic_death_takes_the_steps(comm: MPI.Intracomm, outcomes: list[str]
 def test_a_rank_that_gives_up_wakes_one_waiting_in_the_steady_state(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
-    """Rank 0 has a deadline (its sync point takes the steps) and gives up;
-    the others, in the steady state without one, are woken by its notice."""
+    """Rank 0 has a deadline and gives up, in the steady state's wait (its
+    notice names it; the steps raise the timeout from there); the others,
+    in the steady state without one, are woken by its notice."""
     rank = comm.Get_rank()
     cgc.collect(comm, generation=None, timeout=30)
     outcomes.clear()
