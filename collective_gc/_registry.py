@@ -92,8 +92,9 @@ class Registry:
         # (type, name, key, origin) of the cyclic deaths the last drain that
         # found any found, the sync point it drained at, and the last LOG ones
         # found by any drain (cyclic_total - len of it is the ordinal of its
-        # first entry). The steady state drains no cyclic death (it leaves
-        # them to the steps) and so never clears them: see cyclic_of_last.
+        # first entry). Nothing clears them (the steady state drains no
+        # cyclic death: it leaves them to the steps): cyclic_of_last reads
+        # them only for the sync point that drained them.
         self.last_cyclic: list[tuple[str, str, int, Any]] = []
         self.last_cyclic_at = -1
         self.cyclic_log: list[tuple[str, str, int, Any]] = []
@@ -237,8 +238,6 @@ class Registry:
         """Take the inbox into the pending keys; log the cyclic deaths among
         them and return how many. Only sync points drain (under their
         family's lock)."""
-        if self.last_cyclic:
-            self.last_cyclic = []
         found = self.state.drain(seq)
         if found:
             self.last_cyclic = [(r.typename, r.name, r.key, r.origin) for r in found]
