@@ -28,9 +28,10 @@
  *                    message buffer, persistent request, key window); the
  *                    watch (the standing receive of a rank's notice). Its
  *                    `steady` runs a sync point whose every step takes its fast
- *                    case, in one call: prepare, agree, destroy, finish (the
- *                    steps of collective_gc._syncpoint, named alike below), and
- *                    hands anything unusual back to them (`progress`).
+ *                    case, in one call: steady_prepare, _agree, _destroy,
+ *                    _finish, _report (the steps of collective_gc._syncpoint,
+ *                    named alike), and hands anything unusual back to them
+ *                    (`progress`).
  * Petsc              what collective_gc.petsc reads and runs of PETSc, given
  *                    the addresses of PETSc's and petsc4py's functions once, at
  *                    construction: how many garbage entries PETSc holds on a
@@ -2276,8 +2277,205 @@ fs_plain(FamilyState *s, PyObject *votes)
     Py_RETURN_TRUE;
 }
 
+/* The steady state: SyncPoint's steps (collective_gc._syncpoint), each with
+ * its fast case taken and nothing else, as the functions below named after
+ * them; `fs_steady` runs them in order. Each step returns 1 (go on), 0 (hand
+ * the sync point to the steps: `progress` says from where) or -1 (an
+ * exception). What a sync point carries from step to step is a Steady, on
+ * the C stack: nothing of it outlives the call but the stats, the failures
+ * kept (`failed`) and the keys handed back (`add_pending`). */
+typedef struct {
+    PyObject *extra;    /* the sync point's own participant (borrowed), or None */
+    Py_ssize_t np, all; /* the family's participants; with extra */
+    long long flags;    /* 1: this rank's votes; 2: the agreed flags */
+    int64_t *keys;      /* the keys drained from the inbox, sorted (owned) */
+    Py_ssize_t nk;
+    long long seq;      /* this sync point's number */
+    PyObject *failures; /* 3, 7: the destroys' and finishes' (owned) */
+    Py_ssize_t count;   /* 3: how many destroys ran */
+} Steady;
+
+static PyObject *
+steady_part(FamilyState *s, Steady *st, Py_ssize_t i)
+{
+    return i < st->np ? PyTuple_GET_ITEM(s->parts, i) : st->extra;
+}
+
+/* The keys drained, pending again for the steps, which go on from `step`
+ * (0, the start, when the sync point leaves by an exception). */
+static int
+steady_hand_back(FamilyState *s, Steady *st, int step)
+{
+    int stored = add_pending(s, st->keys, st->nk, st->seq);
+    PyMem_Free(st->keys);
+    st->keys = NULL;
+    if (stored < 0) {
+        return -1;
+    }
+    s->progress = step;
+    return 0;
+}
+
+/* 1. prepare: nothing unusual known here, the votes, the drain. */
+static int
+steady_prepare(FamilyState *s, Steady *st)
+{
+    int q = quiet(s);
+    if (q <= 0) {
+        return q;
+    }
+    st->np = PyTuple_GET_SIZE(s->parts);
+    st->all = st->np + (st->extra != Py_None);
+    for (Py_ssize_t i = 0; i < st->all; i++) {
+        PyObject *p = steady_part(s, st, i);
+        long v;
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, &v) < 0) {
+            PyErr_Clear(); /* a vote that raises, or is not a byte: the steps say so */
+            return 0;
+        }
+        st->flags |= v;
+    }
+    /* Votes may run Python code (and let other threads register): the inbox
+     * is read from here on, with no Python code run before it is drained. */
+    Py_ssize_t nk = PyList_GET_SIZE(s->inbox);
+    int64_t *keys = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(int64_t));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        Reg *reg = (Reg *)PyList_GET_ITEM(s->inbox, i);
+        if (!PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->cyclic) {
+            PyMem_Free(keys); /* a cyclic death: the steps */
+            return 0;
+        }
+        keys[i] = reg->key;
+    }
+    sort_keys(keys, nk);
+    if (nk && PyList_SetSlice(s->inbox, 0, nk, NULL) < 0) { /* frees nothing: live holds them */
+        PyMem_Free(keys);
+        return -1;
+    }
+    st->keys = keys;
+    st->nk = nk;
+    st->seq = s->seq;
+    return 1;
+}
+
+/* 2. agree: the exchange, and whether it found nothing unusual anywhere. */
+static int
+steady_agree(FamilyState *s, Steady *st, long long fp, double at)
+{
+    long long parts = (long long)((uint64_t)fp ^ (uint64_t)s->order);
+    int found = exchange_c(s, st->keys, st->nk, 0, st->flags, parts, 0, at);
+    if (found != DONE) {
+        /* A handler's exception, a rank gave up, or this one did (LATE: its
+         * notice names it): nothing may be lost, the drained keys are
+         * pending again; the steps say what happened. */
+        PyObject *exc = take_exception();
+        int back = steady_hand_back(s, st, exc != NULL ? 0 : STEP_AGREE);
+        if (exc != NULL) {
+            PyErr_Clear();
+            restore_exception(exc);
+            return -1;
+        }
+        return back;
+    }
+    long long agreed = ~s->buf[6];
+    int unusual = !plain_header(s, st->nk);
+    for (Py_ssize_t i = 0; !unusual && i < st->all; i++) {
+        PyObject *p = steady_part(s, st, i);
+        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
+        int raises = PyObject_IsTrue(PyTuple_GET_ITEM(p, 3));
+        if (shift >= 0 && ((agreed >> shift) & 0xFF) && raises) {
+            unusual = 1; /* its finish needs one more word after it: the steps */
+        }
+    }
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        unusual = 1;
+    }
+    if (unusual) {
+        return steady_hand_back(s, st, STEP_AGREE); /* the steps go on from the agreement */
+    }
+    agreed_c(s, s->next_key);
+    st->flags = agreed;
+    return 1;
+}
+
+/* 3. destroy: the agreed keys' destroys (every one of them: the drained keys
+ * are the agreed ones, or the agreement was not plain). */
+static int
+steady_destroy(FamilyState *s, Steady *st, PyObject *batched, PyObject *runners)
+{
+    st->failures = PyList_New(0);
+    if (st->failures != NULL && st->nk) {
+        st->count = destroy_c(s, st->keys, st->nk, batched, runners, st->failures);
+    }
+    PyMem_Free(st->keys);
+    st->keys = NULL;
+    return st->failures == NULL ? -1 : 1;
+}
+
+/* 7. finish: the participants whose byte is not 0 (quiet ones do nothing
+ * else; 4-6, visit, release and check, have no fast case but nothing). */
+static int
+steady_finish(FamilyState *s, Steady *st)
+{
+    long long agreed = st->flags;
+    for (Py_ssize_t i = 0; i < st->all && agreed; i++) {
+        PyObject *p = steady_part(s, st, i);
+        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
+        if (shift < 0 || !((agreed >> shift) & 0xFF)) {
+            continue;
+        }
+        PyObject *f = PyLong_FromLongLong(agreed);
+        PyObject *res = f == NULL ? NULL : PyObject_CallOneArg(PyTuple_GET_ITEM(p, 2), f);
+        Py_XDECREF(f);
+        if (res != NULL) {
+            Py_DECREF(res);
+        }
+        else if (record(st->failures, -1, PyTuple_GET_ITEM(p, 4)) < 0) {
+            PyErr_Clear();
+        }
+    }
+    s->inside = 0;
+    return 1;
+}
+
+/* 8. report: the stats; failures go to the caller (`failed`, `progress`). A
+ * signal that came in the wait is deferred here, inside the region, for its
+ * end to run. */
+static PyObject *
+steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
+{
+    PyObject *stats = NULL;
+    if (st->count >= 0) {
+        PyObject *fields = Py_BuildValue("(nnidLOi)", st->count,
+                                         PyList_GET_SIZE(s->inbox) + s->npend, 0,
+                                         now_seconds() - t0, st->seq, collected, 0);
+        /* tuple.__new__(CollectStats, fields): no Python-level __new__ runs */
+        PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
+        Py_XDECREF(fields);
+        stats = targs == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)s->stats, targs, NULL);
+        Py_XDECREF(targs);
+    }
+    if (PyList_GET_SIZE(st->failures)) {
+        Py_SETREF(s->failed, st->failures);
+        s->progress = STEP_REPORT;
+    }
+    else {
+        Py_DECREF(st->failures);
+    }
+    st->failures = NULL;
+    if (stats != NULL && PyErr_CheckSignals() < 0) {
+        Py_CLEAR(stats);
+    }
+    return stats;
+}
+
 /* A sync point whose every step takes its fast case, in one call, or None
- * (with ``progress`` saying where the steps go on). */
+ * (with `progress` saying where the steps go on). */
 static PyObject *
 fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
@@ -2291,148 +2489,26 @@ fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     /* time.monotonic()'s clock (CLOCK_MONOTONIC), or -1: none. */
     double at = a[5] == Py_None ? -1.0 : PyFloat_AsDouble(a[5]);
     double t0 = PyFloat_AsDouble(a[0]);
-    PyObject *collected = a[1], *extra = a[2];
     long long fp = PyLong_AsLongLong(a[3]);
     if (PyErr_Occurred()) {
         return NULL;
     }
+    Steady st = {.extra = a[2]};
     s->progress = 0;
-    /* 1. prepare: nothing unusual here, the votes, the drain. */
-    int q = quiet(s);
-    if (q <= 0) {
-        return q < 0 ? NULL : Py_NewRef(Py_None);
+    int go = steady_prepare(s, &st);
+    if (go > 0) {
+        go = steady_agree(s, &st, fp, at);
     }
-    Py_ssize_t np = PyTuple_GET_SIZE(s->parts), all = np + (extra != Py_None);
-    long long flags = 0;
-    for (Py_ssize_t i = 0; i < all; i++) {
-        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
-        long v;
-        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, &v) < 0) {
-            PyErr_Clear(); /* a vote that raises, or is not a byte: the steps say so */
-            Py_RETURN_NONE;
-        }
-        flags |= v;
+    if (go > 0) {
+        go = steady_destroy(s, &st, batched, runners);
     }
-    /* Votes may run Python code (and let other threads register): the inbox
-     * is read from here on, with no Python code run before it is drained. */
-    Py_ssize_t nk = PyList_GET_SIZE(s->inbox);
-    int64_t *keys = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(int64_t));
-    if (keys == NULL) {
-        return PyErr_NoMemory();
+    if (go > 0) {
+        go = steady_finish(s, &st);
     }
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        Reg *reg = (Reg *)PyList_GET_ITEM(s->inbox, i);
-        if (!PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->cyclic) {
-            PyMem_Free(keys); /* a cyclic death: the steps */
-            Py_RETURN_NONE;
-        }
-        keys[i] = reg->key;
+    if (go > 0) {
+        return steady_report(s, &st, t0, a[1]);
     }
-    sort_keys(keys, nk);
-    if (nk && PyList_SetSlice(s->inbox, 0, nk, NULL) < 0) { /* frees nothing: live holds them */
-        PyMem_Free(keys);
-        return NULL;
-    }
-    long long seq = s->seq;
-    /* 2. agree. */
-    long long parts = (long long)((uint64_t)fp ^ (uint64_t)s->order);
-    int found = exchange_c(s, keys, nk, 0, flags, parts, 0, at);
-    if (found != DONE) {
-        /* A handler's exception, a rank gave up, or this one did (LATE: its
-         * notice names it): nothing may be lost, the drained keys are
-         * pending again; the steps say what happened. */
-        PyObject *exc = take_exception();
-        int stored = add_pending(s, keys, nk, seq);
-        PyMem_Free(keys);
-        if (exc != NULL) {
-            PyErr_Clear();
-            restore_exception(exc);
-            return NULL;
-        }
-        if (stored < 0) {
-            return NULL;
-        }
-        s->progress = STEP_AGREE;
-        Py_RETURN_NONE;
-    }
-    long long agreed_flags = ~s->buf[6];
-    int unusual = !plain_header(s, nk);
-    for (Py_ssize_t i = 0; !unusual && i < all; i++) {
-        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
-        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
-        int raises = PyObject_IsTrue(PyTuple_GET_ITEM(p, 3));
-        if (shift >= 0 && ((agreed_flags >> shift) & 0xFF) && raises) {
-            unusual = 1; /* its finish needs one more word after it: the steps */
-        }
-    }
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        unusual = 1;
-    }
-    if (unusual) {
-        /* The steps go on from the agreement, with these keys pending. */
-        int stored = add_pending(s, keys, nk, seq);
-        PyMem_Free(keys);
-        if (stored < 0) {
-            return NULL;
-        }
-        s->progress = STEP_AGREE;
-        Py_RETURN_NONE;
-    }
-    agreed_c(s, s->next_key);
-    /* 3. destroy. */
-    PyObject *failures = PyList_New(0);
-    if (failures == NULL) {
-        PyMem_Free(keys);
-        return NULL;
-    }
-    Py_ssize_t count = 0;
-    if (nk) {
-        count = destroy_c(s, keys, nk, batched, runners, failures);
-    }
-    PyMem_Free(keys);
-    /* 7. finish: the participants whose byte is not 0 (quiet ones do nothing else). */
-    for (Py_ssize_t i = 0; i < all && agreed_flags; i++) {
-        PyObject *p = i < np ? PyTuple_GET_ITEM(s->parts, i) : extra;
-        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
-        if (shift < 0 || !((agreed_flags >> shift) & 0xFF)) {
-            continue;
-        }
-        PyObject *f = PyLong_FromLongLong(agreed_flags);
-        PyObject *res = f == NULL ? NULL : PyObject_CallOneArg(PyTuple_GET_ITEM(p, 2), f);
-        Py_XDECREF(f);
-        if (res != NULL) {
-            Py_DECREF(res);
-        }
-        else if (record(failures, -1, PyTuple_GET_ITEM(p, 4)) < 0) {
-            PyErr_Clear();
-        }
-    }
-    s->inside = 0;
-    PyObject *stats = NULL;
-    if (count >= 0) {
-        PyObject *fields = Py_BuildValue("(nnidLOi)", count,
-                                         PyList_GET_SIZE(s->inbox) + s->npend, 0,
-                                         now_seconds() - t0, seq, collected, 0);
-        /* tuple.__new__(CollectStats, fields): no Python-level __new__ runs */
-        PyObject *targs = fields == NULL ? NULL : PyTuple_Pack(1, fields);
-        Py_XDECREF(fields);
-        stats = targs == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)s->stats, targs, NULL);
-        Py_XDECREF(targs);
-    }
-    if (PyList_GET_SIZE(failures)) {
-        Py_SETREF(s->failed, failures);
-        s->progress = STEP_REPORT;
-    }
-    else {
-        Py_DECREF(failures);
-    }
-    /* 8. report: failures go to the caller (progress). A signal that came in
-     * the wait is deferred here, inside the region, for its end to run. */
-    if (stats != NULL && PyErr_CheckSignals() < 0) {
-        Py_CLEAR(stats);
-    }
-    return stats;
+    return go < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static PyMethodDef fs_methods[] = {
