@@ -18,14 +18,18 @@ from collections.abc import Iterator
 
 from petsc4py import PETSc
 
+from .._collective import Collective
 from .._diagnose import reference_paths
 from .._manager import Manager
 from .._registration import Registration
 
 # Not walked into: their referents are the interpreter's, not the user's
-# object graph (a function's globals reach every module). The manager is
-# left out too: through its other registrations every owner would look
-# reachable from every other.
+# object graph (a function's globals reach every module). The library's own
+# state is left out too, the manager and its family (which a derived
+# communicator's destroy holds): through their registrations every owner
+# would look reachable from every other, and through the family tree every
+# walk would cross every family's registry, so that with many derived
+# communicators alive the walks' budget ran out before the last owners.
 _OPAQUE = (
     type,
     types.ModuleType,
@@ -37,6 +41,7 @@ _OPAQUE = (
     int,
     float,
     Manager,
+    Collective,
 )
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
