@@ -2279,20 +2279,24 @@ fs_plain(FamilyState *s, PyObject *votes)
 
 /* The steady state: SyncPoint's steps (collective_gc._syncpoint), each with
  * its fast case taken and nothing else, as the functions below named after
- * them; `fs_steady` runs them in order. Each step returns 1 (go on), 0 (hand
- * the sync point to the steps: `progress` says from where) or -1 (an
- * exception). What a sync point carries from step to step is a Steady, on
- * the C stack: nothing of it outlives the call but the stats, the failures
- * kept (`failed`) and the keys handed back (`add_pending`). */
+ * them; `fs_steady` runs them in order. Each step but the last returns 1 (go
+ * on), 0 (hand the sync point to the steps: `progress`, an index into
+ * _syncpoint.STEPS, says from which) or -1 (an exception); the last returns
+ * the stats, or NULL. What a sync point carries from step to step is a
+ * Steady, on the C stack: nothing of it outlives the call but the stats, the
+ * failures kept (`failed`) and the keys handed back (`add_pending`). The
+ * comments number the steps as _syncpoint's docstring does (1. prepare ...
+ * 8. report). */
 typedef struct {
     PyObject *extra;    /* the sync point's own participant (borrowed), or None */
     Py_ssize_t np, all; /* the family's participants; with extra */
-    long long flags;    /* 1: this rank's votes; 2: the agreed flags */
+    long long flags;    /* after prepare: this rank's votes; after agree: the agreed flags */
     int64_t *keys;      /* the keys drained from the inbox, sorted (owned) */
     Py_ssize_t nk;
     long long seq;      /* this sync point's number */
-    PyObject *failures; /* 3, 7: the destroys' and finishes' (owned) */
-    Py_ssize_t count;   /* 3: how many destroys ran */
+    PyObject *failures; /* destroy's and finish's (owned) */
+    Py_ssize_t count;   /* how many destroys ran, or -1: destroy_c's own failure (memory) */
+    PyObject *error;    /* that failure's exception, raised by report (owned) */
 } Steady;
 
 static PyObject *
@@ -2411,6 +2415,9 @@ steady_destroy(FamilyState *s, Steady *st, PyObject *batched, PyObject *runners)
     st->failures = PyList_New(0);
     if (st->failures != NULL && st->nk) {
         st->count = destroy_c(s, st->keys, st->nk, batched, runners, st->failures);
+        if (st->count < 0) {
+            st->error = take_exception(); /* no finish runs with it set */
+        }
     }
     PyMem_Free(st->keys);
     st->keys = NULL;
@@ -2425,8 +2432,9 @@ steady_finish(FamilyState *s, Steady *st)
     long long agreed = st->flags;
     for (Py_ssize_t i = 0; i < st->all && agreed; i++) {
         PyObject *p = steady_part(s, st, i);
-        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0));
+        long shift = PyLong_AsLong(PyTuple_GET_ITEM(p, 0)); /* (read in agree already) */
         if (shift < 0 || !((agreed >> shift) & 0xFF)) {
+            PyErr_Clear();
             continue;
         }
         PyObject *f = PyLong_FromLongLong(agreed);
@@ -2444,8 +2452,8 @@ steady_finish(FamilyState *s, Steady *st)
 }
 
 /* 8. report: the stats; failures go to the caller (`failed`, `progress`). A
- * signal that came in the wait is deferred here, inside the region, for its
- * end to run. */
+ * signal that came in the wait is deferred here, inside the sync point's
+ * protected region (the caller's), for the region's end to run. */
 static PyObject *
 steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
 {
@@ -2468,6 +2476,11 @@ steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
         Py_DECREF(st->failures);
     }
     st->failures = NULL;
+    if (st->error != NULL) {
+        restore_exception(st->error);
+        st->error = NULL;
+        return NULL;
+    }
     if (stats != NULL && PyErr_CheckSignals() < 0) {
         Py_CLEAR(stats);
     }
