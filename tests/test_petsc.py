@@ -635,6 +635,40 @@ def test_split_petsc_state_is_never_cleaned(comm: MPI.Intracomm) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_user_destroy_failing_on_one_rank_inside_a_sync_point_is_never_cleaned(
+    comm: MPI.Intracomm,
+) -> None:
+    """As above, but the split happens inside the sync point, between its
+    vote and PETSc's cleanup: a destroy the user registered (not
+    ``cp.manage``, so PETSc's inner communicator is not held for it) fails
+    on one rank, which keeps the inner communicator there while the other
+    ranks free theirs with their last object. At the vote every rank still
+    had it and the bad rank held garbage, so a cleanup decided from the vote
+    alone would duplicate the communicator on the other ranks only, and hang.
+    The cleanup must look again after the destroys, skip, and say so (the
+    word after the destroys, collective_gc/petsc/_cleanup.py's _clean)."""
+    rank, bad = comm.Get_rank(), comm.Get_size() - 1
+    log: list[Any] = []
+    cp.install(comm)
+    cgc.collect(comm, timeout=30)
+    mat = probe_mat(comm, "r", log, fail=rank == bad)
+    owner = Holder()
+    reg = cgc.register(owner, cp.destroy_all, mat, comm=comm, name="user-destroy")
+    del mat
+    if rank == bad:
+        PETSc.Random().create(comm)  # garbage on the bad rank only, made with no collective
+    assert bool(cp.garbage(comm)) == (rank == bad)
+    del owner
+    with pytest.warns(RuntimeWarning, match="differs between ranks"):
+        assert cgc.collect(comm, timeout=30).destroyed == 1
+    assert log == ["r"]
+    with pytest.raises(cgc.DestroyError) as info:
+        cgc.collect(comm, timeout=30)
+    assert [f[:3] for f in info.value.failures] == [(bad, reg.key, "user-destroy")]
+    del info
+
+
+@pytest.mark.mpi(min_size=2)
 def test_failed_serial_destroy_on_one_rank_leaves_the_communicator_usable(
     comm: MPI.Intracomm,
 ) -> None:

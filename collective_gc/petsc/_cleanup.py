@@ -154,7 +154,9 @@ class _Cleanup(Participant):
         # Some rank holds garbage on some installed communicator: one word per
         # communicator (ORed) says which, and whether a rank lacks PETSc's
         # inner communicator there (a cleanup would make one on some ranks
-        # only: a hang).
+        # only: a hang). Looked at now, after the destroys, not at the vote:
+        # a destroy the user registered (no hold, see CommState's NOTE) that
+        # fails on some ranks only frees the inner communicator on the others.
         # (Over a member still in use: the participant's own may be freed,
         # and any member's collectives are the family's.)
         if not members:
