@@ -442,14 +442,15 @@ class PetscTests:
         self, comm: MPI.Intracomm
     ) -> None:
         """The walk from a destroy call to its owner stops at the library's
-        own state. A derived communicator's registration holds its family;
-        walked into, each family reached every other one (through the
-        family tree) and their registries, so with a hundred live splits
-        the walk's budget ran out before the last owner was looked at, and
-        an immortal owner among them went unnamed (found by profiling
-        ``make demo``, whose leak report took 0.1 s)."""
-        subs = [cgc.split(comm, comm.Get_rank() % 2) for _ in range(48)]
-        # Live owners on each derived communicator: large registries there.
+        own state. A derived communicator's registration (``cgc.dup``,
+        ``cgc.split``) holds its family; walked into, it led to the family's
+        registry, every live registration on it and on the communicators
+        congruent with it, so with 48 live duplicates and 100 owners on
+        each the walks' budget ran out before the last owner was looked at,
+        and an immortal owner went unnamed (found by profiling ``make
+        demo``, whose leak reports took most of its profiled time)."""
+        subs = [cgc.dup(comm) for _ in range(48)]
+        # Live owners on each derived communicator: a large registry there.
         held = [Holder() for _ in range(100 * len(subs))]
         for i, h in enumerate(held):
             cgc.register(h, _noop_destroy, comm=subs[i % len(subs)])

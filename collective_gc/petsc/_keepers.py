@@ -27,9 +27,10 @@ from .._registration import Registration
 # object graph (a function's globals reach every module). The library's own
 # state is left out too, the manager and its family (which a derived
 # communicator's destroy holds): through their registrations every owner
-# would look reachable from every other, and through the family tree every
-# walk would cross every family's registry, so that with many derived
-# communicators alive the walks' budget ran out before the last owners.
+# would look reachable from every other, and each derived communicator's
+# walk would cross its family's registry (and, through the family tree,
+# others'), so that with many of them alive the walks' budget ran out
+# before the last owners.
 _OPAQUE = (
     type,
     types.ModuleType,
