@@ -448,7 +448,7 @@ class PetscTests:
         congruent with it, so with 48 live duplicates and 100 owners on
         each the walks' budget ran out before the last owner was looked at,
         and an immortal owner went unnamed (found by profiling ``make
-        demo``, whose leak reports took most of its profiled time)."""
+        demo``, whose reports call ``cp.immortal``: most of its profiled time)."""
         subs = [cgc.dup(comm) for _ in range(48)]
         # Live owners on each derived communicator: a large registry there.
         held = [Holder() for _ in range(100 * len(subs))]
