@@ -11,6 +11,10 @@ does after every solve:
     generation=None)`` (each object dies by refcounting: no collection in
     either).
 
+The same with each step's objects dropped KEPT (24) steps later, as a
+solver cache keeps them: their keys are then older than the sync points
+just before, which the agreement must still reach in one round.
+
 Also, per object: ``cp.manage`` of one Vec (register + drop + queue) against
 a ``weakref.finalize`` of the same (create + drop), with the Vec made outside
 the timed region in both.
@@ -26,6 +30,7 @@ Run: mpiexec -n 4 python -m mpi4py bench/bench_step.py   (make bench runs it at
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import pstats
 import statistics
@@ -81,6 +86,40 @@ def managed_steps(comm: MPI.Comm) -> None:
         manage(s, s.ksp, s.x, s.b, comm=comm)
         del s
         collect(comm, generation=None)
+
+
+KEPT = 24  # how many steps (b') keeps each step's objects: a solver cache's life
+
+
+def plain_kept(comm: MPI.Comm) -> None:
+    """(a) with each step's objects dropped KEPT steps later."""
+    cleanup = PETSc.garbage_cleanup
+    ring: collections.deque[Any] = collections.deque()
+    for _ in range(STEPS):
+        ring.append(make(comm))
+        if len(ring) > KEPT:
+            ring.popleft()
+        cleanup(comm)
+    ring.clear()
+    cleanup(comm)
+
+
+def managed_kept(comm: MPI.Comm) -> None:
+    """(b) with each step's owner dropped KEPT steps later (keys older than
+    the sync points just before: the agreement's window must reach them)."""
+    manage, collect = cp.manage, cgc.collect
+    ring: collections.deque[Step] = collections.deque()
+    for _ in range(STEPS):
+        s = Step()
+        s.ksp, s.x, s.b = make(comm)
+        manage(s, s.ksp, s.x, s.b, comm=comm)
+        ring.append(s)
+        del s
+        if len(ring) > KEPT:
+            ring.popleft()
+        collect(comm, generation=None)
+    ring.clear()
+    collect(comm, generation=None)
 
 
 def step_split(comm: MPI.Comm) -> dict[str, float]:
@@ -185,12 +224,21 @@ def main() -> None:
     t_ours, t_base, ratio = paired(
         world, lambda: managed_steps(comm), lambda: plain_steps(comm), REPEATS
     )
+    k_ours, k_base, k_ratio = paired(
+        world, lambda: managed_kept(comm), lambda: plain_kept(comm), REPEATS
+    )
     split = step_split(comm)
     say(
         world,
         f"step (KSP + 2 Vecs made, dropped, cleaned): collective_gc "
         f"{t_ours / STEPS * 1e6:.1f} us, plain petsc4py + garbage_cleanup "
         f"{t_base / STEPS * 1e6:.1f} us: ratio {ratio:.2f}",
+    )
+    say(
+        world,
+        f"step, its objects dropped {KEPT} steps later: collective_gc "
+        f"{k_ours / STEPS * 1e6:.1f} us, plain petsc4py + garbage_cleanup "
+        f"{k_base / STEPS * 1e6:.1f} us: ratio {k_ratio:.2f}",
     )
     say(
         world,
@@ -212,6 +260,13 @@ def main() -> None:
             "base_us": t_base / STEPS * 1e6,
             "ratio": ratio,
             **{f"{k}_us": v for k, v in split.items()},
+        },
+        {
+            "bench": "firedrake_step_kept",
+            "kept": KEPT,
+            "ours_us": k_ours / STEPS * 1e6,
+            "base_us": k_base / STEPS * 1e6,
+            "ratio": k_ratio,
         },
         {"bench": "manage_one", **one},
     ]

@@ -1926,9 +1926,11 @@ agreed_c(FamilyState *s, long long next_key)
             if (hi - lo > WINDOW_LIMIT) {
                 lo = hi - WINDOW_LIMIT;
             }
-            s->wlo = lo;
             long long bits = 1LL << bit_length((unsigned long long)(hi - lo - 1));
             s->wbits = bits > WINDOW_MIN ? bits : WINDOW_MIN;
+            /* Half the bits the buffer has beyond those reach older keys (see the twin). */
+            lo -= (s->wbits - (hi - lo)) / 2;
+            s->wlo = lo > 0 ? lo : 0;
         }
     }
     if (s->thread > 0) {

@@ -888,7 +888,8 @@ class FamilyState:
         points and room for twice as many new ones as the most registered
         between two of the last MEMORY, in a power of two of bits (the
         buffer, and the request bound to it, are made again only when it
-        doubles or halves), MIN at least."""
+        doubles or halves), MIN at least; half the bits beyond those reach
+        back over older keys, the other half are room for more new ones."""
         if next_key >= 0:
             marks, growths = self._marks, self._growths
             if next_key != marks[-1] or self._idle != _MEMORY:
@@ -903,8 +904,11 @@ class FamilyState:
                 hi = next_key + max(2 * max(growths), 1)
                 if hi - lo > WINDOW_LIMIT:
                     lo = hi - WINDOW_LIMIT
-                self._wlo = lo
-                self._wbits = max(WINDOW_MIN, 1 << (hi - lo - 1).bit_length())
+                bits = self._wbits = max(WINDOW_MIN, 1 << (hi - lo - 1).bit_length())
+                # Of the bits the buffer has beyond those, half reach back
+                # over older keys (an object kept for some steps then needs
+                # no second round), half are room for a larger burst.
+                self._wlo = max(0, lo - (bits - (hi - lo)) // 2)
         if self.thread > 0:
             self.thread = 0
         self.seq += 1
