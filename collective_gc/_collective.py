@@ -87,9 +87,10 @@ _RELEASED = _CODE[State.RELEASED]
 PERSISTENT = _agree.PERSISTENT  # (COLLECTIVE_GC_PERSISTENT=0: a new Iallreduce each time)
 
 # The participant of a sync point, as the state's steady state reads it:
-# (the first bit of its field, or -1), its vote(), its finish(flags), and
-# whether a finish may raise when its field is not 0.
-_Described = tuple[int, Callable[[], int], Callable[[int], None], bool, str]
+# (the first bit of its field, or -1), its voter (given the family's count of
+# sync points), its finish(flags), and whether a finish may raise when its
+# field is not 0.
+_Described = tuple[int, Callable[[int], int], Callable[[int], None], bool, str]
 
 
 def _first(pair: tuple[int, Any]) -> int:
@@ -98,11 +99,7 @@ def _first(pair: tuple[int, Any]) -> int:
 
 def _describe(p: Participant, owner: Manager) -> _Described:
     shift = -1 if p.field is None else _agree.field_shift(p.field)
-    vote = p.vote
-
-    def voted() -> int:
-        return vote(owner)
-
+    voted = p.voter(owner)
     finish = p.finish
 
     def finished(flags: int) -> None:

@@ -37,7 +37,12 @@
  *                    construction: how many garbage entries PETSc holds on a
  *                    communicator (read where PETSc keeps them), `sort`
  *                    (whether cp.manage's objects take its fast path), and
- *                    the runners.
+ *                    the runners, and the families' CommStates.
+ * CommState          one per family that manages PETSc objects (and one for
+ *                    serial objects): its failed destroys, the PETSc inner
+ *                    communicators it holds, the handles its vote reads; the
+ *                    cleanup participant's vote (collective_gc.petsc's
+ *                    _destroyers.CommState is its twin and owns the NOTE).
  * PetscRun           a runner: a run of managed PETSc destroys in one loop
  *                    (PetscObjectDestroy on petsc4py's handle, every object
  *                    tried whatever raises), holding each parallel object's
@@ -881,9 +886,10 @@ fs_set_children(FamilyState *s, PyObject *children)
     Py_RETURN_NONE;
 }
 
-/* A participant's vote: -1 (with an exception, or not an int in 0..255), else it. */
+/* A participant's vote, its voter given the family's count of sync points
+ * (seq): -1 (with an exception, or not an int in 0..255), else it. */
 static int
-vote_of(PyObject *part, long *vote)
+vote_of(PyObject *part, long long seq, long *vote)
 {
     long shift = PyLong_AsLong(PyTuple_GET_ITEM(part, 0));
     if (shift == -1 && PyErr_Occurred()) {
@@ -893,7 +899,9 @@ vote_of(PyObject *part, long *vote)
     if (shift < 0) {
         return 0;
     }
-    PyObject *v = PyObject_CallNoArgs(PyTuple_GET_ITEM(part, 1));
+    PyObject *clock = PyLong_FromLongLong(seq);
+    PyObject *v = clock == NULL ? NULL : PyObject_CallOneArg(PyTuple_GET_ITEM(part, 1), clock);
+    Py_XDECREF(clock);
     if (v == NULL) {
         return -1;
     }
@@ -941,7 +949,7 @@ fs_wants_c(FamilyState *s)
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->parts); i++) {
         long v;
-        if (vote_of(PyTuple_GET_ITEM(s->parts, i), &v) < 0) {
+        if (vote_of(PyTuple_GET_ITEM(s->parts, i), s->seq, &v) < 0) {
             if (PyErr_Occurred()) {
                 return -1;
             }
@@ -2335,7 +2343,7 @@ steady_prepare(FamilyState *s, Steady *st)
     for (Py_ssize_t i = 0; i < st->all; i++) {
         PyObject *p = steady_part(s, st, i);
         long v;
-        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, &v) < 0) {
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, s->seq, &v) < 0) {
             PyErr_Clear(); /* a vote that raises, or is not a byte: the steps say so */
             return 0;
         }
@@ -2629,6 +2637,8 @@ typedef int (*destroy_fn)(PetscObject *);
 typedef PetscObject *(*getptr_fn)(PyObject *);
 typedef int (*seterr_fn)(int);
 typedef int (*getcomm_fn)(PetscObject, MPI_Comm *);
+typedef int (*commdup_fn)(MPI_Comm, MPI_Comm *, int *);
+typedef int (*commfree_fn)(MPI_Comm *);
 
 /* What collective_gc.petsc reads and runs of PETSc, from C: where PETSc keeps
  * its keyvals (read at each use: PETSc sets them when it first needs them),
@@ -2644,6 +2654,9 @@ typedef struct {
     getcomm_fn getcomm;
     destroy_fn destroy;
     seterr_fn seterr;
+    commdup_fn commdup;
+    commfree_fn commfree;
+    int self_delayed; /* PETSc keeps garbage of serial objects (< 3.20) */
     PyObject *fast, *failed;
     PyObject *hold; /* "hold": the method of a run's state called before its destroys */
 } Petsc;
@@ -2678,14 +2691,17 @@ petsc_dealloc(Petsc *p)
 static PyObject *
 petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    unsigned long long inner, counter, garbage, getptr, getcomm, destroy, seterr;
+    unsigned long long inner, counter, garbage, getptr, getcomm, destroy, seterr, dup, free;
     PyObject *fast, *failed;
+    int self_delayed;
     if (!no_keywords("Petsc", kw)
-        || !PyArg_ParseTuple(args, "KKKKKKKO!O:Petsc", &inner, &counter, &garbage, &getptr,
-                             &getcomm, &destroy, &seterr, &PyTuple_Type, &fast, &failed)) {
+        || !PyArg_ParseTuple(args, "KKKKKKKKKO!Op:Petsc", &inner, &counter, &garbage, &getptr,
+                             &getcomm, &destroy, &seterr, &dup, &free, &PyTuple_Type, &fast,
+                             &failed, &self_delayed)) {
         return NULL;
     }
-    if (!inner || !counter || !garbage || !getptr || !getcomm || !destroy || !seterr) {
+    if (!inner || !counter || !garbage || !getptr || !getcomm || !destroy || !seterr || !dup
+        || !free) {
         PyErr_SetString(PyExc_ValueError, "Petsc: a null address");
         return NULL;
     }
@@ -2698,6 +2714,9 @@ petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         p->getcomm = (getcomm_fn)(uintptr_t)getcomm;
         p->destroy = (destroy_fn)(uintptr_t)destroy;
         p->seterr = (seterr_fn)(uintptr_t)seterr;
+        p->commdup = (commdup_fn)(uintptr_t)dup;
+        p->commfree = (commfree_fn)(uintptr_t)free;
+        p->self_delayed = self_delayed;
         p->fast = Py_NewRef(fast);
         p->failed = Py_NewRef(failed);
         p->hold = PyUnicode_InternFromString("hold");
@@ -2739,6 +2758,28 @@ inner_of(Petsc *p, MPI_Comm comm, MPI_Comm *inner)
     return 0;
 }
 
+/* How many garbage entries PETSc holds on comm: -1 if it has no inner
+ * communicator, -2 if the table is not the one we know (nothing more is read). */
+static long
+garbage_count(Petsc *p, MPI_Comm comm)
+{
+    MPI_Comm inner;
+    if (!inner_of(p, comm, &inner)) {
+        return -1;
+    }
+    void *raw = NULL;
+    if (!petsc_attr(inner, *p->garbage_kv, &raw) || raw == NULL) {
+        return 0;
+    }
+    const khash_obj *kh = (const khash_obj *)raw;
+    uint32_t n = kh->n_buckets;
+    if ((n & (n - 1)) || !(kh->size <= kh->n_occupied && kh->n_occupied <= n)
+        || (n && !(kh->flags && kh->keys && kh->vals))) {
+        return -2;
+    }
+    return (long)kh->size;
+}
+
 /* garbage(handle): see petsc/_internals.Internals.garbage_py, its twin. */
 static PyObject *
 petsc_garbage(Petsc *p, PyObject *arg)
@@ -2749,21 +2790,7 @@ petsc_garbage(Petsc *p, PyObject *arg)
     }
     /* MPI_Comm is a pointer in Open MPI and an int in MPICH: the handle's
      * integer (MPI._handleof) converts either way. */
-    MPI_Comm inner;
-    if (!inner_of(p, (MPI_Comm)(intptr_t)handle, &inner)) {
-        return PyLong_FromLong(-1);
-    }
-    void *raw = NULL;
-    if (!petsc_attr(inner, *p->garbage_kv, &raw) || raw == NULL) {
-        return PyLong_FromLong(0);
-    }
-    const khash_obj *kh = (const khash_obj *)raw;
-    uint32_t n = kh->n_buckets;
-    if ((n & (n - 1)) || !(kh->size <= kh->n_occupied && kh->n_occupied <= n)
-        || (n && !(kh->flags && kh->keys && kh->vals))) {
-        return PyLong_FromLong(-2); /* not the table we know: nothing more is read */
-    }
-    return PyLong_FromUnsignedLong(kh->size);
+    return PyLong_FromLong(garbage_count(p, (MPI_Comm)(intptr_t)handle));
 }
 
 static int
@@ -2866,6 +2893,248 @@ destroy_petsc(Petsc *p, PyObject *obj)
     return 0;
 }
 
+/* ======================================================================== */
+/* CommState                                                                 */
+
+/* collective_gc/petsc/_destroyers.CommState, in C: a family's failed PETSc
+ * destroys, the PETSc inner communicators it holds (the NOTE there says
+ * why) and the handles its vote reads. Made by Petsc.comm_state; the runs
+ * below hold through it directly, and a steady sync point calls its vote
+ * with no Python frame. The vote's bits and UNSEEN are the twin's. */
+#define VOTE_HAS_GARBAGE 1
+#define VOTE_FAILED 8
+#define VOTE_SELF_GARBAGE 16
+#define UNSEEN (-1)
+
+typedef struct {
+    PyObject_HEAD
+    Petsc *petsc;
+    long failed;
+    char parallel;
+    MPI_Comm *held;   /* the inner communicators held, in the order first held, */
+    long long *since; /* and the clock of the vote that first saw each (UNSEEN) */
+    Py_ssize_t nheld, cap;
+    MPI_Comm *members; /* the handles the vote reads (set_members), */
+    PyObject *handles; /* as given: a tuple of ints */
+} CommState;
+
+static PyTypeObject CommStateType;
+
+static int
+cs_traverse(CommState *cs, visitproc visit, void *arg)
+{
+    Py_VISIT(cs->petsc);
+    return 0;
+}
+
+static int
+cs_clear(CommState *cs)
+{
+    Py_CLEAR(cs->petsc);
+    Py_CLEAR(cs->handles);
+    return 0;
+}
+
+static void
+cs_dealloc(CommState *cs)
+{
+    PyObject_GC_UnTrack(cs);
+    cs_clear(cs);
+    PyMem_Free(cs->held);
+    PyMem_Free(cs->since);
+    PyMem_Free(cs->members);
+    Py_TYPE(cs)->tp_free((PyObject *)cs);
+}
+
+/* Hold c, or refresh its hold. Local, no MPI (PetscCommDuplicate of an inner
+ * communicator counts a reference). */
+static void
+cs_hold_comm(CommState *cs, MPI_Comm c)
+{
+    if (!cs->parallel) {
+        return; /* serial objects: nothing to differ between ranks */
+    }
+    for (Py_ssize_t i = 0; i < cs->nheld; i++) {
+        if (cs->held[i] == c) {
+            cs->since[i] = UNSEEN;
+            return;
+        }
+    }
+    if (cs->nheld == cs->cap) {
+        Py_ssize_t cap = cs->cap ? 2 * cs->cap : 4;
+        MPI_Comm *held = PyMem_Realloc(cs->held, (size_t)cap * sizeof(MPI_Comm));
+        if (held != NULL) {
+            cs->held = held;
+        }
+        long long *since = PyMem_Realloc(cs->since, (size_t)cap * sizeof(long long));
+        if (since != NULL) {
+            cs->since = since;
+        }
+        if (held == NULL || since == NULL) {
+            return; /* best effort, as the twin's: the destroy goes on unheld */
+        }
+        cs->cap = cap;
+    }
+    MPI_Comm out = MPI_COMM_NULL;
+    if (cs->petsc->commdup(c, &out, NULL) != 0) {
+        return;
+    }
+    cs->held[cs->nheld] = c;
+    cs->since[cs->nheld++] = UNSEEN;
+}
+
+static PyObject *
+cs_hold(CommState *cs, PyObject *arg)
+{
+    long long handle = PyLong_AsLongLong(arg);
+    if (handle == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    cs_hold_comm(cs, (MPI_Comm)(intptr_t)handle);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+cs_vote(CommState *cs, PyObject *arg)
+{
+    long long clock = PyLong_AsLongLong(arg);
+    if (clock == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < cs->nheld; i++) {
+        if (cs->since[i] == UNSEEN) {
+            cs->since[i] = clock;
+        }
+        else if (clock - cs->since[i] >= 2) {
+            MPI_Comm c = cs->held[i];
+            cs->petsc->commfree(&c);
+            continue;
+        }
+        cs->held[kept] = cs->held[i];
+        cs->since[kept++] = cs->since[i];
+    }
+    cs->nheld = kept;
+    long mine = cs->failed > 0 ? VOTE_FAILED : 0;
+    if (cs->petsc->self_delayed) {
+        long g = garbage_count(cs->petsc, MPI_COMM_SELF);
+        if (g != -1 && g != 0) {
+            mine |= VOTE_SELF_GARBAGE;
+        }
+    }
+    Py_ssize_t n = cs->handles == NULL ? 0 : PyTuple_GET_SIZE(cs->handles);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long g = garbage_count(cs->petsc, cs->members[i]);
+        if (g != -1 && g != 0) {
+            mine |= VOTE_HAS_GARBAGE; /* (unreadable, -2: say there is: a cleanup is harmless) */
+        }
+    }
+    return PyLong_FromLong(mine);
+}
+
+static PyObject *
+cs_set_members(CommState *cs, PyObject *arg)
+{
+    if (!PyTuple_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_members(handles): a tuple of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(arg);
+    MPI_Comm *members = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(MPI_Comm));
+    if (members == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long handle = PyLong_AsLongLong(PyTuple_GET_ITEM(arg, i));
+        if (handle == -1 && PyErr_Occurred()) {
+            PyMem_Free(members);
+            return NULL;
+        }
+        members[i] = (MPI_Comm)(intptr_t)handle;
+    }
+    PyMem_Free(cs->members);
+    cs->members = members;
+    Py_XSETREF(cs->handles, Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+cs_get_members(CommState *cs, void *closure)
+{
+    return cs->handles == NULL ? PyTuple_New(0) : Py_NewRef(cs->handles);
+}
+
+static PyObject *
+cs_get_holds(CommState *cs, void *closure)
+{
+    PyObject *out = PyDict_New();
+    for (Py_ssize_t i = 0; out != NULL && i < cs->nheld; i++) {
+        PyObject *k = PyLong_FromLongLong((long long)(intptr_t)cs->held[i]);
+        PyObject *v = PyLong_FromLongLong(cs->since[i]);
+        if (k == NULL || v == NULL || PyDict_SetItem(out, k, v) < 0) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return out;
+}
+
+static PyMethodDef cs_methods[] = {
+    {"hold", (PyCFunction)cs_hold, METH_O, NULL},
+    {"vote", (PyCFunction)cs_vote, METH_O, NULL},
+    {"set_members", (PyCFunction)cs_set_members, METH_O, NULL},
+    {NULL},
+};
+
+static PyGetSetDef cs_getset[] = {
+    {"members", (getter)cs_get_members, NULL, NULL, NULL},
+    {"holds", (getter)cs_get_holds, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef cs_members[] = {
+    {"failed", T_LONG, offsetof(CommState, failed), 0, NULL},
+    {"parallel", T_BOOL, offsetof(CommState, parallel), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject CommStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collective_gc._speedups.CommState",
+    .tp_basicsize = sizeof(CommState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "collective_gc.petsc._destroyers.CommState, in C (Petsc.comm_state).",
+    .tp_traverse = (traverseproc)cs_traverse,
+    .tp_clear = (inquiry)cs_clear,
+    .tp_dealloc = (destructor)cs_dealloc,
+    .tp_methods = cs_methods,
+    .tp_getset = cs_getset,
+    .tp_members = cs_members,
+};
+
+static PyObject *
+petsc_comm_state(Petsc *p, PyObject *arg)
+{
+    int parallel = PyObject_IsTrue(arg);
+    if (parallel < 0) {
+        return NULL;
+    }
+    CommState *cs = PyObject_GC_New(CommState, &CommStateType);
+    if (cs == NULL) {
+        return NULL;
+    }
+    cs->petsc = (Petsc *)Py_NewRef(p);
+    cs->failed = 0;
+    cs->parallel = (char)parallel;
+    cs->held = NULL;
+    cs->since = NULL;
+    cs->nheld = cs->cap = 0;
+    cs->members = NULL;
+    cs->handles = NULL;
+    PyObject_GC_Track(cs);
+    return (PyObject *)cs;
+}
+
 /* Before obj's destroy: state.hold(handle) of its communicator (PETSc's
  * inner one) if it is parallel and not the one held last in this run
  * (*held): see NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
@@ -2880,6 +3149,11 @@ hold_comm(Petsc *p, PyObject *state, PyObject *obj, MPI_Comm *held)
     if (slot == NULL || *slot == NULL || p->getcomm(*slot, &c) != 0 || c == *held
         || MPI_Comm_size(c, &size) != MPI_SUCCESS || size < 2) {
         PyErr_Clear();
+        return;
+    }
+    if (Py_IS_TYPE(state, &CommStateType)) {
+        cs_hold_comm((CommState *)state, c);
+        *held = c;
         return;
     }
     PyObject *handle = PyLong_FromLongLong((long long)(intptr_t)c);
@@ -3021,6 +3295,7 @@ static PyMethodDef petsc_methods[] = {
     {"garbage", (PyCFunction)petsc_garbage, METH_O, NULL},
     {"sort", (PyCFunction)(void (*)(void))petsc_sort, METH_FASTCALL, NULL},
     {"runner", (PyCFunction)petsc_runner, METH_O, NULL},
+    {"comm_state", (PyCFunction)petsc_comm_state, METH_O, NULL},
     {NULL},
 };
 
@@ -3103,11 +3378,11 @@ exec_module(PyObject *m)
     Py_DECREF(wrapper);
     RegType.tp_base = &_PyWeakref_RefType;
     PyTypeObject *types[] = {&GcStateType, &RegType, &RegionType, &FamilyStateType, &PetscType,
-                             &PetscRunType};
-    const char *names[] = {"GcState", "RegistrationFields", "Region", "FamilyState", "Petsc",
-                           "PetscRun"};
+                             &PetscRunType, &CommStateType};
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
-        if (PyType_Ready(types[i]) < 0 || PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) {
+        /* Each is exported under its tp_name's last part. */
+        const char *name = strrchr(types[i]->tp_name, '.') + 1;
+        if (PyType_Ready(types[i]) < 0 || PyModule_AddObjectRef(m, name, (PyObject *)types[i]) < 0) {
             return -1;
         }
     }

@@ -479,7 +479,7 @@ class FamilyState:
 
     def set_participants(self, parts: tuple[tuple[int, Any, Any, bool, str], ...]) -> None:
         """The family's participants as the steady state sees them: for each,
-        (the first bit of its field or -1, vote(), finish(flags), whether a
+        (the first bit of its field or -1, vote(seq), finish(flags), whether a
         finish may raise when its field is not 0, what a failure of its
         finish is called)."""
         self._parts = parts
@@ -498,7 +498,7 @@ class FamilyState:
         if self.comm is not None and self._marks[-1] != self.next_key:
             return True  # registered since its last sync point: a rank alone is a mismatch now
         for shift, vote, *_ in self._parts:
-            if shift >= 0 and vote():
+            if shift >= 0 and vote(self.seq):
                 return True
         return any(c.wants() for c in self._children)
 

@@ -139,6 +139,19 @@ class Participant:
         """This rank's byte (0..255), ORed over the ranks. Local, no MPI."""
         return 0
 
+    def voter(self, mgr: Manager) -> Callable[[int], int]:
+        """The vote as the steady state calls it, bound once at install:
+        given the family's count of completed sync points, it returns what
+        :meth:`vote` would. The default calls :meth:`vote`; a participant
+        whose vote is a C function returns it, so that a steady sync point
+        runs no Python frame for it."""
+        vote = self.vote
+
+        def voted(clock: int) -> int:
+            return vote(mgr)
+
+        return voted
+
     def finish(self, mgr: Manager, flags: int) -> None:
         """After the destroys, with the agreed flags. May make collective
         calls on ``mgr.comm``.

@@ -14,7 +14,7 @@ import atexit
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -25,21 +25,21 @@ from .._lookup import manager
 from .._manager import Manager, State, open_family
 from .._syncpoint import Participant
 from . import _destroyers, _internals
-from ._destroyers import CommState
+from ._destroyers import FAILED as _FAILED
+from ._destroyers import HAS_GARBAGE as _HAS_GARBAGE
+from ._destroyers import SELF_GARBAGE as _SELF_GARBAGE
+from ._destroyers import SELF_HANDLE as _SELF_HANDLE
+from ._destroyers import comm_state
 from ._internals import Unreadable
 from ._keepers import keepers
 
-SERIAL = CommState()  # registrations of serial objects: a serial wreck disagrees with nobody
+SERIAL = comm_state(False)  # registrations of serial objects: a serial wreck disagrees with nobody
 _INSTALLING = threading.Lock()
 
 
-# The bits of PETSc's vote (ORed over the ranks): all 0 when there is nothing
-# to do, so that a quiet sync point stays in the steady state.
-_HAS_GARBAGE = 1  # this rank holds PETSc garbage on an installed communicator
-_FAILED = 8  # a managed PETSc destroy raised on this rank
-_SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
-# What each rank says of one installed communicator once some rank holds
-# garbage (one more word per communicator, see _Cleanup._clean).
+# The bits of PETSc's vote are CommState's (_destroyers). What each rank says
+# of one installed communicator once some rank holds garbage (one more word
+# per communicator, see _Cleanup._clean).
 _HAS_INNER = 2  # this rank has PETSc's inner communicator for it
 _LACKS_INNER = 4  # this rank does not
 
@@ -59,7 +59,7 @@ class _Cleanup(Participant):
         # every rank: install is collective); weak, so that the family's
         # participants never keep a manager alive.
         self.comms: list[weakref.ref[Manager]] = []
-        self.state = CommState(self.comms)
+        self.state = comm_state(True)
         # Their communicators' handles, read at install (the vote's reads).
         self.handles: list[int] = []
 
@@ -68,6 +68,7 @@ class _Cleanup(Participant):
         if all(ref() is not mgr for ref in self.comms):
             self.comms.append(weakref.ref(mgr))
             self.handles.append(MPI._handleof(mgr.comm))
+            self._look_at()
 
     def members(self) -> list[Manager]:
         """The installed communicators still in use (not freed: collectively,
@@ -79,24 +80,32 @@ class _Cleanup(Participant):
                 out.append(mgr)
         return out
 
+    def _look_at(self) -> tuple[int, ...]:
+        # The handles the state's vote reads: the members not freed (a freed
+        # one's handle is dead: no look; freed collectively, so on every rank
+        # alike).
+        handles = tuple(
+            handle
+            for ref, handle in zip(self.comms, self.handles)
+            if (member := ref()) is not None and not member.comm_freed
+        )
+        if handles != self.state.members:
+            self.state.set_members(handles)
+        return handles
+
     def vote(self, mgr: Manager) -> int:
         """This rank's vote: whether it holds garbage (on an installed
-        communicator, on COMM_SELF), has PETSc's inner communicators, and saw
-        a managed destroy fail. Local."""
-        self.state.drop_old()
-        garbage = _destroyers.garbage
-        mine = _FAILED if self.state.failed > 0 else 0
-        if garbage is None:
-            return mine
-        if _internals.SERIAL_DELAYED and garbage(_SELF_HANDLE) not in (-1, 0):
-            mine |= _SELF_GARBAGE  # (as _self_garbage: every sync point asks)
-        for ref, handle in zip(self.comms, self.handles):
-            member = ref()
-            # (A freed one's handle is dead: no look; freed collectively, so
-            # on every rank alike.)
-            if member is not None and not member.comm_freed and garbage(handle) not in (0, -1):
-                mine |= _HAS_GARBAGE  # (unreadable, -2: say there is: a cleanup is harmless)
-        return mine
+        communicator, on COMM_SELF) and saw a managed destroy fail (see
+        CommState.vote). Local. The sync point's steps call this, which
+        first tells the state which members are still in use; the steady
+        state calls the state's vote itself (:meth:`voter`): it runs only
+        when no member was freed since the steps last ran (a freed member's
+        family leaves the steady state until its next sync point's steps)."""
+        self._look_at()
+        return self.state.vote(mgr.sync_count)
+
+    def voter(self, mgr: Manager) -> Callable[[int], int]:
+        return self.state.vote
 
     def may_raise(self, flags: int) -> bool:
         """A cleanup's failure is reported like a failed destroy's: by the
@@ -198,9 +207,6 @@ def cleanup_of(mgr: Manager) -> _Cleanup | None:
     """The cleanup participant of ``mgr``'s family, if :func:`install` ran on it. Local."""
     found = mgr.participant(_Cleanup)
     return found if isinstance(found, _Cleanup) else None
-
-
-_SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
 
 
 def _self_garbage() -> bool:

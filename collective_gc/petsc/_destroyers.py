@@ -15,9 +15,8 @@ registrations at once, from C, with the same outcome.
 from __future__ import annotations
 
 import ctypes
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpi4py import MPI
 from petsc4py import PETSc
@@ -26,17 +25,16 @@ from .._destroy import set_batch
 from .._switch import SPEEDUPS
 from . import _internals
 
-if TYPE_CHECKING:
-    from .._manager import Manager
-
 
 class CommState:
     """This rank's record of the PETSc objects managed on one family.
 
     ``failed`` counts this rank's managed PETSc destroys that raised (the
     wrecks are leaked, see :func:`_forget`); ``holds`` maps the handle of
-    each PETSc inner communicator held (see the NOTE) to its age in sync
-    points.
+    each PETSc inner communicator held (see the NOTE) to the clock of the
+    vote that first saw it; :meth:`vote` is the cleanup participant's vote,
+    which the steady state calls as it is (:func:`comm_state` makes the C
+    twin, collective_gc._speedups.CommState, where :data:`NATIVE` is).
 
     NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
     A parallel PETSc object lives on PETSc's inner duplicate of its
@@ -59,52 +57,76 @@ class CommState:
     inner communicator at every step keeps its hold and takes no other.
     """
 
-    __slots__ = ("failed", "holds", "members")
+    __slots__ = ("failed", "holds", "members", "parallel")
 
-    def __init__(self, members: list[weakref.ref[Manager]] | None = None) -> None:
+    def __init__(self, parallel: bool) -> None:
         self.failed = 0
-        # handle -> the family's sync count when last held (clock()).
+        # handle -> the clock of the first vote that saw it held (UNSEEN
+        # until then: a hold is aged by votes, not by when it was taken).
         self.holds: dict[int, int] = {}
-        # The family's installed members (the cleanup participant's list, not
-        # the participant: no reference cycle through it); None: serial.
-        self.members = members
+        # The handles of the family's installed communicators still in use
+        # (set_members); False: serial objects, nothing to hold or vote on.
+        self.members: tuple[int, ...] = ()
+        self.parallel = parallel
 
-    def clock(self) -> int:
-        """The family's count of sync points (its members share it)."""
-        for ref in self.members or ():
-            mgr = ref()
-            if mgr is not None:
-                return mgr.sync_count
-        return 0
+    def set_members(self, handles: tuple[int, ...]) -> None:
+        """The communicators the vote looks at for garbage. Set by the
+        cleanup participant's Python vote, which runs at the first sync
+        point after any of them is freed (a freed member's family holds
+        HOLD_LEAVING until then, so no steady sync point votes before it)."""
+        self.members = tuple(handles)
 
     def hold(self, handle: int) -> None:
         """Hold the PETSc inner communicator ``handle`` (of size > 1: the
         callers skip COMM_SELF's), or refresh its hold. Local, no MPI."""
-        if self.members is None:
+        if not self.parallel:
             return  # serial objects: nothing to differ between ranks
         if handle not in self.holds:
             out = _COMM_T()
             if _COMM_DUP is None or _COMM_DUP(_COMM_T(handle), ctypes.byref(out), None) != 0:
                 return
-        self.holds[handle] = self.clock()
+        self.holds[handle] = UNSEEN
 
-    def drop_old(self) -> None:
-        """Drop the holds no destroy has refreshed for two sync points.
+    def vote(self, clock: int) -> int:
+        """This rank's vote (the bits below), at the sync point whose
+        family has completed ``clock`` sync points: a managed destroy failed
+        here, it holds PETSc garbage on a member or on COMM_SELF. Local.
 
-        Called by each vote of the family's cleanup participant (inside
-        sync points only, several times in one: only the count matters), so
-        every rank drops a hold at the same sync point. The count moves once
-        a sync point, so a hold taken in sync point j goes once it has moved
-        twice: never before sync point j + 2, after j + 1's agreement, which
-        would have refused the family (for good) had a destroy failed at j."""
-        if not self.holds:
-            return
-        now = self.clock()
-        for handle, held in list(self.holds.items()):
-            if now - held >= 2:
-                del self.holds[handle]
-                if _COMM_FREE is not None:
-                    _COMM_FREE(ctypes.byref(_COMM_T(handle)))
+        It also drops the holds that two sync points have passed since a
+        vote first saw (every rank alike: the clock is the family's, and
+        only the count matters, so the several votes of one sync point
+        agree). A hold taken in sync point j is first seen by the vote after
+        its destroys (j's revote, or j + 1's), so it goes at j + 3's: after
+        j + 1's agreement, which would have refused the family (for good)
+        had a destroy failed at j."""
+        if self.holds:
+            for handle, since in list(self.holds.items()):
+                if since == UNSEEN:
+                    self.holds[handle] = clock
+                elif clock - since >= 2:
+                    del self.holds[handle]
+                    if _COMM_FREE is not None:
+                        _COMM_FREE(ctypes.byref(_COMM_T(handle)))
+        mine = FAILED if self.failed > 0 else 0
+        look = garbage
+        if look is None:
+            return mine
+        if _internals.SERIAL_DELAYED and look(SELF_HANDLE) not in (-1, 0):
+            mine |= SELF_GARBAGE
+        for handle in self.members:
+            if look(handle) not in (0, -1):
+                mine |= HAS_GARBAGE  # (unreadable, -2: say there is: a cleanup is harmless)
+        return mine
+
+
+# The bits of PETSc's vote (ORed over the ranks): all 0 when there is nothing
+# to do, so that a quiet sync point stays in the steady state. (The C twin
+# spells them too.)
+HAS_GARBAGE = 1  # this rank holds PETSc garbage on an installed communicator
+FAILED = 8  # a managed PETSc destroy raised on this rank
+SELF_GARBAGE = 16  # this rank holds PETSc garbage on COMM_SELF
+UNSEEN = -1  # a hold no vote has seen yet
+SELF_HANDLE = MPI._handleof(MPI.COMM_SELF)
 
 
 def _comm_functions() -> tuple[Any, Any, Any]:
@@ -128,7 +150,7 @@ _COMM_T, _COMM_DUP, _COMM_FREE = _comm_functions()
 
 def _hold(state: CommState, obj: Any) -> None:
     # Before a managed destroy from Python: hold obj's inner communicator if
-    # it is parallel (the C runs do the same, calling state.hold).
+    # it is parallel (the C runs do the same, in C, through CommState).
     try:
         if not obj.handle:
             return  # destroyed already (petsc4py 3.18 fails reading its comm), nothing to hold
@@ -314,13 +336,15 @@ def _native() -> Any:
             ctypes.cast(lib.PetscObjectGetComm, ctypes.c_void_p).value or 0,
             ctypes.cast(lib.PetscObjectDestroy, ctypes.c_void_p).value or 0,
             _capi_address("PyPetscError_Set"),
+            ctypes.cast(lib.PetscCommDuplicate, ctypes.c_void_p).value or 0,
+            ctypes.cast(lib.PetscCommDestroy, ctypes.c_void_p).value or 0,
         )
         fast = fast_types()
     except (OSError, AttributeError, KeyError, ValueError, TypeError):
         return None
     if not all(addresses):
         return None
-    return SPEEDUPS.Petsc(*reader.keyvals(), *addresses, fast, _failed)
+    return SPEEDUPS.Petsc(*reader.keyvals(), *addresses, fast, _failed, _internals.SERIAL_DELAYED)
 
 
 # PETSc from C where it can be (collective_gc._speedups.Petsc): its garbage
@@ -336,6 +360,10 @@ garbage: Callable[[int], int] | None = (
     if _internals.READER is None
     else _internals.READER.garbage
 )
+# A family's CommState, bound once: C's where NATIVE is (its votes read
+# PETSc's garbage and its holds call PETSc from C, with no Python frame in a
+# steady sync point), else the Python twin.
+comm_state: Callable[[bool], CommState] = CommState if NATIVE is None else NATIVE.comm_state
 _RUNNERS: dict[Callable[..., object], Any] = (
     {} if NATIVE is None else {destroy_one: NATIVE.runner(False), destroy_many: NATIVE.runner(True)}
 )
