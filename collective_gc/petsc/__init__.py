@@ -52,7 +52,7 @@ from .._api import add_comm_resolver, register
 from .._comms import adopt, contains, relation
 from .._errors import RegistrationError
 from .._lookup import manager, managers
-from .._manager import Manager, State, family
+from .._manager import Manager, family
 from .._registration import Registration
 from .._scope import sync_point
 from . import _internals
@@ -220,13 +220,15 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     if not objs:
         raise RegistrationError("collective_gc.petsc.manage() needs at least one petsc4py object")
     # The common case, from C: the communicator of the last call, installed
-    # and still in use, and objects that PETSc's own classes destroy, on its
-    # inner communicator or serial, with nothing in Python they refer to.
+    # (its cleanup still among the family's participants), and objects that
+    # PETSc's own classes destroy, on its inner communicator or serial, with
+    # nothing in Python they refer to. Whether the manager can register now
+    # is register()'s to say, as on every path.
     last = _LAST
     if NATIVE is not None and last[0] is not None and last[0]() is comm:
         mgr: Manager = last[1]
         fam, cleanup = last[2], last[3]
-        if mgr.state is _OPEN and cleanup in fam.participants:
+        if cleanup in fam.participants:
             kind = NATIVE.sort(objs, comm)
             if kind >= 0:
                 state = SERIAL if kind else cleanup.state
@@ -284,7 +286,6 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
 # checks before taking the C path.
 _LAST: list[Any] = [None, None, None, None]
 _NO_KWARGS: dict[str, Any] = {}
-_OPEN = State.OPEN
 
 
 # -- solves as sync points -----------------------------------------------------
