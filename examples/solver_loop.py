@@ -205,7 +205,8 @@ def main() -> None:
                 say(
                     f"  step {step + 1:4d}: {its:3d} CG iterations, residual {res:.1e}, "
                     f"sums {summed:.0f}/{group:.0f}; queued {pending:3d}, "
-                    f"PETSc garbage {garbage:3d}, owners that never die {stuck}, "
+                    f"PETSc garbage {garbage:3d} (the residuals' temporaries, dropped since "
+                    f"the solve's sync point), owners that never die {stuck}, "
                     f"{scope.syncs} sync points so far, {scope.collections} agreed collections"
                 )
         del problem, op
