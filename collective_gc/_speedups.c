@@ -3033,6 +3033,20 @@ cs_vote(CommState *cs, PyObject *arg)
 }
 
 static PyObject *
+cs_failure(CommState *cs, PyObject *unused)
+{
+    cs->failed++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+cs_forgive(CommState *cs, PyObject *unused)
+{
+    cs->failed = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 cs_set_members(CommState *cs, PyObject *arg)
 {
     if (!PyTuple_Check(arg)) {
@@ -3084,6 +3098,8 @@ static PyMethodDef cs_methods[] = {
     {"hold", (PyCFunction)cs_hold, METH_O, NULL},
     {"vote", (PyCFunction)cs_vote, METH_O, NULL},
     {"set_members", (PyCFunction)cs_set_members, METH_O, NULL},
+    {"failure", (PyCFunction)cs_failure, METH_NOARGS, NULL},
+    {"forgive", (PyCFunction)cs_forgive, METH_NOARGS, NULL},
     {NULL},
 };
 
@@ -3094,7 +3110,7 @@ static PyGetSetDef cs_getset[] = {
 };
 
 static PyMemberDef cs_members[] = {
-    {"failed", T_LONG, offsetof(CommState, failed), 0, NULL},
+    {"failed", T_LONG, offsetof(CommState, failed), READONLY, NULL},
     {"parallel", T_BOOL, offsetof(CommState, parallel), READONLY, NULL},
     {NULL},
 };

@@ -19,6 +19,8 @@ import pytest
 
 import collective_gc as cgc
 
+from conftest import import_petsc
+
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.rst"
 PACKAGE = ROOT / "collective_gc"
@@ -254,6 +256,34 @@ def test_the_c_twins_have_their_python_twins_fields_and_methods(speedups_c: Any)
             wanted |= set(python.__slots__)  # its private fields are the interface
         missing = sorted(n for n in wanted if not hasattr(c_type, n))
         assert missing == [], (name, missing)
+
+
+# The fields of collective_gc.petsc's CommState (in C, read-only from Python).
+_COMM_STATE_FIELDS = {"failed", "holds", "members", "parallel"}
+
+
+def test_petscs_comm_state_is_written_by_its_own_methods_only() -> None:
+    """Issue 38: a family's count of failed PETSc destroys, the inner
+    communicators it holds and the members its vote reads have one writer,
+    CommState's own methods (failure, forgive, hold, vote, set_members)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += [w for w in _writes(path, _COMM_STATE_FIELDS) if "state." in w]
+    assert found == [], found
+
+
+def test_petscs_comm_state_has_a_c_twin_with_its_names(speedups_c: Any) -> None:
+    """Issue 38: the C CommState offers every name of its Python twin (the
+    suite runs against both: this says which name one of them lacks)."""
+    import_petsc()
+    from collective_gc.petsc import _destroyers
+
+    python = _destroyers.CommState
+    wanted = {n for n in dir(python) if not n.startswith("_")} | set(python.__slots__)
+    missing = sorted(n for n in wanted if not hasattr(speedups_c.CommState, n))
+    assert missing == [], missing
+    if _destroyers.NATIVE is not None:
+        assert type(_destroyers.comm_state(True)) is speedups_c.CommState
 
 
 def test_the_writes_check_sees_a_write(tmp_path: Path) -> None:

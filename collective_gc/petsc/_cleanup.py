@@ -141,7 +141,7 @@ class _Cleanup(Participant):
                     # Cannot look: clean unconditionally (every rank alike).
                     PETSc.garbage_cleanup(member.comm)
             elif mgr.size == 1:
-                self.state.failed = 0  # one rank: nothing can differ between ranks
+                self.state.forgive()  # one rank: nothing can differ between ranks
                 for member in members:
                     if not member.comm_freed and _look(member) & _HAS_GARBAGE:
                         PETSc.garbage_cleanup(member.comm)
@@ -156,7 +156,7 @@ class _Cleanup(Participant):
                 # sync point.
                 PETSc.garbage_cleanup(MPI.COMM_SELF)
         except BaseException:
-            self.state.failed += 1  # the next vote says so: the family is refused then
+            self.state.failure()  # the next vote says so: the family is refused then
             raise
 
     def _clean(self, mgr: Manager, members: list[Manager], votes: int) -> None:

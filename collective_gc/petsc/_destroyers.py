@@ -30,11 +30,13 @@ class CommState:
     """This rank's record of the PETSc objects managed on one family.
 
     ``failed`` counts this rank's managed PETSc destroys that raised (the
-    wrecks are leaked, see :func:`_forget`); ``holds`` maps the handle of
-    each PETSc inner communicator held (see the NOTE) to the clock of the
-    vote that first saw it; :meth:`vote` is the cleanup participant's vote,
-    which the steady state calls as it is (:func:`comm_state` makes the C
-    twin, collective_gc._speedups.CommState, where :data:`NATIVE` is).
+    wrecks are leaked, see :func:`_forget`; :meth:`failure` and
+    :meth:`forgive` are its writers, as the methods are of every field);
+    ``holds`` maps the handle of each PETSc inner communicator held (see the
+    NOTE) to the clock of the vote that first saw it; :meth:`vote` is the
+    cleanup participant's vote, which the steady state calls as it is
+    (:func:`comm_state` makes the C twin, collective_gc._speedups.CommState,
+    where :data:`NATIVE` is).
 
     NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
     A parallel PETSc object lives on PETSc's inner duplicate of its
@@ -68,6 +70,16 @@ class CommState:
         # (set_members); False: serial objects, nothing to hold or vote on.
         self.members: tuple[int, ...] = ()
         self.parallel = parallel
+
+    def failure(self) -> None:
+        """Count a managed PETSc destroy (or a cleanup) that raised here:
+        the next vote says so. Local."""
+        self.failed += 1
+
+    def forgive(self) -> None:
+        """Forget the failures counted: on a family of one rank, where
+        nothing can differ between ranks. Local."""
+        self.failed = 0
 
     def set_members(self, handles: tuple[int, ...]) -> None:
         """The communicators the vote looks at for garbage. Set by the
@@ -241,7 +253,7 @@ def destroy_one(obj: Any, state: CommState) -> None:
         _destroy(obj)
     except BaseException:
         _forget(obj)
-        state.failed += 1
+        state.failure()
         raise
 
 
@@ -264,7 +276,7 @@ def _destroy_each(objs: tuple[Any, ...], state: CommState | None) -> None:
         except BaseException as exc:  # every object is still tried; raised after
             _forget(obj)
             if state is not None:
-                state.failed += 1
+                state.failure()
             errors.append((obj, exc))
     if not errors:
         return
@@ -309,7 +321,7 @@ def _failed(state: CommState, bad: list[tuple[Any, BaseException]]) -> BaseExcep
     for obj, exc in bad:
         if obj is not None:
             _forget(obj)
-        state.failed += 1
+        state.failure()
         errors.append((obj, _original(exc)))
     errors.sort(key=lambda e: isinstance(e[1], Exception))  # stable: interrupts first
     first = errors[0][1]
