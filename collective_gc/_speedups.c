@@ -2658,7 +2658,6 @@ typedef struct {
     commfree_fn commfree;
     int self_delayed; /* PETSc keeps garbage of serial objects (< 3.20) */
     PyObject *fast, *failed;
-    PyObject *hold; /* "hold": the method of a run's state called before its destroys */
 } Petsc;
 
 static PyTypeObject PetscType;
@@ -2676,7 +2675,6 @@ petsc_clear(Petsc *p)
 {
     Py_CLEAR(p->fast);
     Py_CLEAR(p->failed);
-    Py_CLEAR(p->hold);
     return 0;
 }
 
@@ -2719,10 +2717,6 @@ petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         p->self_delayed = self_delayed;
         p->fast = Py_NewRef(fast);
         p->failed = Py_NewRef(failed);
-        p->hold = PyUnicode_InternFromString("hold");
-        if (p->hold == NULL) {
-            Py_CLEAR(p);
-        }
     }
     return (PyObject *)p;
 }
@@ -3151,14 +3145,18 @@ petsc_comm_state(Petsc *p, PyObject *arg)
     return (PyObject *)cs;
 }
 
-/* Before obj's destroy: state.hold(handle) of its communicator (PETSc's
- * inner one) if it is parallel and not the one held last in this run
+/* Before obj's destroy: hold its communicator (PETSc's inner one) in state,
+ * a CommState (the states of managed registrations all are: Petsc.comm_state
+ * makes them), if it is parallel and not the one held last in this run
  * (*held): see NOTE [ A failed PETSc destroy and PETSc's inner communicator ]
  * in collective_gc/petsc/_destroyers.py. Best effort: an object it cannot
  * look into is left to its destroy, which says what is wrong. */
 static void
 hold_comm(Petsc *p, PyObject *state, PyObject *obj, MPI_Comm *held)
 {
+    if (!Py_IS_TYPE(state, &CommStateType)) {
+        return; /* not a managed registration's state: nothing to hold it in */
+    }
     PetscObject *slot = p->getptr(obj);
     MPI_Comm c;
     int size = 0;
@@ -3167,19 +3165,7 @@ hold_comm(Petsc *p, PyObject *state, PyObject *obj, MPI_Comm *held)
         PyErr_Clear();
         return;
     }
-    if (Py_IS_TYPE(state, &CommStateType)) {
-        cs_hold_comm((CommState *)state, c);
-        *held = c;
-        return;
-    }
-    PyObject *handle = PyLong_FromLongLong((long long)(intptr_t)c);
-    PyObject *res = handle == NULL ? NULL : PyObject_CallMethodOneArg(state, p->hold, handle);
-    Py_XDECREF(handle);
-    if (res == NULL) {
-        PyErr_Clear();
-        return;
-    }
-    Py_DECREF(res);
+    cs_hold_comm((CommState *)state, c);
     *held = c;
 }
 
