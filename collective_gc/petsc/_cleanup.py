@@ -80,18 +80,24 @@ class _Cleanup(Participant):
                 out.append(mgr)
         return out
 
-    def _look_at(self) -> tuple[int, ...]:
-        # The handles the state's vote reads: the members not freed (a freed
-        # one's handle is dead: no look; freed collectively, so on every rank
-        # alike).
-        handles = tuple(
-            handle
+    def _look_at(self) -> None:
+        # Forget the members freed (collectively, so on every rank alike: a
+        # freed one's handle is dead, and MPI may reuse it) or gone, and give
+        # the state the handles of the others, which its vote reads. Run at
+        # install and by every vote of the steps (each sync point after a
+        # member's free), so the lists hold the members in use, not every one
+        # a long run installed (a DOLFINx loop installs a mesh's at each step).
+        kept = [
+            (ref, handle)
             for ref, handle in zip(self.comms, self.handles)
             if (member := ref()) is not None and not member.comm_freed
-        )
+        ]
+        if len(kept) != len(self.comms):
+            self.comms[:] = [ref for ref, _ in kept]
+            self.handles[:] = [handle for _, handle in kept]
+        handles = tuple(self.handles)
         if handles != self.state.members:
             self.state.set_members(handles)
-        return handles
 
     def vote(self, mgr: Manager) -> int:
         """This rank's vote: whether it holds garbage (on an installed
