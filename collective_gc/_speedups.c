@@ -2910,6 +2910,7 @@ typedef struct {
     Py_ssize_t nheld, cap;
     MPI_Comm *members; /* the handles the vote reads (set_members), */
     PyObject *handles; /* as given: a tuple of ints */
+    char stale;        /* a hold dropped on a member: it may be freed (see the twin's vote) */
 } CommState;
 
 static PyTypeObject CommStateType;
@@ -3002,6 +3003,9 @@ cs_vote(CommState *cs, PyObject *arg)
         }
         else if (clock - cs->since[i] >= 2) {
             MPI_Comm c = cs->held[i];
+            for (Py_ssize_t m = 0; cs->handles != NULL && m < PyTuple_GET_SIZE(cs->handles); m++) {
+                cs->stale |= cs->members[m] == c;
+            }
             cs->petsc->commfree(&c);
             continue;
         }
@@ -3015,6 +3019,9 @@ cs_vote(CommState *cs, PyObject *arg)
         if (g != -1 && g != 0) {
             mine |= VOTE_SELF_GARBAGE;
         }
+    }
+    if (cs->stale) {
+        return PyLong_FromLong(mine | VOTE_HAS_GARBAGE);
     }
     Py_ssize_t n = cs->handles == NULL ? 0 : PyTuple_GET_SIZE(cs->handles);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -3063,6 +3070,7 @@ cs_set_members(CommState *cs, PyObject *arg)
     PyMem_Free(cs->members);
     cs->members = members;
     Py_XSETREF(cs->handles, Py_NewRef(arg));
+    cs->stale = 0;
     Py_RETURN_NONE;
 }
 
@@ -3106,6 +3114,7 @@ static PyGetSetDef cs_getset[] = {
 static PyMemberDef cs_members[] = {
     {"failed", T_LONG, offsetof(CommState, failed), READONLY, NULL},
     {"parallel", T_BOOL, offsetof(CommState, parallel), READONLY, NULL},
+    {"stale", T_BOOL, offsetof(CommState, stale), READONLY, NULL},
     {NULL},
 };
 
@@ -3141,6 +3150,7 @@ petsc_comm_state(Petsc *p, PyObject *arg)
     cs->nheld = cs->cap = 0;
     cs->members = NULL;
     cs->handles = NULL;
+    cs->stale = 0;
     PyObject_GC_Track(cs);
     return (PyObject *)cs;
 }

@@ -259,7 +259,7 @@ def test_the_c_twins_have_their_python_twins_fields_and_methods(speedups_c: Any)
 
 
 # The fields of collective_gc.petsc's CommState (in C, read-only from Python).
-_COMM_STATE_FIELDS = {"failed", "holds", "members", "parallel"}
+_COMM_STATE_FIELDS = {"failed", "holds", "members", "parallel", "stale"}
 
 
 def test_petscs_comm_state_is_written_by_its_own_methods_only() -> None:

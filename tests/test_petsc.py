@@ -1424,6 +1424,41 @@ def test_the_family_cleanup_forgets_the_members_that_were_freed(comm: MPI.Intrac
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_held_member_freed_by_its_dropped_hold_is_not_read_again(comm: MPI.Intracomm) -> None:
+    """Seen as a segmentation fault in make bench-dolfinx, 1 run in 2: a
+    Vec on a library communicator's PETSc inner communicator, managed on the
+    communicator itself, installs that inner communicator as a member of
+    the family (and the cleanup once per member); its destroy holds it; the
+    library frees its own; two sync points later the vote drops the hold,
+    which was the last reference: PETSc frees the member inside the vote,
+    and the vote (and the cleanup's second vote in the same sync point)
+    read garbage through its dead handle. The state now marks itself stale,
+    reads nothing, says there is garbage, and the finish sets the members
+    again: the freed one gone, the sync points go on, nothing left held."""
+    from collective_gc.petsc import _cleanup
+
+    lib = comm.Dup()
+    owner = Holder()
+    owner.vec = PETSc.Vec().createMPI(2, comm=lib)
+    inner = owner.vec.getComm().tompi4py()
+    handle = MPI._handleof(inner)
+    cp.manage(owner, owner.vec, comm=comm)
+    del owner, inner
+    cgc.collect(comm, generation=None)  # destroyed, its inner communicator held
+    lib.Free()
+    cleanup = _cleanup.cleanup_of(cgc.manager(comm))
+    assert cleanup is not None
+    seen = [(cp.held(comm), handle in cleanup.state.members)]
+    for _ in range(4):
+        cgc.collect(comm, generation=None)
+        seen.append((cp.held(comm), handle in cleanup.state.members))
+    verdicts = comm.allgather((seen, cleanup.state.stale, cp.garbage(comm)))
+    assert all(v == verdicts[0] for v in verdicts), verdicts
+    assert seen[0] == (1, True) and seen[-1] == (0, False), seen
+    assert not cleanup.state.stale and cp.garbage(comm) == [], verdicts
+
+
+@pytest.mark.mpi(min_size=2)
 def test_one_owner_managed_on_two_congruent_communicators(comm: MPI.Intracomm) -> None:
     """Issue 39, item 7 (a regression of families). Two layers of a
     program manage what each owns on one owner object: a solver's Mat on

@@ -137,6 +137,7 @@ class _Cleanup(Participant):
         every rank, with that explanation, and nothing is cleaned there.
         """
         votes = self.votes(flags)
+        self._look_at()  # (a stale state voted garbage: see CommState.vote)
         reader = _internals.READER
         try:
             members = self.members()

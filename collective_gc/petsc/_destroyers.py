@@ -59,7 +59,7 @@ class CommState:
     inner communicator at every step keeps its hold and takes no other.
     """
 
-    __slots__ = ("failed", "holds", "members", "parallel")
+    __slots__ = ("failed", "holds", "members", "parallel", "stale")
 
     def __init__(self, parallel: bool) -> None:
         self.failed = 0
@@ -70,6 +70,8 @@ class CommState:
         # (set_members); False: serial objects, nothing to hold or vote on.
         self.members: tuple[int, ...] = ()
         self.parallel = parallel
+        # A hold was dropped on a member: PETSc may have freed it (see vote).
+        self.stale = False
 
     def failure(self) -> None:
         """Count a managed PETSc destroy (or a cleanup) that raised here:
@@ -87,6 +89,7 @@ class CommState:
         point after any of them is freed (a freed member's family holds
         HOLD_LEAVING until then, so no steady sync point votes before it)."""
         self.members = tuple(handles)
+        self.stale = False
 
     def hold(self, handle: int) -> None:
         """Hold the PETSc inner communicator ``handle`` (of size > 1: the
@@ -117,6 +120,7 @@ class CommState:
                     self.holds[handle] = clock
                 elif clock - since >= 2:
                     del self.holds[handle]
+                    self.stale = self.stale or handle in self.members
                     if _COMM_FREE is not None:
                         _COMM_FREE(ctypes.byref(_COMM_T(handle)))
         mine = FAILED if self.failed > 0 else 0
@@ -125,6 +129,16 @@ class CommState:
             return mine
         if _internals.SERIAL_DELAYED and look(SELF_HANDLE) not in (-1, 0):
             mine |= SELF_GARBAGE
+        if self.stale:
+            # The hold dropped was the last reference to a member's inner
+            # communicator (one installed member can be another's inner
+            # one), PETSc freed it, and its handle is dead: this vote, and
+            # any other before the members are set again (the same
+            # participant may vote twice in one sync point, once per member
+            # it was installed on), reads none. It says there is garbage
+            # (a cleanup is harmless): the finish looks, through the
+            # members' own state, and sets them again.
+            return mine | HAS_GARBAGE
         for handle in self.members:
             if look(handle) not in (0, -1):
                 mine |= HAS_GARBAGE  # (unreadable, -2: say there is: a cleanup is harmless)
