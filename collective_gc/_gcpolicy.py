@@ -89,6 +89,12 @@ class GcPolicy:
         # How many objects in the permanent generation the collector put
         # there itself (CPython 3.12's immortal objects; see the module docs).
         self.collector_frozen = gc.get_freeze_count() if sys.version_info[:2] == (3, 12) else 0
+        # The books of CPython's long-lived rule (see collect): the objects in
+        # the oldest generation after the last full collection (None: not
+        # measured yet: wanted_generation measures it), and those promoted
+        # since. This module's functions are their only writers.
+        self.long_lived_total: int | None = None
+        self.long_lived_pending = 0
 
     def enter(self, mode: str) -> None:
         with self.lock:
@@ -127,7 +133,7 @@ class GcPolicy:
         if self.frozen and 0 < gc.get_freeze_count() <= self.frozen:
             gc.unfreeze()
             # The thawed heap is in the oldest generation again.
-            _LONG_LIVED_TOTAL[0] = None
+            self.long_lived_total = None
         self.frozen = 0
 
     def thaw(self) -> None:
@@ -163,7 +169,7 @@ def thaw_all() -> None:
     try:
         if gc.get_freeze_count():
             gc.unfreeze()
-            _LONG_LIVED_TOTAL[0] = None
+            POLICY.long_lived_total = None
         POLICY.frozen = 0
     finally:
         if got:
@@ -180,12 +186,9 @@ def after_fork() -> None:
 # generation since the last full one exceed a quarter of those that survived
 # it (gcmodule.c, "long_lived_pending > long_lived_total / 4"), so that a
 # large long-lived heap is not traversed over and over. Managed mode keeps the
-# same rule, with its own books: the objects in the oldest generation after
-# the last full collection (None: not measured yet), and those promoted since.
+# same rule, with its own books (POLICY's long_lived_total and _pending).
 # Frozen objects are in no generation, so after a freeze the books count only
 # what a full collection still walks.
-_LONG_LIVED_TOTAL: list[int | None] = [None]
-_LONG_LIVED_PENDING: list[int] = [0]
 
 
 def wanted_generation() -> int:
@@ -200,10 +203,10 @@ def wanted_generation() -> int:
     if t0 == 0 or c0 <= t0:
         return -1
     if c2 > t2 and c1 > t1:
-        total = _LONG_LIVED_TOTAL[0]
+        total = POLICY.long_lived_total
         if total is None:
-            total = _LONG_LIVED_TOTAL[0] = len(gc.get_objects(2))
-        if _LONG_LIVED_PENDING[0] > total // 4:
+            total = POLICY.long_lived_total = len(gc.get_objects(2))
+        if POLICY.long_lived_pending > total // 4:
             return 2
     if c1 > t1:
         return 1
@@ -231,13 +234,13 @@ def collect(generation: int, *, agreed: bool = False) -> int:
         survivors = len(gc.get_objects(2))
         if agreed and POLICY.maybe_freeze(survivors):
             survivors = 0
-        _LONG_LIVED_TOTAL[0] = survivors
-        _LONG_LIVED_PENDING[0] = 0
+        POLICY.long_lived_total = survivors
+        POLICY.long_lived_pending = 0
         return found
     if generation == 1:
         # What survives a collection of generation 1 is promoted to 2.
         before = len(gc.get_objects(0)) + len(gc.get_objects(1))
         found = gc.collect(1)
-        _LONG_LIVED_PENDING[0] += max(0, before - found)
+        POLICY.long_lived_pending += max(0, before - found)
         return found
     return gc.collect(0)
