@@ -31,7 +31,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._errors import RegistrationError
-from ._state import ALIVE, DESTROYED, DETACHED, GcState, RegistrationFields, new_registration
+from ._state import (
+    ALIVE,
+    DESTROYED,
+    DETACHED,
+    GcState,
+    RegistrationFields,
+    new_registration,
+    take_call,
+)
 from ._switch import PURE_PYTHON, SPEEDUPS, speedups
 
 __all__ = [
@@ -368,14 +376,7 @@ class Ledger:
         already: a destroy runs at most once however threads interleave.
         """
         with self.lock:
-            if reg._state != ALIVE:
-                return None
-            reg._state = state
-            self.live.pop(reg.key, None)
-            fn, args = reg._destroy, reg._args
-            reg._destroy, reg._args = None, ()
-        assert fn is not None
-        return fn, args
+            return take_call(reg, state, self.live)
 
     def after_fork(self) -> list[Registration]:
         """In a forked child: a fresh lock (one that another thread held at the
@@ -388,7 +389,6 @@ class Ledger:
         with self.lock:
             regs = list(self.live.values())
             for reg in regs:
-                reg._state = DETACHED
-                reg._destroy, reg._args = None, ()
+                take_call(reg, DETACHED, self.live)
             self.live.clear()
         return regs

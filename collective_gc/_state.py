@@ -69,6 +69,7 @@ __all__ = [
     "Region",
     "FamilyState",
     "new_registration",
+    "take_call",
     "order_step",
 ]
 
@@ -253,6 +254,26 @@ def new_registration(
     reg._destroy = destroy
     reg._args = args
     return reg
+
+
+def take_call(
+    reg: Any, state: int, live: dict[int, Any]
+) -> tuple[Callable[..., object], tuple[Any, ...]] | None:
+    """Move ``reg`` from alive to ``state`` (DESTROYED or DETACHED) and out of
+    ``live`` (its owner's registrations by key), once: its destroy call, taken
+    out of it so that it lets go of the resources, or None if it had left
+    alive already (a destroy runs at most once however threads interleave).
+    The caller holds its owner's lock. With :func:`new_registration`, the one
+    writer of a registration's state and call (a family's, here; a local
+    owner's, in _registration's Ledger)."""
+    if reg._state != ALIVE:
+        return None
+    reg._state = state
+    live.pop(reg.key, None)
+    fn, args = reg._destroy, reg._args
+    reg._destroy, reg._args = None, ()
+    assert fn is not None
+    return fn, args
 
 
 # -- protected regions -------------------------------------------------------------
@@ -661,16 +682,10 @@ class FamilyState:
         already. An object already dead may have its key queued: the next
         drain drops it."""
         with self._lock:
-            if reg._state != ALIVE:
-                return None
-            reg._state = state
-            self.live.pop(reg.key, None)
-            fn, args = reg._destroy, reg._args
-            reg._destroy, reg._args = None, ()
-            if reg() is None:
+            call = take_call(reg, state, self.live)
+            if call is not None and reg() is None:
                 self.stale = True
-        assert fn is not None
-        return fn, args
+        return call
 
     def destroy_now(self, reg: Any) -> None:
         """An explicit destroy of ``reg``: claimed and run here, once."""
@@ -687,9 +702,7 @@ class FamilyState:
         with self._lock:
             regs = [r for r in self.live.values() if owner is None or r._owner is owner]
             for reg in regs:
-                reg._state = DETACHED
-                reg._destroy, reg._args = None, ()
-                self.live.pop(reg.key, None)
+                take_call(reg, DETACHED, self.live)
             if owner is None:
                 self.inbox.clear()
                 self._pend = self._ages = _NO_KEYS
@@ -1002,13 +1015,11 @@ class FamilyState:
                 live = self.live
                 for key in agreed:
                     reg = live.get(key)
-                    if reg is None or reg._destroy is None:
+                    call = None if reg is None else take_call(reg, DESTROYED, live)
+                    if call is None:
                         continue  # destroyed or detached explicitly meanwhile, on every rank
-                    del live[key]
-                    reg._state = DESTROYED
-                    fns.append(reg._destroy)
-                    argss.append(reg._args)
-                    reg._destroy, reg._args = None, ()
+                    fns.append(call[0])
+                    argss.append(call[1])
                     taken.append(reg)
                 # (The C twin gives an empty dict's memory back here; in Python
                 # another thread could store between a look and the clear.)

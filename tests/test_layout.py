@@ -286,6 +286,23 @@ def test_petscs_comm_state_has_a_c_twin_with_its_names(speedups_c: Any) -> None:
         assert type(_destroyers.comm_state(True)) is speedups_c.CommState
 
 
+# A registration's destroy call (with its state: they change together):
+# collective_gc._state writes them (new_registration, take_call), for a
+# family's registrations and a local owner's alike.
+_REGISTRATION_CALL = {"_destroy", "_args"}
+
+
+def test_a_registrations_destroy_call_is_taken_in_one_place() -> None:
+    """Issue 38: a registration leaves the alive state (its destroy call
+    taken out, once) in _state.take_call only; a local owner's Ledger and a
+    family's state both call it (they kept a copy each before)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "_state.py":
+            found += _writes(path, _REGISTRATION_CALL)
+    assert found == [], found
+
+
 def test_the_writes_check_sees_a_write(tmp_path: Path) -> None:
     """The two checks above would pass on anything if they saw nothing."""
     # In the test's own directory, not the package: on 4 ranks another
