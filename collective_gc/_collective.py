@@ -202,24 +202,16 @@ class Collective:
         matching a user's message). A protected region's caller."""
         if self.size == 1 or self.core.comm is not None:
             return
+        # Neither step is left pending: a duplicate still in progress when the
+        # user frees the communicator would be completed on freed memory.
+        doing = "duplicating its communicator"
         try:
             comm = dup(base, deadline, what)
-        except BaseException as exc:
-            # Never left pending: a duplicate still in progress when the user
-            # frees the communicator would be completed on freed memory.
-            self.become(
-                State.UNUSABLE,
-                f"duplicating its communicator was abandoned ({type(exc).__name__})",
-                first=False,
-            )
-            raise
-        try:
+            doing = "numbering the family"
             number = _number(comm, deadline, what)
         except BaseException as exc:
             self.become(
-                State.UNUSABLE,
-                f"numbering the family was abandoned ({type(exc).__name__})",
-                first=False,
+                State.UNUSABLE, f"{doing} was abandoned ({type(exc).__name__})", first=False
             )
             raise
         self.name = f"communicator of size {self.size} #{number} (rank {self.rank})"
