@@ -917,6 +917,8 @@ vote_of(PyObject *part, long long seq, long *vote)
 
 static int fs_wants_c(FamilyState *s);
 
+#define LOOK (-1) /* _state.LOOK: a parent's look, not the family's own vote */
+
 /* Whether every child on this rank is idle: there, and wanting nothing. */
 static int
 children_idle(FamilyState *s)
@@ -949,7 +951,7 @@ fs_wants_c(FamilyState *s)
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->parts); i++) {
         long v;
-        if (vote_of(PyTuple_GET_ITEM(s->parts, i), s->seq, &v) < 0) {
+        if (vote_of(PyTuple_GET_ITEM(s->parts, i), LOOK, &v) < 0) {
             if (PyErr_Occurred()) {
                 return -1;
             }
@@ -2721,6 +2723,27 @@ petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)p;
 }
 
+/* A communicator handle as mpi4py's MPI._handleof gives it: the handle cast
+ * to an unsigned pointer-sized integer. An MPICH communicator is an int, and
+ * a duplicate's is below 0: its integer is above 2**63, which a signed
+ * conversion refuses (OverflowError). Both ways go through these two. */
+static int
+comm_from_int(PyObject *o, MPI_Comm *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (MPI_Comm)(uintptr_t)v;
+    return 0;
+}
+
+static PyObject *
+int_from_comm(MPI_Comm c)
+{
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)c);
+}
+
 static int
 petsc_attr(MPI_Comm comm, int kv, void **out)
 {
@@ -2778,13 +2801,11 @@ garbage_count(Petsc *p, MPI_Comm comm)
 static PyObject *
 petsc_garbage(Petsc *p, PyObject *arg)
 {
-    long long handle = PyLong_AsLongLong(arg);
-    if (handle == -1 && PyErr_Occurred()) {
+    MPI_Comm comm;
+    if (comm_from_int(arg, &comm) < 0) {
         return NULL;
     }
-    /* MPI_Comm is a pointer in Open MPI and an int in MPICH: the handle's
-     * integer (MPI._handleof) converts either way. */
-    return PyLong_FromLong(garbage_count(p, (MPI_Comm)(intptr_t)handle));
+    return PyLong_FromLong(garbage_count(p, comm));
 }
 
 static int
@@ -2919,13 +2940,16 @@ static int
 cs_traverse(CommState *cs, visitproc visit, void *arg)
 {
     Py_VISIT(cs->petsc);
+    Py_VISIT(cs->handles);
     return 0;
 }
 
+/* Not petsc: every method reads it, and a state the collector cleared in a
+ * cycle may still be called (a module global's, at the interpreter's end);
+ * the cycle's lists and dicts are cleared instead. */
 static int
 cs_clear(CommState *cs)
 {
-    Py_CLEAR(cs->petsc);
     Py_CLEAR(cs->handles);
     return 0;
 }
@@ -2935,6 +2959,7 @@ cs_dealloc(CommState *cs)
 {
     PyObject_GC_UnTrack(cs);
     cs_clear(cs);
+    Py_CLEAR(cs->petsc);
     PyMem_Free(cs->held);
     PyMem_Free(cs->since);
     PyMem_Free(cs->members);
@@ -2981,11 +3006,11 @@ cs_hold_comm(CommState *cs, MPI_Comm c)
 static PyObject *
 cs_hold(CommState *cs, PyObject *arg)
 {
-    long long handle = PyLong_AsLongLong(arg);
-    if (handle == -1 && PyErr_Occurred()) {
+    MPI_Comm comm;
+    if (comm_from_int(arg, &comm) < 0) {
         return NULL;
     }
-    cs_hold_comm(cs, (MPI_Comm)(intptr_t)handle);
+    cs_hold_comm(cs, comm);
     Py_RETURN_NONE;
 }
 
@@ -2996,8 +3021,9 @@ cs_vote(CommState *cs, PyObject *arg)
     if (clock == -1 && PyErr_Occurred()) {
         return NULL;
     }
+    /* A look (a parent's, see fs_wants_c) ages and drops nothing. */
     Py_ssize_t kept = 0;
-    for (Py_ssize_t i = 0; i < cs->nheld; i++) {
+    for (Py_ssize_t i = 0; clock != LOOK && i < cs->nheld; i++) {
         if (cs->since[i] == UNSEEN) {
             cs->since[i] = clock;
         }
@@ -3012,7 +3038,9 @@ cs_vote(CommState *cs, PyObject *arg)
         cs->held[kept] = cs->held[i];
         cs->since[kept++] = cs->since[i];
     }
-    cs->nheld = kept;
+    if (clock != LOOK) {
+        cs->nheld = kept;
+    }
     long mine = cs->failed > 0 ? VOTE_FAILED : 0;
     if (cs->petsc->self_delayed) {
         long g = garbage_count(cs->petsc, MPI_COMM_SELF);
@@ -3060,12 +3088,10 @@ cs_set_members(CommState *cs, PyObject *arg)
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long handle = PyLong_AsLongLong(PyTuple_GET_ITEM(arg, i));
-        if (handle == -1 && PyErr_Occurred()) {
+        if (comm_from_int(PyTuple_GET_ITEM(arg, i), &members[i]) < 0) {
             PyMem_Free(members);
             return NULL;
         }
-        members[i] = (MPI_Comm)(intptr_t)handle;
     }
     PyMem_Free(cs->members);
     cs->members = members;
@@ -3085,7 +3111,7 @@ cs_get_holds(CommState *cs, void *closure)
 {
     PyObject *out = PyDict_New();
     for (Py_ssize_t i = 0; out != NULL && i < cs->nheld; i++) {
-        PyObject *k = PyLong_FromLongLong((long long)(intptr_t)cs->held[i]);
+        PyObject *k = int_from_comm(cs->held[i]);
         PyObject *v = PyLong_FromLongLong(cs->since[i]);
         if (k == NULL || v == NULL || PyDict_SetItem(out, k, v) < 0) {
             Py_CLEAR(out);

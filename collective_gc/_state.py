@@ -60,6 +60,7 @@ __all__ = [
     "HOLD_PARTS",
     "HOLD_REACH",
     "HOLD_GONE",
+    "LOOK",
     "WORDS",
     "WINDOW_MIN",
     "WINDOW_LIMIT",
@@ -103,6 +104,14 @@ HOLD_LEAVING = 1
 HOLD_PARTS = 2
 HOLD_REACH = 4
 HOLD_GONE = 8
+
+# What a family's voters are given instead of its count of sync points when
+# a parent's sync point only asks whether the family has something for it
+# (FamilyState.wants): a look, which changes nothing. Whether a rank looks
+# depends on what it alone holds (a queued object answers first), so a vote
+# that lets go of something (PETSc's holds) must do it in the family's own
+# sync points only, which every rank runs alike. (The C twin spells it too.)
+LOOK = -1
 
 # The agreement's message: nine header words, then the window's bitmap (see
 # collective_gc._agree for the table).
@@ -519,7 +528,7 @@ class FamilyState:
         if self.comm is not None and self._marks[-1] != self.next_key:
             return True  # registered since its last sync point: a rank alone is a mismatch now
         for shift, vote, *_ in self._parts:
-            if shift >= 0 and vote(self.seq):
+            if shift >= 0 and vote(LOOK):
                 return True
         return any(c.wants() for c in self._children)
 

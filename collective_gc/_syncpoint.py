@@ -136,15 +136,20 @@ class Participant:
     quiet_finish: bool = False
 
     def vote(self, mgr: Manager) -> int:
-        """This rank's byte (0..255), ORed over the ranks. Local, no MPI."""
+        """This rank's byte (0..255), ORed over the ranks. Local, no MPI.
+        It may be asked more than once a sync point, and between them (a
+        parent family's sync point asks whether this one has something): a
+        read, which changes nothing."""
         return 0
 
     def voter(self, mgr: Manager) -> Callable[[int], int]:
         """The vote as the steady state calls it, bound once at install:
-        given the family's count of completed sync points, it returns what
-        :meth:`vote` would. The default calls :meth:`vote`; a participant
-        whose vote is a C function returns it, so that a steady sync point
-        runs no Python frame for it."""
+        given the family's count of completed sync points, or -1 when a
+        parent family's sync point only looks (whether this one has
+        something for it: which ranks look differs, so a look must change
+        nothing), it returns what :meth:`vote` would. The default calls
+        :meth:`vote`; a participant whose vote is a C function returns it,
+        so that a steady sync point runs no Python frame for it."""
         vote = self.vote
 
         def voted(clock: int) -> int:

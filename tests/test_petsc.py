@@ -1458,6 +1458,72 @@ def test_a_held_member_freed_by_its_dropped_hold_is_not_read_again(comm: MPI.Int
     assert not cleanup.state.stale and cp.garbage(comm) == [], verdicts
 
 
+@pytest.mark.mpi(min_size=3)
+def test_a_parents_sync_point_drops_a_childs_holds_on_every_rank_alike(
+    comm: MPI.Intracomm,
+) -> None:
+    """Found reading the C CommState (a review, issue 38): a parent's sync
+    point asks each child family whether it has something, and a rank with
+    an object queued there answers before asking the child's votes; the
+    other ranks' answer ran the votes, which dropped PETSc's holds that were
+    due. So a hold went on some ranks in the parent's prepare and on the
+    others only at the child's visit, with the parent's destroys between.
+    Now only the child's own sync points age and drop its holds: a destroy
+    of the parent's, run between the two, sees the hold on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    child = cgc.split(comm, int(rank == size - 1))  # ranks 0..size-2: a child of size >= 2
+    owner = Holder()
+    owner.vec = PETSc.Vec().createMPI(2, comm=child)
+    cp.manage(owner, owner.vec, comm=child)
+    del owner
+    cgc.collect(child, generation=None)  # destroyed; its inner communicator held
+    probe = Holder()
+    cgc.register(probe, lambda: None, comm=child)
+    cgc.collect(child, generation=None)  # the hold's first vote
+    cgc.collect(child, generation=None)  # due at the child's next vote
+    held_before = cp.held(child)
+    if rank == 0:
+        del probe  # queued on rank 0 alone: its answer comes before the votes
+    seen: list[int] = []
+    watcher = Holder()
+    cgc.register(watcher, lambda: seen.append(cp.held(child)), comm=comm)
+    del watcher
+    cgc.collect(comm, generation=None)  # the parent: prepare, agree, destroy (seen), visit
+    verdicts = comm.allgather((rank < size - 1, held_before, seen, cp.held(child)))
+    mine = [v[1:] for v in verdicts if v[0]]
+    # In the child: held until its own visit, on every rank alike; gone after it.
+    assert all(v == (1, [1], 0) for v in mine), verdicts
+    probe = None  # ranks 1..: their probe too; then every rank has it queued
+    cgc.collect(child, generation=None)
+    left = (len(cgc.pending(child)), no_garbage(child), cp.held(child))
+    del child
+    cgc.collect(comm, generation=None)  # the dropped child is freed at its parent's sync point
+    assert same_on_all(comm, left) and left == (0, True, 0), left
+
+
+def test_communicator_handles_compare_as_mpi4py_gives_them() -> None:
+    """Found reading the C CommState (a review, issue 38): MPI._handleof
+    gives a handle cast to an unsigned pointer-sized integer, and an MPICH
+    communicator is an int that is below 0 for a duplicate: its integer is
+    above 2**63. The C state refused it (a signed conversion: OverflowError,
+    so cp.manage and install failed there), and PETSc's inner communicator
+    read from its attribute came back signed, never equal to mpi4py's
+    integer for the same communicator. Both now take and give mpi4py's."""
+    mpich_dup = -2080374783  # 0x84000001 as an int: an MPICH duplicate's handle
+    as_mpi4py = mpich_dup % (1 << 64)
+    assert as_mpi4py > (1 << 63)
+    # PETSc keeps the handle in a union with a void*: anything above 32 bits is not its.
+    for raw in (0x84000001, 0xDEAD_0000_8400_0001):
+        assert _internals.comm_handle(raw, int_handles=True) == as_mpi4py
+    assert _internals.comm_handle(0x7F00_1234_5678, int_handles=False) == 0x7F00_1234_5678
+    # The state's members and holds take such an integer (serial: nothing is
+    # held, so no handle is used) in both twins.
+    state = _destroyers.comm_state(True)
+    state.set_members((as_mpi4py, 0x7F00_1234_5678))
+    assert state.members == (as_mpi4py, 0x7F00_1234_5678)
+    _destroyers.comm_state(False).hold(as_mpi4py)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_one_owner_managed_on_two_congruent_communicators(comm: MPI.Intracomm) -> None:
     """Issue 39, item 7 (a regression of families). Two layers of a

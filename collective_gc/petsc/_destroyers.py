@@ -22,6 +22,7 @@ from mpi4py import MPI
 from petsc4py import PETSc
 
 from .._destroy import set_batch
+from .._state import LOOK
 from .._switch import SPEEDUPS
 from . import _internals
 
@@ -54,8 +55,9 @@ class CommState:
     the ranks before the next sync point. That one's agreement carries the
     failure (the cleanup participant's vote) and refuses the family on every
     rank, which keeps its holds for good. Otherwise a hold is dropped
-    (PetscCommDestroy, at a sync point's vote: every rank at once) once two
-    later votes have passed with no failure. A run of destroys on the same
+    (PetscCommDestroy, at a vote of the family's own sync point: every rank
+    at once; a parent's look, which some ranks take and others answer
+    before, drops nothing) once two later votes have passed with no failure. A run of destroys on the same
     inner communicator at every step keeps its hold and takes no other.
     """
 
@@ -110,11 +112,15 @@ class CommState:
         It also drops the holds that two sync points have passed since a
         vote first saw (every rank alike: the clock is the family's, and
         only the count matters, so the several votes of one sync point
-        agree). A hold taken in sync point j is first seen by the vote after
-        its destroys (j's revote, or j + 1's), so it goes at j + 3's: after
-        j + 1's agreement, which would have refused the family (for good)
-        had a destroy failed at j."""
-        if self.holds:
+        agree), unless ``clock`` is LOOK: a parent family's look, which
+        some ranks take and others do not (a rank with an object queued on
+        this family answers before asking the votes), ages and drops
+        nothing: the holds go in the family's own sync points. A hold taken
+        in sync point j is first seen by the vote after its destroys (j's
+        revote, or j + 1's), so it goes at j + 3's: after j + 1's agreement,
+        which would have refused the family (for good) had a destroy failed
+        at j."""
+        if self.holds and clock != LOOK:
             for handle, since in list(self.holds.items()):
                 if since == UNSEEN:
                     self.holds[handle] = clock

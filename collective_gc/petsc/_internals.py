@@ -46,6 +46,20 @@ def checked(release: tuple[int, ...]) -> bool:
 SERIAL_DELAYED = PETSC_RELEASE < (3, 20)
 
 
+_UINTPTR_MASK = (1 << 8 * ctypes.sizeof(ctypes.c_void_p)) - 1
+
+
+def comm_handle(raw: int, int_handles: bool) -> int:
+    """The communicator PETSc keeps in an attribute (``raw``, the union of an
+    MPI_Comm and a void*: an int handle is in its low 32 bits) as
+    MPI._handleof gives handles, so that the two compare: the handle cast to
+    an unsigned pointer-sized integer (an MPICH duplicate's int is below 0:
+    its integer is above 2**63). ``int_handles``: MPI_Comm is an int (MPICH)."""
+    if int_handles:
+        return ctypes.c_int(raw & 0xFFFFFFFF).value & _UINTPTR_MASK
+    return raw
+
+
 class _KHash(ctypes.Structure):
     # The khash table behind PETSc's PetscHMapObj (include/petsc/private/
     # hashmapobj.h: PetscInt64 creation index -> PetscObject).
@@ -116,11 +130,7 @@ class Internals:
         return int(value.value or 0)
 
     def _to_handle(self, raw: int) -> int:
-        # PETSc stores an MPI_Comm in a union with a void*: for int handles
-        # the value is in the low 32 bits.
-        if self._handle_t is ctypes.c_int:
-            return ctypes.c_int(raw & 0xFFFFFFFF).value
-        return raw
+        return comm_handle(raw, self._handle_t is ctypes.c_int)
 
     def inner(self, comm: MPI.Comm) -> int | None:
         """The handle of PETSc's inner communicator of ``comm``, or None if PETSc has none."""
