@@ -1428,10 +1428,10 @@ def test_a_held_member_freed_by_its_dropped_hold_is_not_read_again(comm: MPI.Int
     """Seen as a segmentation fault in make bench-dolfinx, 1 run in 2: a
     Vec on a library communicator's PETSc inner communicator, managed on the
     communicator itself, installs that inner communicator as a member of
-    the family (and the cleanup once per member); its destroy holds it; the
-    library frees its own; two sync points later the vote drops the hold,
+    the family; its destroy holds it; the library frees its own; two sync
+    points later the vote drops the hold,
     which was the last reference: PETSc frees the member inside the vote,
-    and the vote (and the cleanup's second vote in the same sync point)
+    and the vote (and any vote after it before the members were set again)
     read garbage through its dead handle. The state now marks itself stale,
     reads nothing, says there is garbage, and the finish sets the members
     again: the freed one gone, the sync points go on, nothing left held."""
@@ -1486,7 +1486,7 @@ def test_a_parents_sync_point_drops_a_childs_holds_on_every_rank_alike(
         del probe  # queued on rank 0 alone: its answer comes before the votes
     seen: list[int] = []
     watcher = Holder()
-    cgc.register(watcher, lambda: seen.append(cp.held(child)), comm=comm)
+    cgc.register(watcher, lambda c: seen.append(cp.held(c)), child, comm=comm)
     del watcher
     cgc.collect(comm, generation=None)  # the parent: prepare, agree, destroy (seen), visit
     verdicts = comm.allgather((rank < size - 1, held_before, seen, cp.held(child)))

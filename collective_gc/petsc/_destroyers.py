@@ -57,8 +57,9 @@ class CommState:
     rank, which keeps its holds for good. Otherwise a hold is dropped
     (PetscCommDestroy, at a vote of the family's own sync point: every rank
     at once; a parent's look, which some ranks take and others answer
-    before, drops nothing) once two later votes have passed with no failure. A run of destroys on the same
-    inner communicator at every step keeps its hold and takes no other.
+    before, drops nothing) once two later votes have passed with no
+    failure. A run of destroys on the same inner communicator at every step
+    keeps its hold and takes no other.
     """
 
     __slots__ = ("failed", "holds", "members", "parallel", "stale")
@@ -139,11 +140,11 @@ class CommState:
             # The hold dropped was the last reference to a member's inner
             # communicator (one installed member can be another's inner
             # one), PETSc freed it, and its handle is dead: this vote, and
-            # any other before the members are set again (the same
-            # participant may vote twice in one sync point, once per member
-            # it was installed on), reads none. It says there is garbage
-            # (a cleanup is harmless): the finish looks, through the
-            # members' own state, and sets them again.
+            # any other before the members are set again (a look of a
+            # parent's, a vote of the steady state's that the steps vote
+            # again after), reads none. It says there is garbage (a cleanup
+            # is harmless): the finish looks, through the members' own
+            # state, and sets them again.
             return mine | HAS_GARBAGE
         for handle in self.members:
             if look(handle) not in (0, -1):
