@@ -53,6 +53,8 @@ __all__ = [
     "FLAG_FAILED",
     "FLAG_DEADLINE",
     "FLAG_BAD_VOTE",
+    "FLAG_UNRIPE",
+    "FLAG_LEAVING",
     "FIELD_BITS",
     "FIELD_GC",
     "FIELD_PETSC",
@@ -88,6 +90,13 @@ FLAG_FAILED = 2
 # given up, and only then is the watch checked once the agreement completed.
 FLAG_DEADLINE = 4
 FLAG_BAD_VOTE = 8  # a participant voted outside 0..255
+# Some rank listed a family unreached that it may not yet adopt (its other
+# ranks may not have listed it): two buckets, which hold back the adoption
+# of the families in them at this sync point (collective_gc._tree._Listed).
+FLAG_UNRIPE = 0x30
+# Some rank recorded a member whose communicator was freed: whether every
+# rank has is asked next (collective_gc._syncpoint.SyncPoint.release).
+FLAG_LEAVING = 0x40
 FIELD_BITS = 8  # participant field f owns bits [8 (f + 1), 8 (f + 2)) of the flags
 MAX_FIELDS = 6
 FIELD_GC = 0  # a scope's GC policy: the generation to collect (collective_gc._scope)

@@ -130,7 +130,9 @@ class Collective:
         "extra",
         "children",
         "parent",
+        "reach_mark",
         "leaving",
+        "recorded",
         "__weakref__",
     )
 
@@ -165,12 +167,23 @@ class Collective:
         # strict subsets its sync points reach, and whose sync points reach it.
         self.children: list[Child] = []
         self.parent: Collective | None = None
+        # When this rank last began a collective of the family after looking
+        # at the unreached families (monotonic ns; _tree writes it): what it
+        # found listed everywhere before then it may adopt (see _tree._Listed).
+        self.reach_mark = 0
         # What may let go once nothing is registered on it (a member whose
         # communicator was freed, a dropped cgc.dup): tried by each sync
         # point after its destroys, at the same point on every rank; True
         # once done. Appended to from MPI attribute delete callbacks (a list
         # append: no MPI there).
         self.leaving: list[Callable[[], bool]] = []
+        # What this rank alone has recorded may let go (a member whose
+        # communicator the user freed: the delete callback ran here, perhaps
+        # on another thread than the sync points', so between different sync
+        # points on each rank). Each goes to ``leaving`` at the first sync
+        # point whose agreement says every rank has recorded one (see
+        # SyncPoint.release): members leave at the same point everywhere.
+        self.recorded: list[Callable[[], bool]] = []
 
     # -- reads of the core ---------------------------------------------------------
 
@@ -205,6 +218,7 @@ class Collective:
         # Neither step is left pending: a duplicate still in progress when the
         # user frees the communicator would be completed on freed memory.
         doing = "duplicating its communicator"
+        _tree.opening(self)
         try:
             comm = dup(base, deadline, what)
             doing = "numbering the family"
@@ -264,17 +278,21 @@ class Collective:
             return True
         # (A forked child makes no MPI call: its parent's requests and
         # communicators are not its own.)
+        usable = core.code == OPEN
         private = None if core.code == _FORKED else core.close(True)
-        if core.code == OPEN:
+        if usable:
             core.become(_RELEASED, "every communicator of it was freed or closed", False)
         # Nothing is left to let go: what still waits (a freed member's
         # release, which holds its manager, which holds this family) would
         # otherwise keep a cycle that only the collector frees.
         self.leaving = []
+        self.recorded = []
         core.set_hold(HOLD_LEAVING, False)
         forget(self)
         if self.children:
-            _tree.orphan(self, families())  # its children: reached by another family now
+            # Its children: reached by another family now, once every rank
+            # let go (a barrier over the private duplicate, if it is usable).
+            _tree.orphan(self, families(), private if usable else None)
         retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
         return True
 
@@ -405,12 +423,21 @@ class Collective:
                 return p
         return None
 
-    def leave_later(self, attempt: Callable[[], bool]) -> None:
+    def leave_later(self, attempt: Callable[[], bool], agreed: bool) -> None:
         """``attempt()`` lets something go once nothing is registered on it
-        (True if done): tried by each sync point after its destroys. Called
-        from MPI attribute delete callbacks too: an append, no MPI."""
-        self.leaving.append(attempt)
+        (True if done): tried by each sync point after its destroys.
+        ``agreed``: asked at the same point on every rank (an agreed
+        destroy); else recorded by this rank alone, from an MPI attribute
+        delete callback (an append, no MPI), and tried once every rank has
+        recorded it (see ``recorded``)."""
+        (self.leaving if agreed else self.recorded).append(attempt)
         self.core.set_hold(HOLD_LEAVING, True)
+
+    def take_recorded(self, n: int) -> None:
+        """Every rank has recorded ``n`` things that may let go (a sync
+        point's agreement said so): the oldest ``n`` join ``leaving``. Local."""
+        self.leaving.extend(self.recorded[:n])
+        del self.recorded[:n]
 
     def release(self) -> None:
         """A sync point's step, after its destroys: what was waiting to let go
@@ -419,15 +446,19 @@ class Collective:
         same)."""
         todo, self.leaving = self.leaving, []
         kept = []
+        before = len(self.recorded)
         while todo:
             item = todo.pop(0)
             if not item():
                 kept.append(item)
-            # What letting go of one queued (a freed cgc.dup's manager) goes now too.
+            # What letting go of one queued (a freed cgc.dup's manager: its
+            # delete callback ran inside this step, on every rank) goes now too.
             todo.extend(self.leaving)
             self.leaving.clear()
+            todo.extend(self.recorded[before:])
+            del self.recorded[before:]
         self.leaving = kept
-        self.core.set_hold(HOLD_LEAVING, bool(kept))
+        self.core.set_hold(HOLD_LEAVING, bool(kept or self.recorded))
 
     # -- collectives ---------------------------------------------------------------
 
@@ -611,6 +642,7 @@ class Collective:
             or self.children
             or core.unreported
             or self.leaving
+            or self.recorded
         )
 
     def allgather(self, value: Any, timeout: float | None, describe: str) -> list[Any]:

@@ -107,7 +107,7 @@ class _Owned:
         registered on it, else once its family's sync point finds it empty."""
         self.dropped = True
         if not self.try_free():
-            self.fam.leave_later(self.try_free)
+            self.fam.leave_later(self.try_free, agreed=True)
 
     def try_free(self) -> bool:
         """Free the communicator if nothing is registered on it (the count is
@@ -361,7 +361,9 @@ def _first_collective(mgr: Manager, new: bool) -> None:
         if link(parent, fam, comm, label):
             return
     if comm != MPI.COMM_WORLD:
-        _tree.add_unreached(fam, mgr, families())
+        # (Its private duplicate carries the barrier that says every rank
+        # listed it: it has just made its first collective there.)
+        _tree.add_unreached(fam, mgr, families(), fam.core.comm)
 
 
 set_first_collective(_first_collective)

@@ -710,7 +710,7 @@ def comm_was_freed(mgr: Manager) -> None:
     mgr._comm_freed = True
     fam = mgr._fam
     if fam is not None:
-        fam.leave_later(functools.partial(release, mgr))
+        fam.leave_later(functools.partial(release, mgr), agreed=False)
 
 
 def release(mgr: Manager) -> bool:

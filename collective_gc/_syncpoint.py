@@ -57,7 +57,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _agree, _destroy, _tracing, _tree
-from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED
+from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED, FLAG_LEAVING
 from ._errors import CollectiveGCError, CollectiveMismatchError, CollectiveTimeoutError
 from ._registration import where
 from ._tracing import Phases, Tracer
@@ -255,6 +255,7 @@ class SyncPoint:
         "seq",
         "flags",
         "wanted",
+        "offer",
         "keys",
         "cyclic",
         "count",
@@ -300,6 +301,7 @@ class SyncPoint:
         self.seq = self.core.seq
         self.flags = 0
         self.wanted = 0  # the derived families' bits: this rank's, then agreed
+        self.offer = _tree.NO_OFFER  # unreached families it may adopt (prepare, visit)
         self.keys: np.ndarray[Any, Any] = _NO_KEYS
         self.cyclic = 0
         self.count = 0
@@ -388,10 +390,13 @@ class SyncPoint:
         fam, core = self.fam, self.core
         quiet = fam.size > 1 and core.quiet() and all(p.quiet_finish for p in self.parts)
         if fam.size > 1:
-            _tree.reach(fam)
+            self.offer = _tree.reach(fam)
         if self.parts:
             self.flags = self._votes()
-        self.wanted = _tree.wanted(fam)
+        self.wanted = _tree.wanted(fam) | self.offer.wanted
+        self.flags |= self.offer.unripe
+        if fam.recorded:
+            self.flags |= FLAG_LEAVING
         if core.unreported:
             # Failures of earlier sync points, which this one reports: on
             # every rank, since the agreement tells every rank of them.
@@ -487,8 +492,13 @@ class SyncPoint:
     # -- 4. visit ------------------------------------------------------------------
 
     def visit(self) -> bool:
-        """The sync points of the derived families some rank wanted (each
-        collective over that family: its ranks all saw the same bit)."""
+        """The unreached families every rank of each has offered become
+        children (see collective_gc._tree.adopt); then the sync points of the
+        derived families some rank wanted (each collective over that family:
+        its ranks all saw the same bit)."""
+        if self.offer.ripe:
+            _tree.adopt(self.fam, self.offer, self.flags)
+            self.offer = _tree.NO_OFFER
         if not self.wanted or self.reporting:
             return False
         found = _tree.visit(self.fam, self.wanted, self.dl.at)
@@ -502,9 +512,21 @@ class SyncPoint:
     def release(self) -> bool:
         """What waits to let go once nothing is registered on it tries again
         (the counts it reads are the same on every rank after agreed destroys)."""
-        if not self.fam.leaving or self.reporting:
+        fam = self.fam
+        if self.reporting or not (fam.leaving or self.flags & FLAG_LEAVING):
             return False
-        self.fam.release()
+        if self.flags & FLAG_LEAVING:
+            # Some rank recorded a freed member: the oldest n leave, n the
+            # fewest any rank has recorded (one more word of the family's,
+            # only then: rare). Bit i of the word says "n <= i" (up to 8).
+            mine = min(len(fam.recorded), 8)
+            fewer = (0xFF << mine) & 0xFF
+            if fam.size > 1:
+                fewer = _agree.any_flags(
+                    self.core, fewer, self.dl, fam.what("its check of freed members")
+                )
+            fam.take_recorded(((fewer & -fewer) or 0x100).bit_length() - 1)
+        fam.release()
         return True
 
     # -- 6. check ----------------------------------------------------------------

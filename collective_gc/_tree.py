@@ -18,13 +18,14 @@ collective_gc._collective, which is above it.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from ._agree import child_bit
+from ._agree import FLAG_UNRIPE, child_bit
 from ._errors import (
     CollectiveGCError,
     CollectiveMismatchError,
@@ -46,8 +47,12 @@ __all__ = [
     "add_unreached",
     "forget_unreached",
     "made",
+    "opening",
     "orphan",
     "reach",
+    "adopt",
+    "Offer",
+    "NO_OFFER",
     "wanted",
     "visit",
     "children_of",
@@ -212,18 +217,106 @@ def visit(fam: Collective, bits: int, deadline: float | None) -> list[Failure]:
         del failures
 
 
-# Families of size > 1 that no parent reached when they were made, in the
-# order of their first collective (the same on every rank that shares them):
-# the next sync point of a family whose group contains theirs adopts them
-# (see reach); until then unreached_families() names them.
-_UNREACHED: list[tuple[weakref.ref[Collective], weakref.ref[Manager]]] = []
+# Families that no parent reaches, in the order this rank listed them (see
+# _Listed): a sync point of a family whose group contains one adopts it once
+# its agreement says every rank of it has listed it (see reach and adopt);
+# until then unreached_families() names them.
+_UNREACHED: list[_Listed] = []
+
+# The agreed flags' bits that say "some rank has listed a family it may not
+# yet adopt" (collective_gc._agree.FLAG_UNRIPE): buckets, by the bit the
+# family would have among the parent's children.
+_BUCKETS = tuple(1 << i for i in range(8) if FLAG_UNRIPE >> i & 1)
 
 
-def add_unreached(fam: Collective, mgr: Manager, families: Iterable[Collective]) -> None:
+class _Listed:
+    """A family on the unreached list, on this rank.
+
+    Listing is local, and on another thread than the one running the sync
+    points that could adopt it (a library's communicator freed, or a
+    manager closed, on a second thread) it happens between different sync
+    points of the parent on each rank. Adopting it then at the first sync
+    point that looks would make it a child on some ranks and not on others:
+    the ones that adopted wait in its sync point for the others, for ever.
+    So a listing is announced: every rank that lists the family posts a
+    non-blocking barrier (``req``) over a communicator whose collectives all
+    its ranks reach in the same order at that moment (the private duplicate
+    of the family that let go of it, after its last collective; or the
+    family's own, right after its first). The barrier completes only once
+    every rank has listed it.
+
+    A rank that finds the barrier complete (it looks at each sync point
+    that looks through the list, and when a family is made) knows every
+    rank of it had listed it by then. A collective this rank begins after
+    that (a parent's agreement, or the duplicate that made the parent)
+    completes on no rank before this rank began it, so at the parent's next
+    sync point every rank of the family has it listed. Then: a rank whose
+    entry is ripe (found complete before it began the parent's last
+    collective, its ``reach_mark``) offers it; one whose entry is not sets
+    its bucket's bit in the agreed flags. Where the agreed flags carry no
+    bit of its bucket, every rank of it had it ripe, and all adopt it in
+    that sync point, after the agreement: alike on every rank of it. A
+    bucket is held only by entries still ripening, which every rank lists
+    eventually, so a collision delays, never stops, an adoption; a family
+    listed long before a parent is made is adopted at its first sync point.
+
+    Without a barrier (``req`` None: a family of one process, whose sync
+    points involve no other rank; or the orphans of an unusable family,
+    whose communicator can carry nothing more), a family is adopted by the
+    first sync point that looks, as it always was."""
+
+    __slots__ = ("fam", "owner", "req", "announced", "done_at")
+
+    def __init__(self, fam: Collective, owner: Manager, req: MPI.Request | None) -> None:
+        self.fam = weakref.ref(fam)
+        self.owner = weakref.ref(owner)
+        self.req = req
+        self.announced = req is not None
+        self.done_at = 0  # when this rank found the barrier complete (0: not yet)
+
+    def look(self) -> None:
+        """Whether the barrier completed, noted with the time (monotonic,
+        this rank's: only compared with this rank's own marks). Local."""
+        if not self.done_at and self.req is not None and self.req.Test():
+            self.req = None
+            self.done_at = time.monotonic_ns()
+
+
+def _announce(comm: MPI.Intracomm | None) -> MPI.Request | None:
+    # The barrier that says every rank has listed (see _Listed); None where
+    # no MPI call may be made (a forked child, after MPI_Finalize).
+    if comm is None or MPI.Is_finalized():
+        return None
+    return comm.Ibarrier()
+
+
+def _look() -> int:
+    # Every listed barrier looked at, then the time: a collective begun after
+    # it follows whatever it found complete.
+    for entry in _UNREACHED:
+        if entry.announced:
+            entry.look()
+    return time.monotonic_ns()
+
+
+def opening(fam: Collective) -> None:
+    """``fam``'s first collective (the duplicate that makes it) begins on
+    this rank: what is found listed everywhere before it, its first sync
+    point may adopt. Local, but for MPI_Test."""
+    fam.reach_mark = _look() if _UNREACHED else time.monotonic_ns()
+
+
+def add_unreached(
+    fam: Collective,
+    mgr: Manager,
+    families: Iterable[Collective],
+    announce: MPI.Intracomm | None = None,
+) -> None:
     """``fam`` (first used through ``mgr``) was reached by nothing: every
-    family's sync point looks through the list once (they may contain it).
-    Local."""
-    _UNREACHED.append((weakref.ref(fam), weakref.ref(mgr)))
+    family's sync point looks through the list (they may contain it).
+    ``announce``: the communicator of the barrier (see :class:`_Listed`);
+    None for a family of one process. Local, but for that barrier's post."""
+    _UNREACHED.append(_Listed(fam, mgr, _announce(announce) if fam.size > 1 else None))
     for other in families:
         if other is not fam and other.size > 1:
             other.core.set_hold(HOLD_REACH, True)
@@ -238,65 +331,140 @@ def made(fam: Collective) -> None:
         fam.core.set_hold(HOLD_REACH, True)
 
 
-def orphan(fam: Collective, families: Iterable[Collective]) -> None:
+def orphan(fam: Collective, families: Iterable[Collective], private: MPI.Intracomm | None) -> None:
     """``fam`` let go (every communicator of it freed or closed): its
-    children, which its sync points reached, are unreached again, for the
-    next sync point of a family that contains them to adopt (a library's
-    Split made under a scope on a duplicate the library then frees is
-    reached by the sync points of the communicator it duplicated). Local;
-    at the same point on every rank of each child, as letting go is."""
+    children, which its sync points reached, are unreached again, for a
+    sync point of a family that contains them to adopt (a library's Split
+    made under a scope on a duplicate the library then frees is reached by
+    the sync points of the communicator it duplicated). ``private``: ``fam``'s
+    private duplicate, after its last collective, which carries the barrier
+    that says every rank let go (None if it can carry nothing more). Local
+    but for that barrier's post."""
     children, fam.children = fam.children, []
     _publish(fam)
+    req = None
     for child in children:
         if child.done() or child.fam.parent is not fam:
             continue
         child.fam.parent = None
         owner = child.owner()
-        if owner is not None:
-            add_unreached(child.fam, owner, families)
+        if owner is None:
+            continue
+        if req is None and child.fam.size > 1:
+            req = _announce(private)
+        _UNREACHED.append(_Listed(child.fam, owner, req if child.fam.size > 1 else None))
+        for other in families:
+            if other is not child.fam and other.size > 1:
+                other.core.set_hold(HOLD_REACH, True)
 
 
 def forget_unreached(fam: Collective) -> None:
     """``fam`` was reached (adopted as a child): off the list. Local."""
-    _UNREACHED[:] = [(f, m) for f, m in _UNREACHED if f() is not None and f() is not fam]
+    _drop([e for e in _UNREACHED if e.fam() is None or e.fam() is fam])
 
 
-def reach(parent: Collective) -> None:
-    """At a sync point of ``parent`` (before its agreement): adopt the
-    unreached families its group contains. Every rank of such a family is a
-    rank of the parent and runs this at the same point, with the same list
-    (made at collectives), so they all adopt alike. What is left belongs to
+def _drop(entries: list[_Listed]) -> None:
+    # One removal at a time: another thread may list a family meanwhile (a
+    # free or a close there), which a rewrite of the whole list would lose.
+    for entry in entries:
+        try:
+            _UNREACHED.remove(entry)
+        except ValueError:
+            pass
+
+
+class Offer:
+    """What a parent's sync point may adopt (see :class:`_Listed`): made by
+    :func:`reach` in its prepare, taken by :func:`adopt` after its
+    agreement."""
+
+    __slots__ = ("unripe", "wanted", "ripe")
+
+    def __init__(self) -> None:
+        self.unripe = 0  # the flags' bits of the entries not yet ripe here
+        self.wanted = 0  # the children bits of ripe entries that want a visit
+        self.ripe: list[tuple[Collective, MPI.Intracomm, int]] = []
+
+
+NO_OFFER = Offer()
+
+
+def reach(parent: Collective) -> Offer:
+    """At a sync point of ``parent`` (its prepare): the unreached
+    families its group contains. Those without a barrier are adopted now;
+    the others are offered (see :class:`_Listed`). What is left belongs to
     other families' groups: ``parent`` needs not look again until the list
-    grows (its HOLD_REACH bit)."""
+    grows (its HOLD_REACH bit), unless it offered something."""
     parent.core.set_hold(HOLD_REACH, False)
-    if not _UNREACHED or parent.core.comm is None:
-        return
-    keep = []
-    for fref, mref in _UNREACHED:
-        fam, owner = fref(), mref()
+    pcomm = parent.core.comm
+    before = parent.reach_mark
+    if not _UNREACHED or pcomm is None:
+        parent.reach_mark = time.monotonic_ns()
+        return NO_OFFER
+    parent.reach_mark = _look()  # this sync point's agreement begins after it
+    offer: Offer | None = None
+    gone = []
+    for entry in list(_UNREACHED):
+        fam, owner = entry.fam(), entry.owner()
         if fam is None or owner is None or not fam.members or fam.core.reason is not None:
+            gone.append(entry)
             continue
         if fam.parent is not None:
-            continue  # reached meanwhile
-        if reaches(fam, parent):
-            keep.append((fref, mref))  # it reaches the parent: never its child
+            gone.append(entry)  # reached meanwhile
             continue
+        if fam is parent or reaches(fam, parent):
+            continue  # it reaches the parent: never its child
         try:
             comm = owner.comm
         except CollectiveGCError:
+            gone.append(entry)
+            continue
+        ranks = ranks_in(pcomm, comm)
+        if ranks is None:
+            continue  # not inside
+        label = f"a communicator of size {fam.size} reached from a {parent.label}"
+        if not entry.announced:
+            if link(parent, fam, comm, label):
+                gone.append(entry)
+            continue
+        if offer is None:
+            offer = Offer()
+        bit = child_bit(hash(ranks) & ((1 << 64) - 1))
+        if 0 < entry.done_at < before:
+            offer.ripe.append((fam, comm, bit))
+            if fam.core.wants():
+                offer.wanted |= bit
+        else:
+            offer.unripe |= _bucket(bit)
+    _drop(gone)
+    if offer is None:
+        return NO_OFFER
+    parent.core.set_hold(HOLD_REACH, True)  # it looks again at its next sync point
+    return offer
+
+
+def _bucket(bit: int) -> int:
+    return _BUCKETS[bit.bit_length() % len(_BUCKETS)]
+
+
+def adopt(parent: Collective, offer: Offer, agreed_flags: int) -> None:
+    """After the agreement of the sync point whose prepare made ``offer``:
+    the ripe entries whose bucket no rank holds become ``parent``'s
+    children, on every rank of each at once (see :class:`_Listed`)."""
+    for fam, comm, bit in offer.ripe:
+        if agreed_flags & _bucket(bit) or fam.parent is not None:
             continue
         label = f"a communicator of size {fam.size} reached from a {parent.label}"
-        if not link(parent, fam, comm, label):
-            keep.append((fref, mref))
-    _UNREACHED[:] = keep
+        if link(parent, fam, comm, label):
+            forget_unreached(fam)
 
 
 def unreached_families() -> list[tuple[Collective, Manager]]:
     """(family, the manager first used) of the unreached families still
     alive and not yet reached. Local."""
     out = []
-    for fref, mref in _UNREACHED:
-        fam, mgr = fref(), mref()
+    for entry in _UNREACHED:
+        fam, mgr = entry.fam(), entry.owner()
         if fam is not None and mgr is not None and fam.parent is None:
             out.append((fam, mgr))
     return out

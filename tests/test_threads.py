@@ -26,6 +26,7 @@ from _util import (
     WORLD,
     GcDisabled,
     Obj,
+    everyone,
     noop,
     same_on_all,
 )
@@ -313,6 +314,64 @@ def test_overlapping_scopes_on_two_threads_restore_the_collector() -> None:
         leave.set()
         for c in comms:
             c.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_library_communicator_freed_on_another_thread_lets_go_alike_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """A library's duplicate (the same processes as the test's communicator,
+    in reverse order: a family of its own) holds a scope; under it, a
+    ``Split`` of the duplicate gets an object. Then a second thread frees
+    the duplicate and drops the object, at a different moment on each rank,
+    while the main thread runs sync points of the test's communicator every
+    half millisecond, with a timeout.
+
+    The duplicate's family is reached by the communicator's sync points; the
+    free is recorded by each rank between different ones of them, and the
+    split, left without a parent, is listed between different ones too.
+    Letting go and adopting at the first sync point that looked made ranks
+    do it at different sync points: one waited in a family's sync point the
+    others never started (a timeout in 4 of 4 runs, before). Both now happen
+    at a sync point whose agreement says every rank has recorded them
+    (docs/design.rst, "Families and children"): no timeout, and the object
+    is destroyed on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    base = comm.Split(0, size - rank)
+    lib = base.Dup()
+    log: list[str] = []
+    held = [Obj()]
+    with cgc.collective_scope(lib) as scope:
+        part = lib.Split(base.Get_rank() // 2, base.Get_rank())
+        cgc.register(held[0], log.append, "on the split", comm=part, name="on-split")
+        scope.sync()
+
+    def library() -> None:
+        time.sleep(0.01 + 0.003 * rank)
+        lib.Free()
+        held.clear()
+
+    t = threading.Thread(target=library)
+    errors: list[str] = []
+    t.start()
+    try:
+        for _ in range(300):
+            cgc.collect(comm, generation=None, timeout=20)
+            time.sleep(0.0005)
+        t.join()
+        # Adopting takes a few sync points once every rank let go (its
+        # listing must be known everywhere first): at most ten here.
+        for _ in range(10):
+            if comm.allreduce(len(log), op=MPI.MIN):
+                break
+            cgc.collect(comm, generation=None, timeout=20)
+    except cgc.CollectiveGCError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    t.join()
+    verdicts = everyone(comm, (errors, log))
+    part.Free()
+    base.Free()
+    assert verdicts == [([], ["on the split"])] * size, verdicts
 
 
 def test_keys_still_agree_after_the_tests_above(comm: MPI.Intracomm) -> None:
