@@ -289,10 +289,10 @@ class Collective:
         self.recorded = []
         core.set_hold(HOLD_LEAVING, False)
         forget(self)
-        if self.children:
-            # Its children: reached by another family now, once every rank
-            # let go (a barrier over the private duplicate, if it is usable).
-            _tree.orphan(self, families(), private if usable else None)
+        # Its children: reached by another family now, once every rank let
+        # go (a barrier over the private duplicate, if it is usable, which
+        # every rank posts: some of them may have children here).
+        _tree.orphan(self, families(), private if usable else None)
         retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
         return True
 

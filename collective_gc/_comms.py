@@ -120,7 +120,9 @@ class _Owned:
         handle = self.handle
         if handle is not None and not self.handle_freed:
             # Its manager is told by its attribute delete callback and leaves
-            # its family (see _manager.comm_was_freed).
+            # its family (see _manager.comm_was_freed): an agreed free.
+            if mgr is not None:
+                _manager.freeing_agreed(mgr)
             handle.Free()
         self.handle = None
         self.mgr = None

@@ -143,9 +143,10 @@ def release_freed() -> None:
         )
         if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
             _forget(mgr)
-        elif fam is not None and fam.parent is not None:
-            # A child: its parent's sync points visit it, alike on every rank
-            # of it; its own let it go once every rank recorded the free.
+        elif fam is not None and fam.parent is not None and not _manager.free_was_agreed(mgr):
+            # A child freed by the program (perhaps on another thread): its
+            # parent's sync points visit it, alike on every rank of it, and
+            # its own let it go once every rank recorded the free.
             _forget(mgr)
         elif not others and not mgr.registered:
             _manager.let_go(mgr, _collective.State.RELEASED, "its communicator was freed")

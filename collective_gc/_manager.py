@@ -131,6 +131,10 @@ class Manager:
         self._state = _OPEN
         self._reason: str | None = None
         self._comm_freed = False
+        # Freed by collective_gc itself at an agreed point (a dropped
+        # cgc.dup or cgc.split, nothing registered on it): the same point on
+        # every rank, so it may leave without waiting for every rank's record.
+        self._free_agreed = False
         self._label: str | None = None  # what messages call it (see set_label)
 
     # -- description -----------------------------------------------------------
@@ -710,7 +714,19 @@ def comm_was_freed(mgr: Manager) -> None:
     mgr._comm_freed = True
     fam = mgr._fam
     if fam is not None:
-        fam.leave_later(functools.partial(release, mgr), agreed=False)
+        fam.leave_later(functools.partial(release, mgr), agreed=mgr._free_agreed)
+
+
+def freeing_agreed(mgr: Manager) -> None:
+    """``mgr``'s communicator is about to be freed by collective_gc at an
+    agreed point (the same on every rank): its delete callback records the
+    free as agreed. Local."""
+    mgr._free_agreed = True
+
+
+def free_was_agreed(mgr: Manager) -> bool:
+    """Whether ``mgr``'s communicator was freed at an agreed point. Local."""
+    return mgr._free_agreed
 
 
 def release(mgr: Manager) -> bool:

@@ -4,12 +4,13 @@ A family whose processes are a strict subset of another's (a ``cgc.split``,
 a library's ``Split``) is that family's *child*: the parent's sync points
 visit it when some rank of it has something for it (a bit of the parent's
 agreement says so, alike on all its ranks). A family of size > 1 that no
-parent contained when it was made is *unreached*: the next sync point of a
-family whose group contains it adopts it (see :func:`reach`); until then
+parent contained when it was made, or whose parent let go, is *unreached*: a
+sync point of a family whose group contains it adopts it once every rank of
+it is known to have listed it (see :class:`_Listed`); until then
 :func:`unreached` names it.
 
-This module is the tree's one writer: a family's ``children`` and ``parent``,
-the unreached list, and the copies of them its state reads
+This module is the tree's one writer: a family's ``children``, ``parent``
+and ``reach_mark``, the unreached list, and the copies of them its state reads
 (:meth:`FamilyState.set_children <collective_gc._state.FamilyState.set_children>`,
 the ``HOLD_REACH`` bit) change here and nowhere else. It knows families by
 what they have (their state, members, ``sync``), not by importing
@@ -282,12 +283,21 @@ class _Listed:
             self.done_at = time.monotonic_ns()
 
 
+# The barriers posted, kept until they complete: MPI forbids freeing the
+# request of a non-blocking collective before then (and a rank of a family
+# that let go with no child of its own posts one that nothing else looks at).
+_POSTED: list[MPI.Request] = []
+
+
 def _announce(comm: MPI.Intracomm | None) -> MPI.Request | None:
     # The barrier that says every rank has listed (see _Listed); None where
     # no MPI call may be made (a forked child, after MPI_Finalize).
     if comm is None or MPI.Is_finalized():
         return None
-    return comm.Ibarrier()
+    _POSTED[:] = [r for r in _POSTED if not r.Test()]
+    req = comm.Ibarrier()
+    _POSTED.append(req)
+    return req
 
 
 def _look() -> int:
@@ -341,8 +351,11 @@ def orphan(fam: Collective, families: Iterable[Collective], private: MPI.Intraco
     that says every rank let go (None if it can carry nothing more). Local
     but for that barrier's post."""
     children, fam.children = fam.children, []
-    _publish(fam)
-    req = None
+    if children:
+        _publish(fam)
+    # Every rank of it posts the barrier, children of its own or not: the
+    # ranks of a child are some of its ranks, and only all of them complete it.
+    req = _announce(private) if fam.size > 1 else None
     for child in children:
         if child.done() or child.fam.parent is not fam:
             continue
@@ -350,8 +363,6 @@ def orphan(fam: Collective, families: Iterable[Collective], private: MPI.Intraco
         owner = child.owner()
         if owner is None:
             continue
-        if req is None and child.fam.size > 1:
-            req = _announce(private)
         _UNREACHED.append(_Listed(child.fam, owner, req if child.fam.size > 1 else None))
         for other in families:
             if other is not child.fam and other.size > 1:
@@ -471,5 +482,7 @@ def unreached_families() -> list[tuple[Collective, Manager]]:
 
 
 def after_fork() -> None:
-    """In a forked child nothing is reached from here."""
+    """In a forked child nothing is reached from here (and the parent's
+    requests are not its own)."""
     _UNREACHED.clear()
+    _POSTED.clear()
