@@ -278,9 +278,8 @@ class Collective:
             return True
         # (A forked child makes no MPI call: its parent's requests and
         # communicators are not its own.)
-        usable = core.code == OPEN
         private = None if core.code == _FORKED else core.close(True)
-        if usable:
+        if core.code == OPEN:
             core.become(_RELEASED, "every communicator of it was freed or closed", False)
         # Nothing is left to let go: what still waits (a freed member's
         # release, which holds its manager, which holds this family) would
@@ -289,10 +288,8 @@ class Collective:
         self.recorded = []
         core.set_hold(HOLD_LEAVING, False)
         forget(self)
-        # Its children: reached by another family now, once every rank let
-        # go (a barrier over the private duplicate, if it is usable, which
-        # every rank posts: some of them may have children here).
-        _tree.orphan(self, families(), private if usable else None)
+        if self.children:
+            _tree.orphan(self, families())  # its children: reached by another family now
         retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
         return True
 

@@ -240,11 +240,15 @@ class _Listed:
     point that looks would make it a child on some ranks and not on others:
     the ones that adopted wait in its sync point for the others, for ever.
     So a listing is announced: every rank that lists the family posts a
-    non-blocking barrier (``req``) over a communicator whose collectives all
-    its ranks reach in the same order at that moment (the private duplicate
-    of the family that let go of it, after its last collective; or the
-    family's own, right after its first). The barrier completes only once
-    every rank has listed it.
+    non-blocking barrier (``req``) over the family's own private duplicate,
+    right after its first collective (made with nothing around it), or when
+    the family that reached it let go, after the last of its sync points
+    that family's visits ran. The barrier completes only once every rank
+    has listed it. (Not the private duplicate of the family that let go: a
+    rank still in one of its sync points too many, a program error, would
+    have its allreduce matched with the others' barrier instead of timing
+    out. A sync point of the orphan itself, run on another thread while
+    its parent lets go, would be matched so too: not promised.)
 
     A rank that finds the barrier complete (it looks at each sync point
     that looks through the list, and when a family is made) knows every
@@ -284,8 +288,7 @@ class _Listed:
 
 
 # The barriers posted, kept until they complete: MPI forbids freeing the
-# request of a non-blocking collective before then (and a rank of a family
-# that let go with no child of its own posts one that nothing else looks at).
+# request of a non-blocking collective before then.
 _POSTED: list[MPI.Request] = []
 
 
@@ -341,21 +344,17 @@ def made(fam: Collective) -> None:
         fam.core.set_hold(HOLD_REACH, True)
 
 
-def orphan(fam: Collective, families: Iterable[Collective], private: MPI.Intracomm | None) -> None:
+def orphan(fam: Collective, families: Iterable[Collective]) -> None:
     """``fam`` let go (every communicator of it freed or closed): its
     children, which its sync points reached, are unreached again, for a
     sync point of a family that contains them to adopt (a library's Split
     made under a scope on a duplicate the library then frees is reached by
-    the sync points of the communicator it duplicated). ``private``: ``fam``'s
-    private duplicate, after its last collective, which carries the barrier
-    that says every rank let go (None if it can carry nothing more). Local
-    but for that barrier's post."""
+    the sync points of the communicator it duplicated). Each is announced
+    by a barrier over its own private duplicate (see :class:`_Listed`):
+    ``fam``'s, which a rank still in one of its sync points too many may
+    use yet, must carry nothing more. Local but for that barrier's post."""
     children, fam.children = fam.children, []
-    if children:
-        _publish(fam)
-    # Every rank of it posts the barrier, children of its own or not: the
-    # ranks of a child are some of its ranks, and only all of them complete it.
-    req = _announce(private) if fam.size > 1 else None
+    _publish(fam)
     for child in children:
         if child.done() or child.fam.parent is not fam:
             continue
@@ -363,9 +362,11 @@ def orphan(fam: Collective, families: Iterable[Collective], private: MPI.Intraco
         owner = child.owner()
         if owner is None:
             continue
-        _UNREACHED.append(_Listed(child.fam, owner, req if child.fam.size > 1 else None))
+        sub = child.fam
+        req = _announce(sub.core.comm) if sub.size > 1 and sub.core.reason is None else None
+        _UNREACHED.append(_Listed(sub, owner, req))
         for other in families:
-            if other is not child.fam and other.size > 1:
+            if other is not sub and other.size > 1:
                 other.core.set_hold(HOLD_REACH, True)
 
 
