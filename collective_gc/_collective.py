@@ -443,17 +443,13 @@ class Collective:
         same)."""
         todo, self.leaving = self.leaving, []
         kept = []
-        before = len(self.recorded)
         while todo:
             item = todo.pop(0)
             if not item():
                 kept.append(item)
-            # What letting go of one queued (a freed cgc.dup's manager: its
-            # delete callback ran inside this step, on every rank) goes now too.
+            # What letting go of one queued (a cgc.dup it freed, agreed) goes now too.
             todo.extend(self.leaving)
             self.leaving.clear()
-            todo.extend(self.recorded[before:])
-            del self.recorded[before:]
         self.leaving = kept
         self.core.set_hold(HOLD_LEAVING, bool(kept or self.recorded))
 

@@ -126,9 +126,11 @@ def _forget(mgr: Manager) -> None:
 
 def release_freed() -> None:
     """Let go of the managers of freed communicators that have nothing left
-    and are the last of their family, which no parent reaches (a family
-    with other members, or a child, lets them go at one of its sync points
-    instead, at the same point on every rank). Local.
+    and are the last of their family (a family with other members lets them
+    go at one of its sync points instead, at the same point on every rank).
+    Local: at a moment of this rank's own, so the last communicator of a
+    family a parent reaches, freed on a thread other than the one running
+    the parent's sync points, is not promised (docs/design.rst).
 
     One that still holds registrations stays: its destroys are agreed at the
     family's sync points, or at exit, over its private duplicate.
@@ -142,11 +144,6 @@ def release_freed() -> None:
             m is not mgr and not m.comm_freed for _, m in fam.live_members()
         )
         if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
-            _forget(mgr)
-        elif fam is not None and fam.parent is not None and not _manager.free_was_agreed(mgr):
-            # A child freed by the program (perhaps on another thread): its
-            # parent's sync points visit it, alike on every rank of it, and
-            # its own let it go once every rank recorded the free.
             _forget(mgr)
         elif not others and not mgr.registered:
             _manager.let_go(mgr, _collective.State.RELEASED, "its communicator was freed")

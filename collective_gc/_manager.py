@@ -724,10 +724,6 @@ def freeing_agreed(mgr: Manager) -> None:
     mgr._free_agreed = True
 
 
-def free_was_agreed(mgr: Manager) -> bool:
-    """Whether ``mgr``'s communicator was freed at an agreed point. Local."""
-    return mgr._free_agreed
-
 
 def release(mgr: Manager) -> bool:
     """Once the user freed ``mgr``'s communicator: let go if nothing is

@@ -335,7 +335,10 @@ def test_a_library_communicator_freed_on_another_thread_lets_go_alike_on_every_r
     others never started (a timeout in 4 of 4 runs, before). Both now happen
     at a sync point whose agreement says every rank has recorded them
     (docs/design.rst, "Families and children"): no timeout, and the object
-    is destroyed on every rank."""
+    is destroyed on every rank. (The main thread looks up no other
+    communicator meanwhile: a lookup would let the duplicate's family, whose
+    last communicator it is, go at once, which that section does not
+    promise.)"""
     rank, size = comm.Get_rank(), comm.Get_size()
     base = comm.Split(0, size - rank)
     lib = base.Dup()
