@@ -724,7 +724,6 @@ def freeing_agreed(mgr: Manager) -> None:
     mgr._free_agreed = True
 
 
-
 def release(mgr: Manager) -> bool:
     """Once the user freed ``mgr``'s communicator: let go if nothing is
     registered on it. True if done (or nothing to do)."""
