@@ -363,11 +363,7 @@ def orphan(fam: Collective, families: Iterable[Collective]) -> None:
         if owner is None:
             continue
         sub = child.fam
-        req = _announce(sub.core.comm) if sub.size > 1 and sub.core.reason is None else None
-        _UNREACHED.append(_Listed(sub, owner, req))
-        for other in families:
-            if other is not sub and other.size > 1:
-                other.core.set_hold(HOLD_REACH, True)
+        add_unreached(sub, owner, families, sub.core.comm if sub.core.reason is None else None)
 
 
 def forget_unreached(fam: Collective) -> None:
@@ -382,7 +378,7 @@ def _drop(entries: list[_Listed]) -> None:
         try:
             _UNREACHED.remove(entry)
         except ValueError:
-            pass
+            pass  # removed already, by a look on another thread: nothing is lost
 
 
 class Offer:
