@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable
 
 from mpi4py import MPI
 
@@ -402,17 +401,7 @@ def unreached_rows(mgr: Manager) -> list[tuple[str, str]]:
     return [("unreached", _unreached_text(m)) for m in unreached(warn=False) if m is not mgr]
 
 
-def unreached_lines(mgr: Manager) -> list[str]:
-    """In a leak report: this rank's unreached managers (warning once each)."""
-    return [_unreached_text(m) for m in unreached() if m is not mgr]
-
-
 def _unreached_text(mgr: Manager) -> str:
     fam = _manager.family(mgr)
     n = 0 if fam is None else len(fam.core.live)
     return f"{n} registered on a {mgr.describe()} that no sync point reaches"
-
-
-def every_family() -> Iterable[Collective]:
-    """The families of this process (see _collective.families). Local."""
-    return families()

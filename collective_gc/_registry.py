@@ -253,10 +253,6 @@ class Registry:
         counted once agreed: the one before ``seq``). Local."""
         return list(self.last_cyclic) if self.last_cyclic_at == self.state.seq - 1 else []
 
-    def forget_all(self) -> None:
-        """Detach every registration, without running them (the family lets go)."""
-        self.state.forget()
-
     def forget_owned(self, owner: Owner) -> list[Registration]:
         """Detach ``owner``'s registrations, without running them (a member
         lets go: Manager.close). Their keys may stay in the inbox or the

@@ -1490,12 +1490,6 @@ fs_get_window(FamilyState *s, void *closure)
     return Py_BuildValue("(LL)", s->wlo, s->wbits);
 }
 
-static PyObject *
-fs_get_last_key(FamilyState *s, void *closure)
-{
-    return PyLong_FromLongLong(s->marks[s->nmarks - 1]);
-}
-
 /* Once an exchange was left before its allreduce completed (a timeout, a
  * notice, an interrupt): MPI may still write into the buffer and the request
  * may be active; neither is used again, and neither is ever freed. */
@@ -2605,7 +2599,6 @@ static PyMemberDef fs_members[] = {
 static PyGetSetDef fs_getset[] = {
     {"words", (getter)fs_get_words, NULL, NULL, NULL},
     {"window", (getter)fs_get_window, NULL, NULL, NULL},
-    {"last_key", (getter)fs_get_last_key, NULL, NULL, NULL},
     {NULL},
 };
 

@@ -790,11 +790,6 @@ class FamilyState:
         """The key window's first key and its number of bits."""
         return self._wlo, self._wbits
 
-    @property
-    def last_key(self) -> int:
-        """The next key the last sync point agreed on."""
-        return self._marks[-1]
-
     def _reshape(self) -> None:
         """A buffer for the window (agreed, so on every rank): the persistent
         request bound to the old one is freed (inactive: local)."""
