@@ -191,6 +191,33 @@ sort_keys(int64_t *k, Py_ssize_t n)
     qsort(k, (size_t)n, sizeof(int64_t), cmp_keys);
 }
 
+/* The collector's walks of a type's object fields, from one list per type:
+ * FIELDS(X) applies X to each field's name, so that a type's traverse, clear
+ * and dealloc cannot disagree on which fields they walk (a field visited but
+ * never cleared keeps a cycle alive; one cleared but never visited hides a
+ * reference from the collector). GC_WALKS defines <prefix>_traverse and
+ * <prefix>_clear; GC_DEALLOC the dealloc of a type with nothing else to free. */
+#define VISIT_FIELD(f) Py_VISIT(self->f);
+#define CLEAR_FIELD(f) Py_CLEAR(self->f);
+#define GC_WALKS(prefix, Type, FIELDS)                                    \
+    static int prefix##_traverse(Type *self, visitproc visit, void *arg) \
+    {                                                                     \
+        FIELDS(VISIT_FIELD)                                               \
+        return 0;                                                         \
+    }                                                                     \
+    static int prefix##_clear(Type *self)                                 \
+    {                                                                     \
+        FIELDS(CLEAR_FIELD)                                               \
+        return 0;                                                         \
+    }
+#define GC_DEALLOC(prefix, Type)                        \
+    static void prefix##_dealloc(Type *self)            \
+    {                                                   \
+        PyObject_GC_UnTrack(self);                      \
+        prefix##_clear(self);                           \
+        Py_TYPE(self)->tp_free((PyObject *)self);       \
+    }
+
 /* ======================================================================== */
 /* GcState                                                                   */
 
@@ -330,29 +357,20 @@ static PyTypeObject GcStateType = {
 /* ======================================================================== */
 /* RegistrationFields                                                        */
 
+/* Walked, then the weak reference's own fields (its base's walks). */
+#define REG_OBJECTS(X) X(name) X(origin) X(owner) X(push) X(destroy) X(args) X(typename)
+
 static int
 reg_traverse(Reg *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->name);
-    Py_VISIT(self->origin);
-    Py_VISIT(self->owner);
-    Py_VISIT(self->push);
-    Py_VISIT(self->destroy);
-    Py_VISIT(self->args);
-    Py_VISIT(self->typename);
+    REG_OBJECTS(VISIT_FIELD)
     return _PyWeakref_RefType.tp_traverse((PyObject *)self, visit, arg);
 }
 
 static int
 reg_clear(Reg *self)
 {
-    Py_CLEAR(self->name);
-    Py_CLEAR(self->origin);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->push);
-    Py_CLEAR(self->destroy);
-    Py_CLEAR(self->args);
-    Py_CLEAR(self->typename);
+    REG_OBJECTS(CLEAR_FIELD)
     return _PyWeakref_RefType.tp_clear((PyObject *)self);
 }
 
@@ -360,13 +378,7 @@ static void
 reg_dealloc(Reg *self)
 {
     PyObject_GC_UnTrack(self);
-    Py_CLEAR(self->name);
-    Py_CLEAR(self->origin);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->push);
-    Py_CLEAR(self->destroy);
-    Py_CLEAR(self->args);
-    Py_CLEAR(self->typename);
+    REG_OBJECTS(CLEAR_FIELD)
     /* weakref's own dealloc unlinks it from its referent and frees it */
     _PyWeakref_RefType.tp_dealloc((PyObject *)self);
 }
@@ -460,37 +472,9 @@ typedef struct {
     PyObject *deferred, *signals, *guarded, *getsignal, *guard, *deliver;
 } Region;
 
-static int
-region_traverse(Region *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->deferred);
-    Py_VISIT(self->signals);
-    Py_VISIT(self->guarded);
-    Py_VISIT(self->getsignal);
-    Py_VISIT(self->guard);
-    Py_VISIT(self->deliver);
-    return 0;
-}
-
-static int
-region_clear(Region *self)
-{
-    Py_CLEAR(self->deferred);
-    Py_CLEAR(self->signals);
-    Py_CLEAR(self->guarded);
-    Py_CLEAR(self->getsignal);
-    Py_CLEAR(self->guard);
-    Py_CLEAR(self->deliver);
-    return 0;
-}
-
-static void
-region_dealloc(Region *self)
-{
-    PyObject_GC_UnTrack(self);
-    region_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
+#define REGION_OBJECTS(X) X(deferred) X(signals) X(guarded) X(getsignal) X(guard) X(deliver)
+GC_WALKS(region, Region, REGION_OBJECTS)
+GC_DEALLOC(region, Region)
 
 static PyObject *
 region_new(PyTypeObject *type, PyObject *args, PyObject *kw)
@@ -703,45 +687,10 @@ typedef struct FamilyState {
 
 static PyTypeObject FamilyStateType;
 
-static int
-fs_traverse(FamilyState *s, visitproc visit, void *arg)
-{
-    Py_VISIT(s->reason);
-    Py_VISIT(s->unreported);
-    Py_VISIT(s->failed);
-    Py_VISIT(s->live);
-    Py_VISIT(s->inbox);
-    Py_VISIT(s->push);
-    Py_VISIT(s->finalize);
-    Py_VISIT(s->gc);
-    Py_VISIT(s->reg_type);
-    Py_VISIT(s->stats);
-    Py_VISIT(s->parts);
-    Py_VISIT(s->children);
-    Py_VISIT(s->comm);
-    Py_VISIT(s->gone);
-    return 0;
-}
-
-static int
-fs_clear(FamilyState *s)
-{
-    Py_CLEAR(s->reason);
-    Py_CLEAR(s->unreported);
-    Py_CLEAR(s->failed);
-    Py_CLEAR(s->live);
-    Py_CLEAR(s->inbox);
-    Py_CLEAR(s->push);
-    Py_CLEAR(s->finalize);
-    Py_CLEAR(s->gc);
-    Py_CLEAR(s->reg_type);
-    Py_CLEAR(s->stats);
-    Py_CLEAR(s->parts);
-    Py_CLEAR(s->children);
-    Py_CLEAR(s->comm);
-    Py_CLEAR(s->gone);
-    return 0;
-}
+#define FS_OBJECTS(X)                                                                     \
+    X(reason) X(unreported) X(failed) X(live) X(inbox) X(push) X(finalize) X(gc) X(reg_type) \
+    X(stats) X(parts) X(children) X(comm) X(gone)
+GC_WALKS(fs, FamilyState, FS_OBJECTS)
 
 static void
 fs_dealloc(FamilyState *s)
@@ -2657,29 +2606,9 @@ typedef struct {
 
 static PyTypeObject PetscType;
 
-static int
-petsc_traverse(Petsc *p, visitproc visit, void *arg)
-{
-    Py_VISIT(p->fast);
-    Py_VISIT(p->failed);
-    return 0;
-}
-
-static int
-petsc_clear(Petsc *p)
-{
-    Py_CLEAR(p->fast);
-    Py_CLEAR(p->failed);
-    return 0;
-}
-
-static void
-petsc_dealloc(Petsc *p)
-{
-    PyObject_GC_UnTrack(p);
-    petsc_clear(p);
-    Py_TYPE(p)->tp_free((PyObject *)p);
-}
+#define PETSC_OBJECTS(X) X(fast) X(failed)
+GC_WALKS(petsc, Petsc, PETSC_OBJECTS)
+GC_DEALLOC(petsc, Petsc)
 
 static PyObject *
 petsc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
@@ -2929,21 +2858,23 @@ typedef struct {
 
 static PyTypeObject CommStateType;
 
+/* Cleared by the collector: not petsc, which every method reads, and a state
+ * the collector cleared in a cycle may still be called (a module global's, at
+ * the interpreter's end); the cycle's lists and dicts are cleared instead. */
+#define CS_CLEARED(X) X(handles)
+
 static int
-cs_traverse(CommState *cs, visitproc visit, void *arg)
+cs_traverse(CommState *self, visitproc visit, void *arg)
 {
-    Py_VISIT(cs->petsc);
-    Py_VISIT(cs->handles);
+    Py_VISIT(self->petsc);
+    CS_CLEARED(VISIT_FIELD)
     return 0;
 }
 
-/* Not petsc: every method reads it, and a state the collector cleared in a
- * cycle may still be called (a module global's, at the interpreter's end);
- * the cycle's lists and dicts are cleared instead. */
 static int
-cs_clear(CommState *cs)
+cs_clear(CommState *self)
 {
-    Py_CLEAR(cs->handles);
+    CS_CLEARED(CLEAR_FIELD)
     return 0;
 }
 
