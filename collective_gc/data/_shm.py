@@ -29,7 +29,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import weakref
+
+from ._tracked import Tracked
 
 __all__ = [
     "Segment",
@@ -64,23 +65,9 @@ _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class _Mapped(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to one of this process's mappings of a segment."""
-
-    __slots__ = ()
-
-    # By identity: weakref.ref's own would compare the mmap objects.
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
-
-
 # This process's mappings of segments, for a forked child to take its copies
-# out of them. The callback is the list's C-level append (NOTE [ Loader
-# shutdown and interrupts ] in _loader, rule 5); the dead ones are dropped at
-# the next map_fd.
-MAPPED: set[_Mapped] = set()
-_UNMAPPED: list[_Mapped] = []
+# out of them.
+MAPPED: Tracked[mmap.mmap] = Tracked()
 
 
 def _address(mapping: mmap.mmap) -> int:
@@ -95,9 +82,6 @@ def map_fd(fd: int, capacity: int) -> mmap.mmap:
     in place, by the segment's: the object unmaps the segment when it is
     closed or freed, as one made from ``fd`` would. ``fd`` stays the caller's.
     """
-    dead = _UNMAPPED
-    while dead:
-        MAPPED.discard(dead.pop())
     mapping = mmap.mmap(-1, capacity)
     addr = _address(mapping)
     got = _MMAP(addr, capacity, _RW, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
@@ -105,7 +89,7 @@ def map_fd(fd: int, capacity: int) -> mmap.mmap:
         err = ctypes.get_errno()
         mapping.close()
         raise OSError(err, f"cannot map a shared-memory segment: {os.strerror(err)}")
-    MAPPED.add(_Mapped(mapping, dead.append))
+    MAPPED.add(mapping)
     return mapping
 
 
@@ -119,18 +103,13 @@ def detach_in_child() -> None:
     workers write there later is not seen here. Only the forking thread
     exists here: nothing else reads these mappings meanwhile.
     """
-    for ref in list(MAPPED):
-        mapping = ref()
-        if mapping is None:
-            continue
+    for mapping in MAPPED.take():
         try:
             mapping.close()
             continue
         except BufferError:  # viewed by an element this process holds
             pass
         _privatize(mapping)
-    MAPPED.clear()
-    _UNMAPPED.clear()
 
 
 def _privatize(mapping: mmap.mmap) -> None:

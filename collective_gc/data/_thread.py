@@ -24,12 +24,12 @@ import itertools
 import os
 import threading
 import traceback
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from ._loader import NOTHING, STATE_VERSION, Loader
 from ._protocol import LoaderError
+from ._tracked import Tracked
 
 __all__ = ["ThreadPrefetch"]
 
@@ -88,30 +88,12 @@ class State(Generic[T]):
         self.forked = False
 
 
-class _Started(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a launched State, for the fork handler."""
-
-    __slots__ = ()
-
-    # By identity: weakref.ref's own would compare the states.
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
-
-
-# The states of launched producers, for the fork handler. Not a WeakSet: its
-# callback is Python code, and the callback here is the list's C-level
-# append (NOTE [ Loader shutdown and interrupts ] in _loader, rule 5); the
-# dead ones are dropped at the next launch.
-_STARTED: set[_Started] = set()
-_ENDED: list[_Started] = []
+# The states of launched producers, for the fork handler.
+_STARTED: Tracked[State[Any]] = Tracked()
 
 
 def _remember(state: State[Any]) -> None:
-    ended = _ENDED
-    while ended:
-        _STARTED.discard(ended.pop())
-    _STARTED.add(_Started(state, ended.append))
+    _STARTED.add(state)
 
 
 def _after_fork_in_child() -> None:
@@ -119,13 +101,9 @@ def _after_fork_in_child() -> None:
     # sees": a producer of the parent does not exist here (a lock it held at
     # the fork stays held for ever); its loader is done here, the parent's
     # goes on.
-    for ref in list(_STARTED):
-        state = ref()
-        if state is not None:
-            state.forked = state.stop = state.done = True
-            state.items.clear()  # the parent's elements: the parent delivers them
-    _STARTED.clear()
-    _ENDED.clear()
+    for state in _STARTED.take():
+        state.forked = state.stop = state.done = True
+        state.items.clear()  # the parent's elements: the parent delivers them
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -46,9 +46,15 @@ RING_AVAILABLE = _pool.RING
 
 #: The modules of this package a worker process imports, and the only ones:
 #: a worker never imports the parent's side of the loaders (pools, channels,
-#: loaders, threads).
+#: loaders, threads; ``_tracked`` is what ``_shm`` finds a forked child's
+#: mappings with).
 WORKER_MODULES = frozenset(
-    {"collective_gc.data._worker", "collective_gc.data._shm", "collective_gc.data._protocol"}
+    {
+        "collective_gc.data._worker",
+        "collective_gc.data._shm",
+        "collective_gc.data._tracked",
+        "collective_gc.data._protocol",
+    }
 )
 
 
