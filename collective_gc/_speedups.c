@@ -210,12 +210,12 @@ sort_keys(int64_t *k, Py_ssize_t n)
         FIELDS(CLEAR_FIELD)                                               \
         return 0;                                                         \
     }
-#define GC_DEALLOC(prefix, Type)                        \
-    static void prefix##_dealloc(Type *self)            \
-    {                                                   \
-        PyObject_GC_UnTrack(self);                      \
-        prefix##_clear(self);                           \
-        Py_TYPE(self)->tp_free((PyObject *)self);       \
+#define GC_DEALLOC(prefix, Type)                  \
+    static void prefix##_dealloc(Type *self)      \
+    {                                             \
+        PyObject_GC_UnTrack(self);                \
+        prefix##_clear(self);                     \
+        Py_TYPE(self)->tp_free((PyObject *)self); \
     }
 
 /* ======================================================================== */
