@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 from . import _protocol as P
+from ._forked import close_fields
 from ._leases import DEAD, SlotTable, collect_dead, watch_segment
 from ._shm import Segment, map_fd, unmap_view
 
@@ -562,14 +563,7 @@ class Channel:
         except OSError:  # never let one descriptor keep the others open
             pass
         self.take_descriptor()
-        for name in ("inbox_fd", "bell", "wake", "pidfd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                setattr(self, name, -1)
-                try:
-                    os.close(fd)
-                except OSError:  # closed already (a close cut short by the fork)
-                    pass
+        close_fields(self, ("inbox_fd", "bell", "wake", "pidfd"))
         ring, self.ring = self.ring, None
         if ring is not None:
             unmap_view(ring)

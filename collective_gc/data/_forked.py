@@ -1,20 +1,25 @@
-"""Objects of this process that a fork handler must find again.
+"""What a forked child of a loader's process lets go of.
 
-A forked child must take its copies out of what the parent shares (its
-segments' mappings, its producers' states), so each such object is tracked
-here from when it is made. Tracking must not keep it alive, and what runs
-when it dies must run no Python code (NOTE [ Loader shutdown and interrupts ]
-in _loader, rule 5): each is held by a weak reference whose callback is a
-list's C-level ``append``, and the dead ones are dropped at the next
-:meth:`Tracked.add` (not a ``weakref.WeakSet``: its callback is Python code).
+A forked child must take its copies out of what the parent shares: its
+segments' mappings and its producers' states, tracked here from when each
+is made (:class:`Tracked`), and its copies of the descriptors of the
+parent's channels and workers (:func:`close_fields`).
+
+A tracked object is found again by the child's fork handler. Tracking must
+not keep it alive, and what runs when it dies must run no Python code (NOTE
+[ Loader shutdown and interrupts ] in _loader, rule 5): each is held by a
+weak reference whose callback is a list's C-level ``append``, and the dead
+ones are dropped at the next :meth:`Tracked.add` (not a
+``weakref.WeakSet``: its callback is Python code).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Generic, TypeVar
 
-__all__ = ["Tracked"]
+__all__ = ["Tracked", "close_fields"]
 
 T = TypeVar("T")
 
@@ -57,3 +62,19 @@ class Tracked(Generic[T]):
         self._refs.clear()
         self._dead.clear()
         return alive
+
+
+def close_fields(obj: object, names: tuple[str, ...]) -> None:
+    """In a forked child: close this process's copies of the descriptors in
+    ``obj``'s fields ``names`` (each set to -1 before its close), every one
+    whatever another's close raised (a close cut short by the fork may have
+    closed it already). Never a ``shutdown()``: that would cut the parent's
+    connection too."""
+    for name in names:
+        fd = getattr(obj, name)
+        if fd >= 0:
+            setattr(obj, name, -1)
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from . import _protocol as P
 from . import _shm
+from ._forked import close_fields
 from ._worker import BOOT
 
 __all__ = ["Spawned", "WorkerProcess", "spawn"]
@@ -199,11 +200,4 @@ class WorkerProcess:
         """
         self.forked = True
         self.lock = threading.Lock()
-        for name in ("sentinel", "boot"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                setattr(self, name, -1)
-                try:
-                    os.close(fd)
-                except OSError:  # closed already (a close cut short by the fork)
-                    pass
+        close_fields(self, ("sentinel", "boot"))

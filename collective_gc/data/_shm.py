@@ -30,7 +30,7 @@ import ctypes
 import mmap
 import os
 
-from ._tracked import Tracked
+from ._forked import Tracked
 
 __all__ = [
     "Segment",

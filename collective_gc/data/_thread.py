@@ -27,9 +27,9 @@ import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from ._forked import Tracked
 from ._loader import NOTHING, STATE_VERSION, Loader
 from ._protocol import LoaderError
-from ._tracked import Tracked
 
 __all__ = ["ThreadPrefetch"]
 

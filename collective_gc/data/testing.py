@@ -46,13 +46,13 @@ RING_AVAILABLE = _pool.RING
 
 #: The modules of this package a worker process imports, and the only ones:
 #: a worker never imports the parent's side of the loaders (pools, channels,
-#: loaders, threads; ``_tracked`` is what ``_shm`` finds a forked child's
+#: loaders, threads; ``_forked`` is what ``_shm`` finds a forked child's
 #: mappings with).
 WORKER_MODULES = frozenset(
     {
         "collective_gc.data._worker",
         "collective_gc.data._shm",
-        "collective_gc.data._tracked",
+        "collective_gc.data._forked",
         "collective_gc.data._protocol",
     }
 )
