@@ -76,5 +76,5 @@ def close_fields(obj: object, names: tuple[str, ...]) -> None:
             setattr(obj, name, -1)
             try:
                 os.close(fd)
-            except OSError:
+            except OSError:  # closed already (a close cut short by the fork): the rest still close
                 pass
