@@ -878,7 +878,7 @@ class FamilyState:
 
     def _abandon(self, req: Any) -> None:
         # MPI may still write into the buffer, and the request may be active:
-        # neither is used again, and both are kept for ever.
+        # neither is used again, and both are kept until it completes.
         keep_alive(req, self._buf)
         self._lo = self._nbits = -1
         self._preq = None
@@ -960,8 +960,9 @@ class FamilyState:
         GAVE_UP at its deadline, LEFT when an exception took it out, WOKEN
         when another's notice ended its wait (so that every rank can tell
         who was there from who was not: _transport.late_text). Local:
-        non-blocking sends, kept for the life of the process (a rank that
-        never waits again never receives). Only on these error paths."""
+        non-blocking sends, kept until complete (for the life of the
+        process if the rank they go to never waits again, never
+        receiving). Only on these error paths."""
         if self._sent or self._closed or self.comm is None:
             return
         if self.gone is not None and why != WOKEN:

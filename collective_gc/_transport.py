@@ -82,10 +82,21 @@ class Deadline:
 _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
 
-# Requests abandoned at a deadline, with the buffers MPI may still write into
-# or read from if a late rank arrives: kept alive for the life of the process
-# (a collective cannot be cancelled), so MPI never touches freed memory.
-_ABANDONED: list[tuple[MPI.Request | None, tuple[object, ...]]] = []
+class _Kept:
+    """A request MPI may still use, with the buffers it may still read or
+    write (see :func:`keep_alive`). Compared by identity, the default: the
+    list's ``remove`` finds this entry, never another that compares equal
+    (every complete request equals MPI.REQUEST_NULL)."""
+
+    __slots__ = ("req", "buffers")
+
+    def __init__(self, req: MPI.Request | None, buffers: tuple[object, ...]) -> None:
+        self.req = req
+        self.buffers = buffers
+
+
+# What keep_alive keeps; only it writes this list.
+_KEPT: list[_Kept] = []
 
 
 # The tag of a watch's notices (see collective_gc._state.FamilyState: the
@@ -256,8 +267,7 @@ def wait(
         # Timed out, or left (outside a protected region, or by a second
         # Ctrl-C): the request stays pending, and so must what MPI may still
         # touch.
-        if req != MPI.REQUEST_NULL:
-            _ABANDONED.append((req, buffers))
+        keep_alive(req, *buffers)
         raise
 
 
@@ -267,10 +277,41 @@ SPIN = 0.05
 
 
 def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
-    """Keep ``buffers`` (and ``req``) for ever unless ``req`` is complete: MPI
-    may still use them after a wait was abandoned."""
+    """Keep ``req`` and ``buffers`` until ``req`` completes: a request nobody
+    waits for (an abandoned wait's, a barrier only tested, a notice sent to a
+    rank that may never receive it), since MPI may still read or write the
+    buffers and forbids freeing a non-blocking collective's request before
+    it completes (nor can it be cancelled). ``req`` None: kept for ever (it
+    may have started). Then drops the entries kept earlier that a test
+    finds complete. Local; MPI_Test on each entry kept.
+
+    The one mechanism for such requests. An entry is removed only once
+    found complete (MPI touches neither it nor its buffers again), and the
+    new one is added first: an interrupt or another thread at any point
+    loses none (a complete entry left by one is dropped by the next call).
+    One that never completes (the others never arrived) stays for the life
+    of the process, tested at each call: a timeout leaves its family
+    unusable, so there are few."""
     if req is None or req != MPI.REQUEST_NULL:
-        _ABANDONED.append((req, buffers))
+        _KEPT.append(_Kept(req, buffers))
+    if MPI.Is_finalized():
+        return
+    for kept in _KEPT[:]:
+        if kept.req is not None and _complete(kept.req):
+            try:
+                _KEPT.remove(kept)
+            except ValueError:
+                pass  # (another thread, or a handler run here, removed it first)
+
+
+def _complete(req: MPI.Request) -> bool:
+    try:
+        return bool(req.Test())
+    except MPI.Exception:
+        # An error on a request nobody waits for is not this caller's to
+        # raise (it may be a sync point of another family): the entry is
+        # kept, as one that never completes.
+        return False
 
 
 def dup(comm: MPI.Intracomm, deadline: Deadline | None, what: Callable[[], str]) -> MPI.Intracomm:
@@ -298,7 +339,7 @@ def dup(comm: MPI.Intracomm, deadline: Deadline | None, what: Callable[[], str])
 # nor freed) each hold a reference to it: with three, the user's free and
 # finalize's two releases only decrement, and the parent is leaked instead.
 _HOLDS = 3
-_HELD: list[tuple[object, ...]] = []  # never freed, like _ABANDONED
+_HELD: list[tuple[object, ...]] = []  # never freed
 
 
 def _hold_parent(comm: MPI.Intracomm) -> tuple[object, ...]:

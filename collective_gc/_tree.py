@@ -34,6 +34,7 @@ from ._errors import (
     DestroyError,
 )
 from ._state import HOLD_GONE, HOLD_REACH, State
+from ._transport import keep_alive
 
 if TYPE_CHECKING:
     from ._collective import Collective
@@ -287,19 +288,13 @@ class _Listed:
             self.done_at = time.monotonic_ns()
 
 
-# The barriers posted, kept until they complete: MPI forbids freeing the
-# request of a non-blocking collective before then.
-_POSTED: list[MPI.Request] = []
-
-
 def _announce(comm: MPI.Intracomm | None) -> MPI.Request | None:
     # The barrier that says every rank has listed (see _Listed); None where
     # no MPI call may be made (a forked child, after MPI_Finalize).
     if comm is None or MPI.Is_finalized():
         return None
-    _POSTED[:] = [r for r in _POSTED if not r.Test()]
     req = comm.Ibarrier()
-    _POSTED.append(req)
+    keep_alive(req)  # (only tested: kept until complete)
     return req
 
 
@@ -479,7 +474,5 @@ def unreached_families() -> list[tuple[Collective, Manager]]:
 
 
 def after_fork() -> None:
-    """In a forked child nothing is reached from here (and the parent's
-    requests are not its own)."""
+    """In a forked child nothing is reached from here."""
     _UNREACHED.clear()
-    _POSTED.clear()
