@@ -219,10 +219,11 @@ class _Policy(_Seen):
             mine |= self.pace.code() << 3
         return mine
 
-    def may_raise(self, flags: int) -> bool:
-        # Only a collection runs code that may raise (an interrupt in a finalizer).
-        return self.votes(flags) & 7 != 0
-
+    # Its may_raise stays _Seen's False, a collection included: the collector
+    # reports what a finalizer raises as unraisable, and inside the sync
+    # point (a protected region) no signal's handler runs. What else could
+    # (a MemoryError) is kept for the family's next agreement, as any quiet
+    # finish's failure is: no word of its own after the finishes.
     def finish(self, mgr: Manager, flags: int) -> None:
         super().finish(mgr, flags)
         votes = self.votes(flags)
