@@ -47,6 +47,17 @@ GRID = 48  # unknowns: GRID * GRID
 # What the summary counts, on this rank.
 registrations: list[cgc.Registration] = []
 WAITED = [0.0]  # seconds at the barrier before each sync point (see SolverCache.solve)
+COLLECTOR = [0.0, 0.0]  # seconds in Python's cyclic collector; when the running one began
+
+
+def time_collector(phase: str, info: dict[str, int]) -> None:
+    # A gc callback: it only reads the clock (no MPI in a GC callback).
+    if phase == "start":
+        COLLECTOR[1] = time.perf_counter()
+    else:
+        COLLECTOR[0] += time.perf_counter() - COLLECTOR[1]
+
+
 # PETSc's own count of live objects: a serial Vec composed onto every object
 # we create; PETSc holds one reference to it per live holder.
 tracker = PETSc.Vec().createSeq(1, comm=PETSc.COMM_SELF)
@@ -181,6 +192,7 @@ def main() -> None:
     iterations = 0
     stuck = 0
     say(f"solver loop: {size} ranks, {GRID * GRID} unknowns, {STEPS} steps")
+    gc.callbacks.append(time_collector)
     t0 = time.perf_counter()
     with cgc.collective_scope(comm, gc="managed") as scope:
         cp.install(comm)
@@ -211,6 +223,7 @@ def main() -> None:
                 )
         del problem, op
     loop = time.perf_counter() - t0
+    gc.callbacks.remove(time_collector)
     noise.clear()
 
     created = len(registrations)
@@ -236,6 +249,10 @@ def main() -> None:
     say(
         f"  time in sync points           {sync_s:6.2f} s of {loop_s:.2f} s "
         f"({100 * sync_s / loop_s:.1f}%; {iterations} CG iterations on rank 0's count)"
+    )
+    say(
+        f"    of which Python's collector {total(COLLECTOR[0], MPI.MAX):6.2f} s "
+        "(the collections the ranks agreed on: automatic GC would make them elsewhere)"
     )
     say(
         f"  waiting for the slowest rank  {total(WAITED[0], MPI.MAX):6.2f} s "
