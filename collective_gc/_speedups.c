@@ -1584,8 +1584,10 @@ announce_c(FamilyState *s, int why)
         }
         Py_SETREF(s->gone, g);
     }
-    /* Kept for the life of the process, as the requests are: a rank that
-     * never waits again never receives. */
+    /* The note is kept for the life of the process (a rank that never waits
+     * again never receives, and a send may use it until received); each
+     * request is freed at once, which lets MPI release it once the send
+     * completes. */
     int64_t *note = PyMem_Malloc(3 * sizeof(int64_t));
     if (note == NULL) {
         PyErr_NoMemory();
@@ -1597,7 +1599,9 @@ announce_c(FamilyState *s, int why)
     for (int other = 0; other < s->size; other++) {
         if (other != s->rank) {
             MPI_Request r;
-            MPI_Isend(note, 3, MPI_INT64_T, other, TAG_GAVE_UP, s->mcomm, &r);
+            if (MPI_Isend(note, 3, MPI_INT64_T, other, TAG_GAVE_UP, s->mcomm, &r) == MPI_SUCCESS) {
+                MPI_Request_free(&r);
+            }
         }
     }
     return 0;

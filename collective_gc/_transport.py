@@ -294,8 +294,8 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
     unusable, so there are few."""
     if req is None or req != MPI.REQUEST_NULL:
         _KEPT.append(_Kept(req, buffers))
-    if MPI.Is_finalized():
-        return
+    if os.getpid() != _PID or MPI.Is_finalized():
+        return  # (a forked child's kept requests are its parent's: no MPI call on them)
     for kept in _KEPT[:]:
         if kept.req is not None and _complete(kept.req):
             try:
