@@ -22,7 +22,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import _collective, _gcpolicy, _interrupts, _lookup, _registration, local
+from . import _collective, _gcpolicy, _interrupts, _lookup, _registration, _transport, local
 from ._errors import ExitLeakWarning
 
 __all__ = ["exit_timeout"]
@@ -58,7 +58,7 @@ def exit_timeout() -> float:
 def _at_exit() -> None:
     if _registration.shut_down():
         return
-    if os.getpid() != _PID:
+    if _transport.forked():
         _registration.set_shut_down(True)  # a forked child runs none of the parent's destroys
         local.shutdown()
         return
@@ -160,6 +160,5 @@ def _excepthook(
 # the body's exception). Later reads see a value the program set since.
 exit_timeout()
 sys.excepthook = _excepthook
-_PID = os.getpid()
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)

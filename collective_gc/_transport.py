@@ -97,6 +97,20 @@ class _Kept:
 
 # What keep_alive keeps; only it writes this list.
 _KEPT: list[_Kept] = []
+_PID = os.getpid()
+
+
+def forked() -> bool:
+    """Whether this process is a fork of the one that imported collective_gc.
+    Its MPI state, requests and communicators are the parent's copies: it
+    makes no MPI call on them. Local."""
+    return os.getpid() != _PID
+
+
+def _mpi_usable() -> bool:
+    # What every call here on an MPI object kept from earlier checks first:
+    # not in a forked child (see forked), not after MPI_Finalize.
+    return not forked() and not MPI.Is_finalized()
 
 
 # The tag of a watch's notices (see collective_gc._state.FamilyState: the
@@ -294,8 +308,8 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
     unusable, so there are few."""
     if req is None or req != MPI.REQUEST_NULL:
         _KEPT.append(_Kept(req, buffers))
-    if os.getpid() != _PID or MPI.Is_finalized():
-        return  # (a forked child's kept requests are its parent's: no MPI call on them)
+    if not _mpi_usable():
+        return  # (a forked child's kept requests are its parent's)
     for kept in _KEPT[:]:
         if kept.req is not None and _complete(kept.req):
             try:
@@ -366,14 +380,13 @@ def _hold_parent(comm: MPI.Intracomm) -> tuple[object, ...]:
 # module writes _RETIRED.
 RETIRED = 64
 _RETIRED: collections.deque[MPI.Intracomm] = collections.deque()
-_PID = os.getpid()
 
 
 def retire(comm: MPI.Intracomm | None) -> None:
     """Keep ``comm``, a private duplicate no family uses any more, and free
     the oldest kept beyond :data:`RETIRED`. Local."""
-    if comm is None or os.getpid() != _PID or MPI.Is_finalized():
-        return  # (a forked child's MPI is its parent's: no call on it)
+    if comm is None or not _mpi_usable():
+        return
     _RETIRED.append(comm)
     while len(_RETIRED) > RETIRED:
         oldest = _RETIRED.popleft()
