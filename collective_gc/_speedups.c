@@ -2361,7 +2361,7 @@ steady_agree(FamilyState *s, Steady *st, long long fp, double at)
     if (unusual) {
         return steady_hand_back(s, st, STEP_AGREE); /* the steps go on from the agreement */
     }
-    agreed_c(s, s->next_key);
+    agreed_c(s, s->buf[2]); /* the next key every rank sent (plain_header: all alike), as the steps do */
     st->flags = agreed;
     return 1;
 }

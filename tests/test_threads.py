@@ -21,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+import collective_gc.testing as cgc_testing
 
 from _util import (
     WORLD,
@@ -375,6 +376,93 @@ def test_a_library_communicator_freed_on_another_thread_lets_go_alike_on_every_r
     part.Free()
     base.Free()
     assert verdicts == [([], ["on the split"])] * size, verdicts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_registration_made_while_this_rank_waits_in_a_sync_point_is_the_next_ones(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """Each rank's thread registers once its sync point has taken in what was
+    queued (so after the rank sent its message), and the ranks arrive apart:
+    on the early ones the registration lands while the sync point still waits
+    for the others, on the last one after it returned, or just before. It is
+    the next interval's everywhere, and the key window the ranks move to must
+    be the same on all of them: the C steady state once moved it by its own
+    next key rather than by the one every rank sent, so the windows parted,
+    every later sync point took the steps and a destroy was left behind
+    (found by a review of the C twin, stop 55)."""
+    kept = [Obj() for _ in range(300)]  # keys above the smallest window: its start moves
+    for o in kept:
+        cgc.register(o, noop, comm=comm)
+    cgc.collect(comm)
+    last = comm.Get_rank() == comm.Get_size() - 1
+    go, done, stop = threading.Event(), threading.Event(), threading.Event()
+    inside = [False]
+    during = [0]
+    errors: list[BaseException] = []
+
+    def queue_one() -> None:
+        # Registered and dropped here: queued, for the next sync point to take in.
+        o = Obj()
+        cgc.register(o, noop, comm=comm)
+        del o
+
+    def registrar() -> None:
+        # The only thread registering from here on (a second registering
+        # thread is refused until a sync point has come between the two).
+        try:
+            queue_one()
+            done.set()
+            while go.wait(30) and not stop.is_set():
+                go.clear()
+                while cgc_testing.family(comm).inbox:  # type: ignore[union-attr]
+                    time.sleep(0.0005)  # not yet taken in: the message is not sent yet
+                time.sleep(0.002)
+                during[0] += inside[0]
+                queue_one()
+                done.set()
+        except BaseException as exc:  # noqa: BLE001 (asserted on every rank below)
+            errors.append(exc)
+            done.set()
+
+    t = threading.Thread(target=registrar)
+    t.start()
+    failed: BaseException | None = None
+    try:
+        assert done.wait(20)
+        with GcDisabled():
+            for _ in range(40):
+                if last:
+                    time.sleep(0.03)  # the others wait for it meanwhile
+                done.clear()
+                go.set()
+                inside[0] = True
+                cgc.collect(comm, timeout=20)
+                inside[0] = False
+                assert done.wait(20)
+    except BaseException as exc:  # noqa: BLE001 (asserted on every rank below)
+        failed = exc
+    finally:
+        stop.set()
+        go.set()
+        t.join()
+    assert everyone(comm, repr(failed) if failed or errors else None) == [None] * comm.Get_size(), (
+        failed,
+        errors,
+    )
+    assert sum(everyone(comm, during[0])) > 0  # the case this test is for happened
+    family = cgc_testing.family(comm)
+    assert family is not None
+    assert same_on_all(comm, family.window), everyone(comm, family.window)
+    # After the first sync point (the one after the 300 keys), every one stayed steady.
+    assert everyone(comm, outcomes[1:]) == [["steady"] * 40] * comm.Get_size()
+    del kept, o
+    cgc.collect(comm)
+    cgc.collect(comm)
+    # Every registration made (300 kept, 41 on the thread) is destroyed, on every rank.
+    mgr = cgc.manager(comm)
+    assert everyone(comm, (cgc.pending(comm), len(mgr.alive()))) == [([], 0)] * comm.Get_size()
+    assert same_on_all(comm, mgr.next_key)
 
 
 def test_keys_still_agree_after_the_tests_above(comm: MPI.Intracomm) -> None:
