@@ -885,3 +885,4 @@ def after_fork() -> None:
     _LOCK = threading.RLock()
     for fam in _FAMILIES:
         fam.after_fork()
+    _tree.after_fork()  # (its listed barriers are the parent's requests)

@@ -49,6 +49,8 @@ __all__ = [
     "late_text",
     "GRACE",
     "keep_alive",
+    "forked",
+    "mpi_usable",
     "dup",
     "retire",
     "kept",
@@ -107,9 +109,10 @@ def forked() -> bool:
     return os.getpid() != _PID
 
 
-def _mpi_usable() -> bool:
-    # What every call here on an MPI object kept from earlier checks first:
-    # not in a forked child (see forked), not after MPI_Finalize.
+def mpi_usable() -> bool:
+    """Whether this process may call MPI on what it kept from earlier
+    (requests, communicators): not in a forked child (see :func:`forked`),
+    not after MPI_Finalize. Local."""
     return not forked() and not MPI.Is_finalized()
 
 
@@ -308,7 +311,7 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
     unusable, so there are few."""
     if req is None or req != MPI.REQUEST_NULL:
         _KEPT.append(_Kept(req, buffers))
-    if not _mpi_usable():
+    if not mpi_usable():
         return  # (a forked child's kept requests are its parent's)
     for kept in _KEPT[:]:
         if kept.req is not None and _complete(kept.req):
@@ -385,7 +388,7 @@ _RETIRED: collections.deque[MPI.Intracomm] = collections.deque()
 def retire(comm: MPI.Intracomm | None) -> None:
     """Keep ``comm``, a private duplicate no family uses any more, and free
     the oldest kept beyond :data:`RETIRED`. Local."""
-    if comm is None or not _mpi_usable():
+    if comm is None or not mpi_usable():
         return
     _RETIRED.append(comm)
     while len(_RETIRED) > RETIRED:

@@ -34,7 +34,7 @@ from ._errors import (
     DestroyError,
 )
 from ._state import HOLD_GONE, HOLD_REACH, State
-from ._transport import keep_alive
+from ._transport import keep_alive, mpi_usable
 
 if TYPE_CHECKING:
     from ._collective import Collective
@@ -266,18 +266,20 @@ class _Listed:
     eventually, so a collision delays, never stops, an adoption; a family
     listed long before a parent is made is adopted at its first sync point.
 
-    Without a barrier (``req`` None: a family of one process, whose sync
-    points involve no other rank; or the orphans of an unusable family,
-    whose communicator can carry nothing more), a family is adopted by the
-    first sync point that looks, as it always was."""
+    Not announced (a family of one process, whose sync points involve no
+    other rank; the orphans of an unusable family, whose communicator can
+    carry nothing more; where MPI may not be called), a family is adopted
+    by the first sync point that looks, as it always was."""
 
     __slots__ = ("fam", "owner", "req", "announced", "done_at")
 
-    def __init__(self, fam: Collective, owner: Manager, req: MPI.Request | None) -> None:
+    def __init__(self, fam: Collective, owner: Manager, announced: bool) -> None:
         self.fam = weakref.ref(fam)
         self.owner = weakref.ref(owner)
-        self.req = req
-        self.announced = req is not None
+        # Posted only once the entry is listed (see add_unreached); until
+        # then, an announced entry is unripe.
+        self.req: MPI.Request | None = None
+        self.announced = announced
         self.done_at = 0  # when this rank found the barrier complete (0: not yet)
 
     def look(self) -> None:
@@ -288,11 +290,8 @@ class _Listed:
             self.done_at = time.monotonic_ns()
 
 
-def _announce(comm: MPI.Intracomm | None) -> MPI.Request | None:
-    # The barrier that says every rank has listed (see _Listed); None where
-    # no MPI call may be made (a forked child, after MPI_Finalize).
-    if comm is None or MPI.Is_finalized():
-        return None
+def _announce(comm: MPI.Intracomm) -> MPI.Request:
+    # The barrier that says every rank has listed (see _Listed).
     req = comm.Ibarrier()
     keep_alive(req)  # (only tested: kept until complete)
     return req
@@ -323,11 +322,24 @@ def add_unreached(
     """``fam`` (first used through ``mgr``) was reached by nothing: every
     family's sync point looks through the list (they may contain it).
     ``announce``: the communicator of the barrier (see :class:`_Listed`);
-    None for a family of one process. Local, but for that barrier's post."""
-    _UNREACHED.append(_Listed(fam, mgr, _announce(announce) if fam.size > 1 else None))
+    None for a family of one process. Local, but for that barrier's post.
+
+    The entry is listed before its barrier is posted: a barrier complete
+    on some rank says that every rank has listed the family only if no
+    rank posts it before listing (a sync point of another thread's, run
+    while this one posts, would find it unlisted here and listed there)."""
+    announced = fam.size > 1 and announce is not None and mpi_usable()
+    entry = _Listed(fam, mgr, announced)
+    _UNREACHED.append(entry)
     for other in families:
         if other is not fam and other.size > 1:
             other.core.set_hold(HOLD_REACH, True)
+    if announce is not None and announced:
+        try:
+            entry.req = _announce(announce)
+        except BaseException:
+            _drop([entry])  # never ripe without its barrier: not listed at all
+            raise
 
 
 def made(fam: Collective) -> None:
