@@ -898,18 +898,18 @@ fs_wants_c(FamilyState *s)
     if (s->comm != Py_None && s->marks[s->nmarks - 1] != s->next_key) {
         return 1; /* registered since its last sync point */
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(s->parts); i++) {
+    /* Held: a vote may set other participants, freeing the tuple. */
+    PyObject *parts = Py_NewRef(s->parts);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(parts); i++) {
         long v;
-        if (vote_of(PyTuple_GET_ITEM(s->parts, i), LOOK, &v) < 0) {
-            if (PyErr_Occurred()) {
-                return -1;
-            }
-            return 1; /* a bad vote: the steps say so */
-        }
-        if (v) {
-            return 1;
+        int rc = vote_of(PyTuple_GET_ITEM(parts, i), LOOK, &v);
+        if (rc < 0 || v) {
+            Py_DECREF(parts);
+            /* An exception, or a bad vote (the steps say so), or a vote. */
+            return rc < 0 && PyErr_Occurred() ? -1 : 1;
         }
     }
+    Py_DECREF(parts);
     int idle = children_idle(s);
     return idle < 0 ? -1 : !idle;
 }
@@ -1576,23 +1576,25 @@ announce_c(FamilyState *s, int why)
     if (s->sent || s->closed || s->comm == Py_None || (s->gone != Py_None && why != WOKEN)) {
         return 0;
     }
-    s->sent = 1;
-    if (s->gone == Py_None) {
-        PyObject *g = Py_BuildValue("(iLi)", s->rank, s->wseq, why);
-        if (g == NULL) {
-            return -1;
-        }
-        Py_SETREF(s->gone, g);
-    }
-    /* The note is kept for the life of the process (a rank that never waits
-     * again never receives, and a send may use it until received); each
-     * request is freed at once, which lets MPI release it once the send
-     * completes. */
+    /* What can fail first: marked sent only when the sends are made, so a
+     * failure here leaves the notice to a later call. The note is kept for
+     * the life of the process (a rank that never waits again never
+     * receives, and a send may use it until received); each request is
+     * freed at once, which lets MPI release it once the send completes. */
     int64_t *note = PyMem_Malloc(3 * sizeof(int64_t));
     if (note == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    if (s->gone == Py_None) {
+        PyObject *g = Py_BuildValue("(iLi)", s->rank, s->wseq, why);
+        if (g == NULL) {
+            PyMem_Free(note);
+            return -1;
+        }
+        Py_SETREF(s->gone, g);
+    }
+    s->sent = 1;
     note[0] = s->rank;
     note[1] = s->wseq;
     note[2] = why;
@@ -1734,13 +1736,13 @@ start_and_wait(FamilyState *s, double at)
     }
     if (index == 1) {
         s->received = 1;
+        abandon_buffer(s); /* first: the allreduce may still write into it, whatever fails next */
         PyObject *g = Py_BuildValue("(LLL)", (long long)s->wbuf[0], (long long)s->wbuf[1],
                                     (long long)s->wbuf[2]);
         if (g == NULL) {
             return -1;
         }
         Py_SETREF(s->gone, g);
-        abandon_buffer(s);
         return WATCHED;
     }
     return DONE;
@@ -2059,7 +2061,13 @@ destroy_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, PyObject *batched, 
             else {
                 for (Py_ssize_t e = 0; PyList_Check(errs) && e < PyList_GET_SIZE(errs); e++) {
                     PyObject *pair = PyList_GET_ITEM(errs, e);
+                    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) < 2) {
+                        continue; /* a runner set with set_batch must return (index, exc) pairs */
+                    }
                     Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+                    if (at == -1 && PyErr_Occurred()) {
+                        PyErr_Clear(); /* no destroy of this run runs with it set */
+                    }
                     Reg *r = at >= 0 && start + at < end ? (Reg *)PyList_GET_ITEM(taken, start + at) : NULL;
                     PyObject *row = Py_BuildValue("(LOO)", r ? r->key : -1LL,
                                                   r ? r->name : Py_None, PyTuple_GET_ITEM(pair, 1));
@@ -2248,6 +2256,8 @@ fs_plain(FamilyState *s, PyObject *votes)
  * 8. report). */
 typedef struct {
     PyObject *extra;    /* the sync point's own participant (borrowed), or None */
+    PyObject *parts;    /* the family's participants at its start (owned: a vote, destroy
+                           or finish may set others, freeing the tuple s->parts was) */
     Py_ssize_t np, all; /* the family's participants; with extra */
     long long flags;    /* after prepare: this rank's votes; after agree: the agreed flags */
     int64_t *keys;      /* the keys drained from the inbox, sorted (owned) */
@@ -2261,7 +2271,7 @@ typedef struct {
 static PyObject *
 steady_part(FamilyState *s, Steady *st, Py_ssize_t i)
 {
-    return i < st->np ? PyTuple_GET_ITEM(s->parts, i) : st->extra;
+    return i < st->np ? PyTuple_GET_ITEM(st->parts, i) : st->extra;
 }
 
 /* The keys drained, pending again for the steps, which go on from `step`
@@ -2287,7 +2297,7 @@ steady_prepare(FamilyState *s, Steady *st)
     if (q <= 0) {
         return q;
     }
-    st->np = PyTuple_GET_SIZE(s->parts);
+    st->np = PyTuple_GET_SIZE(st->parts);
     st->all = st->np + (st->extra != Py_None);
     for (Py_ssize_t i = 0; i < st->all; i++) {
         PyObject *p = steady_part(s, st, i);
@@ -2465,7 +2475,7 @@ fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     if (PyErr_Occurred()) {
         return NULL;
     }
-    Steady st = {.extra = a[2]};
+    Steady st = {.extra = a[2], .parts = Py_NewRef(s->parts)};
     s->progress = 0;
     int go = steady_prepare(s, &st);
     if (go > 0) {
@@ -2477,10 +2487,9 @@ fs_steady(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     if (go > 0) {
         go = steady_finish(s, &st);
     }
-    if (go > 0) {
-        return steady_report(s, &st, t0, a[1]);
-    }
-    return go < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *out = go > 0 ? steady_report(s, &st, t0, a[1]) : go < 0 ? NULL : Py_NewRef(Py_None);
+    Py_DECREF(st.parts);
+    return out;
 }
 
 static PyMethodDef fs_methods[] = {

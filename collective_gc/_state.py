@@ -967,10 +967,12 @@ class FamilyState:
             return
         if self.gone is not None and why != WOKEN:
             return  # (a notice came first: this rank was woken, and says so with WOKEN)
-        self._sent = True
+        # Marked sent only once nothing before the sends can fail (memory):
+        # a failure leaves the notice to a later call.
         note = np.array((self.rank, self._wseq, why), dtype=np.int64)
         if self.gone is None:
             self.gone = (self.rank, self._wseq, why)
+        self._sent = True
         comm = self.comm
         for other in range(self.size):
             if other != self.rank:
