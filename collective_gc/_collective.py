@@ -608,8 +608,15 @@ class Collective:
         """A sync point left by ``exc``: what that makes of the family."""
         core = self.core
         if isinstance(exc, CollectiveTimeoutError):
-            # An abandoned collective could match a later one: never again.
-            self.become(State.UNUSABLE, f"sync point {core.seq} timed out on this rank")
+            # An abandoned collective could match a later one: never again. A
+            # timeout of the family's own collectives told its other ranks (its
+            # watch); one of a child's, visited from here, told only the
+            # child's ranks: abandon tells this family's (announce sends once).
+            reason = f"sync point {core.seq} timed out on this rank"
+            if core.inside:
+                self.abandon(reason)
+            else:
+                self.become(State.UNUSABLE, reason)
         elif isinstance(exc, CollectiveMismatchError):
             # Every rank saw the same agreement, so every rank gets here.
             if core.inside:

@@ -331,3 +331,55 @@ def test_a_timeout_names_the_rank_the_others_waited_for(comm: MPI.Intracomm) -> 
         # taken out must name the late rank.
         rest = re.sub(rf"\brank {r}: ", "", text)
         assert re.search(rf"\brank(?:\(s\))? \[?{late}\b", rest), (r, text)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_timeout_in_a_childs_sync_point_tells_the_parents_other_ranks(
+    comm: MPI.Intracomm,
+) -> None:
+    """Ranks 0 and 1 share a ``cgc.split`` child of the communicator, whose
+    sync points the communicator's visit; in one, rank 1's finish is slower
+    than the deadline, so both leave it by CollectiveTimeoutError, and the
+    communicator's sync point with it, while ranks 2 and 3, outside the
+    child, finish theirs. The communicator is unusable on ranks 0 and 1: the
+    next sync point must end on ranks 2 and 3 too, at once, by the notice
+    ranks 0 and 1 sent, not at its own deadline (or never, without one).
+    Before, the timeout's notice went out on the child's watch only (found
+    by a review of collective_gc._tree, stop 55)."""
+    rank = comm.Get_rank()
+    half = cgc.split(comm, 0 if rank < 2 else 1)
+    slow = [False]
+
+    class Slow(cgc.Participant):
+        def finish(self, mgr: cgc.Manager, flags: int) -> None:
+            if slow[0] and rank == 1:
+                time.sleep(3.0)
+
+    if rank < 2:
+        cgc.manager(half).add_participant(Slow())
+    cgc.collect(comm, generation=None, timeout=30)
+    slow[0] = True
+    first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=1.0))
+    t0 = time.monotonic()
+    second: list[str] = []
+    try:
+        cgc.collect(comm, generation=None, timeout=20)
+        second.append("ok")
+    except cgc.CollectiveGCError as exc:
+        second.append(type(exc).__name__)
+        second.append(str(exc))
+    waited = time.monotonic() - t0
+    verdicts = everyone(comm, (first, second[0], waited < 10, second[1:]))
+    expected_first = ["CollectiveTimeoutError"] * 2 + ["ok"] * 2
+    assert [v[0] for v in verdicts] == expected_first, verdicts
+    assert [v[1] for v in verdicts] == ["CollectiveGCError"] * 2 + ["CollectiveTimeoutError"] * 2, (
+        verdicts
+    )
+    assert all(v[2] for v in verdicts), verdicts  # told, not timed out
+    for text in (v[3][0] for v in verdicts[2:]):  # the ranks that left are named
+        assert any(name in text for name in ("rank 0", "rank 1", "[0, 1]")), text
+    # Let the child go here (unusable on ranks 0 and 1, closed by its own last
+    # sync points on 2 and 3), rather than leave it listed for a later test's
+    # family to adopt when the communicator goes.
+    cgc.manager(half).close(timeout=20)
+    del half
