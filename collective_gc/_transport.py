@@ -30,6 +30,7 @@ import array
 import collections
 import os
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -49,6 +50,7 @@ __all__ = [
     "late_text",
     "GRACE",
     "keep_alive",
+    "test_kept",
     "forked",
     "mpi_usable",
     "dup",
@@ -99,6 +101,11 @@ class _Kept:
 
 # What keep_alive keeps; only it writes this list.
 _KEPT: list[_Kept] = []
+# Held while a thread tests kept requests (keep_alive, test_kept): MPI_Test
+# runs without the GIL, and two threads completing one request at once is
+# erroneous (Open MPI frees it in both). Re-entrant: a signal's handler run
+# between two tests may prune too, one test after the other.
+_TESTING = threading.RLock()
 _PID = os.getpid()
 
 
@@ -313,12 +320,25 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
         _KEPT.append(_Kept(req, buffers))
     if not mpi_usable():
         return  # (a forked child's kept requests are its parent's)
-    for kept in _KEPT[:]:
-        if kept.req is not None and _complete(kept.req):
-            try:
-                _KEPT.remove(kept)
-            except ValueError:
-                pass  # (another thread, or a handler run here, removed it first)
+    if not _TESTING.acquire(blocking=False):
+        return  # another thread is testing them: its call, or the next, prunes
+    try:
+        for kept in _KEPT[:]:
+            if kept.req is not None and _complete(kept.req):
+                try:
+                    _KEPT.remove(kept)
+                except ValueError:
+                    pass  # (a handler run here removed it first)
+    finally:
+        _TESTING.release()
+
+
+def test_kept(req: MPI.Request) -> bool:
+    """Whether ``req``, a request given to :func:`keep_alive` that its
+    caller also looks at, has completed (False on an MPI error, as for the
+    entries kept). Local; MPI_Test, one thread at a time."""
+    with _TESTING:
+        return _complete(req)
 
 
 def _complete(req: MPI.Request) -> bool:

@@ -34,7 +34,7 @@ from ._errors import (
     DestroyError,
 )
 from ._state import HOLD_GONE, HOLD_REACH, State
-from ._transport import keep_alive, mpi_usable
+from ._transport import keep_alive, mpi_usable, test_kept
 
 if TYPE_CHECKING:
     from ._collective import Collective
@@ -285,7 +285,7 @@ class _Listed:
     def look(self) -> None:
         """Whether the barrier completed, noted with the time (monotonic,
         this rank's: only compared with this rank's own marks). Local."""
-        if not self.done_at and self.req is not None and self.req.Test():
+        if not self.done_at and self.req is not None and test_kept(self.req):
             self.req = None
             self.done_at = time.monotonic_ns()
 
