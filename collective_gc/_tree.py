@@ -330,16 +330,16 @@ def add_unreached(
     while this one posts, would find it unlisted here and listed there)."""
     announced = fam.size > 1 and announce is not None and mpi_usable()
     entry = _Listed(fam, mgr, announced)
-    _UNREACHED.append(entry)
+    try:
+        _UNREACHED.append(entry)
+        if announce is not None and announced:
+            entry.req = _announce(announce)
+    except BaseException:
+        _drop([entry])  # never ripe without its barrier: not listed at all
+        raise
     for other in families:
         if other is not fam and other.size > 1:
             other.core.set_hold(HOLD_REACH, True)
-    if announce is not None and announced:
-        try:
-            entry.req = _announce(announce)
-        except BaseException:
-            _drop([entry])  # never ripe without its barrier: not listed at all
-            raise
 
 
 def made(fam: Collective) -> None:
