@@ -339,13 +339,17 @@ def test_a_timeout_in_a_childs_sync_point_tells_the_parents_other_ranks(
 ) -> None:
     """Ranks 0 and 1 share a ``cgc.split`` child of the communicator, whose
     sync points the communicator's visit; in one, rank 1's finish is slower
-    than the deadline, so both leave it by CollectiveTimeoutError, and the
-    communicator's sync point with it, while ranks 2 and 3, outside the
-    child, finish theirs. The communicator is unusable on ranks 0 and 1: the
-    next sync point must end on ranks 2 and 3 too, at once, by the notice
-    ranks 0 and 1 sent, not at its own deadline (or never, without one).
-    Before, the timeout's notice went out on the child's watch only (found
-    by a review of collective_gc._tree, stop 55)."""
+    than the deadline, so rank 0, waiting for it, leaves by
+    CollectiveTimeoutError, and the communicator's sync point with it, while
+    ranks 2 and 3, outside the child, finish theirs. Rank 1 leaves by the
+    same error, unless what it still waits for after its slow finish had
+    already come (whether it has depends on when the MPI's progress ran, and
+    differs between Open MPI and MPICH): then its sync point completes. The
+    communicator is unusable where the sync point timed out; the next sync
+    point must end on every other rank too, at once, by the notice rank 0
+    sent, not at its own deadline (or never, without one). Before, the
+    timeout's notice went out on the child's watch only (found by a review
+    of collective_gc._tree, stop 55)."""
     rank = comm.Get_rank()
     half = cgc.split(comm, 0 if rank < 2 else 1)
     slow = [False]
@@ -370,14 +374,16 @@ def test_a_timeout_in_a_childs_sync_point_tells_the_parents_other_ranks(
         second.append(str(exc))
     waited = time.monotonic() - t0
     verdicts = everyone(comm, (first, second[0], waited < 10, second[1:]))
-    expected_first = ["CollectiveTimeoutError"] * 2 + ["ok"] * 2
-    assert [v[0] for v in verdicts] == expected_first, verdicts
-    assert [v[1] for v in verdicts] == ["CollectiveGCError"] * 2 + ["CollectiveTimeoutError"] * 2, (
-        verdicts
-    )
-    assert all(v[2] for v in verdicts), verdicts  # told, not timed out
-    for text in (v[3][0] for v in verdicts[2:]):  # the ranks that left are named
-        assert any(name in text for name in ("rank 0", "rank 1", "[0, 1]")), text
+    assert verdicts[0][0] == "CollectiveTimeoutError", verdicts
+    assert verdicts[1][0] in ("CollectiveTimeoutError", "ok"), verdicts
+    assert [v[0] for v in verdicts[2:]] == ["ok"] * 2, verdicts
+    for r, (first_r, second_r, quick, text) in enumerate(verdicts):
+        if first_r == "ok":  # told by the others' notice, which names them
+            assert second_r == "CollectiveTimeoutError", (r, verdicts)
+            assert any(name in text[0] for name in ("rank 0", "rank 1", "[0, 1]")), (r, text)
+        else:  # unusable here since its own timeout
+            assert second_r == "CollectiveGCError", (r, verdicts)
+        assert quick, (r, verdicts)  # told, not timed out
     # Let the child go here (unusable on ranks 0 and 1, closed by its own last
     # sync points on 2 and 3), rather than leave it listed for a later test's
     # family to adopt when the communicator goes.
