@@ -46,7 +46,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._state import WINDOW_LIMIT, WINDOW_MIN, WORDS, FamilyState
-from ._transport import Deadline, allgather, allreduce, gave_up_error, wait
+from ._transport import Deadline, allgather, allreduce, bcast, gave_up_error
 
 __all__ = [
     "FLAG_CYCLIC",
@@ -137,7 +137,7 @@ def intersect(
         common = allreduce(comm, np.packbits(bits), MPI.BAND, deadline, what)
         return np.flatnonzero(np.unpackbits(common, count=span)).astype(np.int64) + lo
     theirs = keys.copy() if comm.Get_rank() == root else np.empty(fewest, dtype=np.int64)
-    wait(comm.Ibcast(theirs, root), deadline, what, theirs)
+    bcast(comm, theirs, root, deadline, what)
     at = keys.searchsorted(theirs)
     held = at < keys.size
     held[held] = keys[at[held]] == theirs[held]

@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._switch import SPEEDUPS
-from ._transport import DONE, TAG_GAVE_UP, WOKEN, keep_alive, poll
+from ._transport import DONE, TAG_GAVE_UP, WOKEN, isend, keep_alive, poll
 
 __all__ = [
     "ALIVE",
@@ -870,7 +870,9 @@ class FamilyState:
             req = self._start()
             found = poll(req, deadline, self)
         except BaseException:
-            self._abandon(req)
+            # (req None: an interrupt as the post returned; a persistent
+            # request, started, is still this state's, and kept with it.)
+            self._abandon(req if req is not None else self._preq)
             raise
         if found != DONE:
             self._abandon(req)
@@ -976,7 +978,7 @@ class FamilyState:
         comm = self.comm
         for other in range(self.size):
             if other != self.rank:
-                keep_alive(comm.Isend([note, MPI.INT64_T], other, TAG_GAVE_UP), note)
+                isend(comm, note, other, TAG_GAVE_UP)
 
     def close(self, let_go: bool) -> MPI.Intracomm | None:
         """Withdraw the watch's receive and free an inactive persistent

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import os
 import pickle
 import threading
@@ -45,7 +46,6 @@ __all__ = [
     "Deadline",
     "Watched",
     "poll",
-    "wait",
     "gave_up_error",
     "late_text",
     "GRACE",
@@ -59,6 +59,9 @@ __all__ = [
     "RETIRED",
     "allreduce",
     "allgather",
+    "bcast",
+    "ibarrier",
+    "isend",
     "SPIN",
     "TAG_GAVE_UP",
     "GAVE_UP",
@@ -88,20 +91,24 @@ _Buf = TypeVar("_Buf", "np.ndarray[Any, Any]", "array.array[int]")
 
 class _Kept:
     """A request MPI may still use, with the buffers it may still read or
-    write (see :func:`keep_alive`). Compared by identity, the default: the
-    list's ``remove`` finds this entry, never another that compares equal
-    (every complete request equals MPI.REQUEST_NULL)."""
+    write (see :func:`keep_alive`), and what posting it returned
+    (``posted``: the request, or MPI_Comm_idup's pair, whose new handle MPI
+    writes later). ``req`` None: not tested by a prune, kept for ever unless
+    its owner lets it go (see :func:`_post`). Compared by identity, the
+    default: the list's ``remove`` finds this entry, never another that
+    compares equal (every complete request equals MPI.REQUEST_NULL)."""
 
-    __slots__ = ("req", "buffers")
+    __slots__ = ("req", "buffers", "posted")
 
     def __init__(self, req: MPI.Request | None, buffers: tuple[object, ...]) -> None:
         self.req = req
         self.buffers = buffers
+        self.posted: object = None
 
 
-# What keep_alive keeps; only it writes this list.
+# What keep_alive and _post keep; only this module's functions write this list.
 _KEPT: list[_Kept] = []
-# Held while a thread tests kept requests (keep_alive, test_kept): MPI_Test
+# Held while a thread tests kept requests (_prune, test_kept): MPI_Test
 # runs without the GIL, and two threads completing one request at once is
 # erroneous (Open MPI frees it in both). Re-entrant: a signal's handler run
 # between two tests may prune too, one test after the other.
@@ -258,24 +265,46 @@ def poll(req: MPI.Request, at: float | None, watch: Watched | None) -> int:
     return DONE
 
 
-def wait(
+def _post(*buffers: object) -> _Kept:
+    """The entry that keeps a request this module is about to post, kept
+    before the request exists: the caller posts into its ``posted``.
+
+    The one mechanism for the window between MPI posting a request and the
+    caller holding it. An interrupt (a second Ctrl-C inside a protected
+    region, any signal outside one, raised by its handler at the next
+    bytecode) can land anywhere in it; the buffers were kept first, so
+    whatever it hits, MPI never reads or writes freed memory, and the
+    request, once stored in the entry, is never freed while active. Until
+    its owner lets it go the entry's ``req`` is None: kept for ever, and
+    never tested by another thread's prune while the owner polls it (two
+    threads completing one request is erroneous). Let go complete, it is
+    dropped; abandoned, ``req`` is set and the prunes test it from then on
+    (see :func:`_wait`)."""
+    entry = _Kept(None, buffers)
+    _KEPT.append(entry)
+    return entry
+
+
+def _wait(
+    entry: _Kept,
     req: MPI.Request,
     deadline: Deadline | None,
     what: Callable[[], str],
-    *buffers: object,
     check: bool = True,
 ) -> None:
-    """Complete ``req`` (a collective on a family's private communicator)
-    against ``deadline`` and, if it has one, its watch: a rank that gave up
-    anywhere ends the wait here with :class:`CollectiveTimeoutError`, whether
-    or not this rank has a deadline, and so does a notice found once ``req``
-    completed (unless ``check`` is false: the caller checks).
+    """Complete ``req``, posted into ``entry`` (:func:`_post`; a collective
+    on a family's private communicator) against ``deadline`` and, if it has
+    one, its watch: a rank that gave up anywhere ends the wait here with
+    :class:`CollectiveTimeoutError`, whether or not this rank has a
+    deadline, and so does a notice found once ``req`` completed (unless
+    ``check`` is false: the caller checks).
 
-    ``buffers`` are kept alive for ever if the request is abandoned, since MPI
-    may still read or write them when a late rank arrives.
+    Complete, the entry is dropped. Abandoned (a timeout, an exception out
+    of the poll), it stays, with the buffers MPI may still read or write
+    when a late rank arrives, until a prune finds the request complete.
     """
-    watch = None if deadline is None else deadline.watch
     try:
+        watch = None if deadline is None else deadline.watch
         if watch is not None and watch.gone is not None:
             raise gave_up_error(watch, what)  # a rank gave up earlier: nothing completes in step
         found = poll(req, None if deadline is None else deadline.at, watch)
@@ -289,10 +318,15 @@ def wait(
             raise gave_up_error(watch, what)
     except BaseException:
         # Timed out, or left (outside a protected region, or by a second
-        # Ctrl-C): the request stays pending, and so must what MPI may still
-        # touch.
-        keep_alive(req, *buffers)
+        # Ctrl-C): the request stays pending, and its entry with it.
+        entry.req = req
+        _prune()
         raise
+    entry.req = req  # complete: an interrupt from here on leaves it to a prune
+    try:
+        _KEPT.remove(entry)
+    except ValueError:
+        pass  # (a prune run here, by a handler or a thread, dropped it first)
 
 
 _YIELD = os.sched_yield  # releases the GIL
@@ -309,15 +343,22 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
     may have started). Then drops the entries kept earlier that a test
     finds complete. Local; MPI_Test on each entry kept.
 
-    The one mechanism for such requests. An entry is removed only once
-    found complete (MPI touches neither it nor its buffers again), and the
-    new one is added first: an interrupt or another thread at any point
-    loses none (a complete entry left by one is dropped by the next call).
-    One that never completes (the others never arrived) stays for the life
-    of the process, tested at each call: a timeout leaves its family
-    unusable, so there are few."""
+    For a request posted elsewhere (the C twin's, the agreement's); the
+    ones this module posts are kept before they exist (:func:`_post`), in
+    the same list. An entry is removed only once found complete (MPI
+    touches neither it nor its buffers again), and the new one is added
+    first: an interrupt or another thread at any point loses none (a
+    complete entry left by one is dropped by the next call). One that never
+    completes (the others never arrived) stays for the life of the process,
+    tested at each call: a timeout leaves its family unusable, so there are
+    few."""
     if req is None or req != MPI.REQUEST_NULL:
         _KEPT.append(_Kept(req, buffers))
+    _prune()
+
+
+def _prune() -> None:
+    """Drop the kept entries a test finds complete (see :func:`keep_alive`)."""
     if not mpi_usable():
         return  # (a forked child's kept requests are its parent's)
     if not _TESTING.acquire(blocking=False):
@@ -328,7 +369,12 @@ def keep_alive(req: MPI.Request | None, *buffers: object) -> None:
                 try:
                     _KEPT.remove(kept)
                 except ValueError:
-                    pass  # (a handler run here removed it first)
+                    continue  # (a handler run here removed it first)
+                if isinstance(kept.req, MPI.Prequest):
+                    # Complete, a persistent request stays allocated (inactive)
+                    # until freed: an abandoned agreement's, nobody else's now.
+                    with contextlib.suppress(MPI.Exception):
+                        kept.req.Free()
     finally:
         _TESTING.release()
 
@@ -358,14 +404,19 @@ def dup(comm: MPI.Intracomm, deadline: Deadline | None, what: Callable[[], str])
     handle and a hold on ``comm`` are kept for the life of the process (see
     :func:`_hold_parent`).
     """
-    new, req = comm.Idup()
+    entry = _post()
+    entry.posted = comm.Idup()
+    new, req = cast("tuple[MPI.Intracomm, MPI.Request]", entry.posted)
     try:
-        wait(req, deadline, what, new)
+        _wait(entry, req, deadline, what)
     except BaseException:
         if req != MPI.REQUEST_NULL:
-            _HELD.append(_hold_parent(comm))
+            try:
+                _HELD.append(_hold_parent(comm))
+            except MPI.Exception:
+                pass  # (a workaround's failure must not replace why the wait ended)
         raise
-    return cast(MPI.Intracomm, new)
+    return new
 
 
 # Open MPI before 5 (open-mpi/ompi#12465): an MPI_Comm_idup that never
@@ -436,7 +487,9 @@ def allreduce(
 ) -> _Buf:
     """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``."""
     recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
-    wait(comm.Iallreduce(send, recv, op), deadline, what, send, recv)
+    entry = _post(send, recv)
+    entry.posted = req = comm.Iallreduce(send, recv, op)
+    _wait(entry, req, deadline, what)
     return recv
 
 
@@ -448,8 +501,42 @@ def allgather(
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
     mine = np.array([data.size], dtype=np.int64)
-    wait(comm.Iallgather(mine, sizes), deadline, what, mine, sizes)
+    entry = _post(mine, sizes)
+    entry.posted = req = comm.Iallgather(mine, sizes)
+    _wait(entry, req, deadline, what)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE]), deadline, what, data, buf)
+    entry = _post(data, buf, sizes, displs)
+    entry.posted = req = comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE])
+    _wait(entry, req, deadline, what)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
+
+
+def bcast(
+    comm: MPI.Comm,
+    buf: np.ndarray[Any, Any],
+    root: int,
+    deadline: Deadline | None,
+    what: Callable[[], str],
+) -> None:
+    """Collective. Broadcast ``buf`` (numpy) from ``root``, in place."""
+    entry = _post(buf)
+    entry.posted = req = comm.Ibcast(buf, root)
+    _wait(entry, req, deadline, what)
+
+
+def ibarrier(comm: MPI.Comm) -> MPI.Request:
+    """Collective, non-blocking: post a barrier that is only tested
+    (:func:`test_kept`), kept until it completes. Local."""
+    entry = _post()
+    entry.posted = entry.req = req = comm.Ibarrier()
+    return req
+
+
+def isend(comm: MPI.Comm, note: np.ndarray[Any, Any], dest: int, tag: int) -> None:
+    """Send ``note`` (int64) to ``dest`` without waiting: kept until
+    complete (for the life of the process if ``dest`` never receives it),
+    then drops the kept entries found complete. Local."""
+    entry = _post(note)
+    entry.posted = entry.req = comm.Isend([note, MPI.INT64_T], dest, tag)
+    _prune()

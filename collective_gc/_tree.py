@@ -34,7 +34,7 @@ from ._errors import (
     DestroyError,
 )
 from ._state import HOLD_GONE, HOLD_REACH, State
-from ._transport import keep_alive, mpi_usable, test_kept
+from ._transport import ibarrier, mpi_usable, test_kept
 
 if TYPE_CHECKING:
     from ._collective import Collective
@@ -290,13 +290,6 @@ class _Listed:
             self.done_at = time.monotonic_ns()
 
 
-def _announce(comm: MPI.Intracomm) -> MPI.Request:
-    # The barrier that says every rank has listed (see _Listed).
-    req = comm.Ibarrier()
-    keep_alive(req)  # (only tested: kept until complete)
-    return req
-
-
 def _look() -> int:
     # Every listed barrier looked at, then the time: a collective begun after
     # it follows whatever it found complete.
@@ -333,7 +326,7 @@ def add_unreached(
     try:
         _UNREACHED.append(entry)
         if announce is not None and announced:
-            entry.req = _announce(announce)
+            entry.req = ibarrier(announce)  # every rank has listed (see _Listed)
     except BaseException:
         _drop([entry])  # never ripe without its barrier: not listed at all
         raise

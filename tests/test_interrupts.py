@@ -32,12 +32,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
 import collective_gc.testing as cgc_testing
-from collective_gc import _destroy, _interrupts, _scope, _state
+from collective_gc import _destroy, _interrupts, _scope, _state, _transport
 
 from _util import (
     FINISHED,
@@ -417,6 +418,72 @@ def _interrupted_then_failed(
     del o
     context = None if raised is None else raised.__context__
     return type(raised).__name__, type(context).__name__, mgr.broken is not None
+
+
+# Communicators with a request rank 0 let go of while it was active: never
+# freed here (MPI may still complete it).
+_POSTED_ON: list[MPI.Intracomm] = []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("post", ["Iallreduce", "Ibcast"])
+def test_an_interrupt_just_after_a_collective_is_posted_keeps_its_buffers(
+    comm: MPI.Intracomm, post: str
+) -> None:
+    """An interrupt can land at the first bytecode after MPI posted a
+    non-blocking collective, before the caller holds the request: a second
+    Ctrl-C inside a protected region, any signal outside one (the pytest
+    plugin's checks). MPI reads and writes the buffers once the other ranks
+    arrive, so they must outlive the interrupt. A profile hook stands in
+    for the signal's handler: on rank 0 it raises KeyboardInterrupt as the
+    post returns, the worst moment (the request is dropped with the call's
+    result), where the interpreter reports returns from the extension's
+    methods (mpi4py 3's; mpi4py 4's, Cython functions, are not reported),
+    else as the wait that takes the request is entered. The others' results
+    show that rank 0's buffer was read. From a review of
+    collective_gc._transport (stop 55): the request and its buffers were
+    kept only once a wait held them."""
+    lib = comm.Dup()
+    _POSTED_ON.append(lib)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if post == "Iallreduce":
+        buf = np.full(8, float(rank + 1))
+        expected = size * (size + 1) / 2
+    else:
+        buf = np.full(8, 7.0 if rank == 0 else 0.0)
+        expected = 7.0
+    ref = weakref.ref(buf)
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        returned = event == "c_return" and getattr(arg, "__name__", "") == post
+        entered = (
+            event == "call"
+            and frame.f_code.co_name == "_wait"
+            and frame.f_code.co_filename == _transport.__file__
+        )
+        if returned or entered:
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    result = None
+    raised = False
+    if rank == 0:
+        sys.setprofile(hook)
+    try:
+        if post == "Iallreduce":
+            result = _transport.allreduce(lib, buf, MPI.SUM, None, str)
+        else:
+            _transport.bcast(lib, buf, 0, None, str)
+            result = buf
+    except KeyboardInterrupt:
+        raised = True
+    finally:
+        sys.setprofile(None)
+    values = None if result is None else sorted(set(result.tolist()))
+    del buf, result
+    verdicts = everyone(comm, (raised, ref() is not None, values))
+    assert verdicts[0][:2] == (True, True), verdicts  # interrupted, its buffer kept
+    assert all(v == (False, False, [expected]) for v in verdicts[1:]), verdicts
 
 
 @pytest.mark.mpi(min_size=2)
