@@ -56,6 +56,7 @@ __all__ = [
     "dup",
     "retire",
     "kept",
+    "requests_kept",
     "RETIRED",
     "allreduce",
     "allgather",
@@ -286,18 +287,13 @@ def _post(*buffers: object) -> _Kept:
 
 
 def _wait(
-    entry: _Kept,
-    req: MPI.Request,
-    deadline: Deadline | None,
-    what: Callable[[], str],
-    check: bool = True,
+    entry: _Kept, req: MPI.Request, deadline: Deadline | None, what: Callable[[], str]
 ) -> None:
     """Complete ``req``, posted into ``entry`` (:func:`_post`; a collective
     on a family's private communicator) against ``deadline`` and, if it has
     one, its watch: a rank that gave up anywhere ends the wait here with
     :class:`CollectiveTimeoutError`, whether or not this rank has a
-    deadline, and so does a notice found once ``req`` completed (unless
-    ``check`` is false: the caller checks).
+    deadline, and so does a notice found once ``req`` completed.
 
     Complete, the entry is dropped. Abandoned (a timeout, an exception out
     of the poll), it stays, with the buffers MPI may still read or write
@@ -314,15 +310,30 @@ def _wait(
         # returns at the first completion it finds (MPICH without matching a
         # notice that had waited in its queue since long before: a rank
         # arriving late then carried on as if nobody had given up).
-        if watch is not None and (found == WATCHED or check) and watch.fired():
+        if watch is not None and watch.fired():
             raise gave_up_error(watch, what)
+        entry.req = req  # complete: an interrupt from here on leaves it to a prune
     except BaseException:
         # Timed out, or left (outside a protected region, or by a second
         # Ctrl-C): the request stays pending, and its entry with it.
         entry.req = req
         _prune()
         raise
-    entry.req = req  # complete: an interrupt from here on leaves it to a prune
+    _forget(entry)
+
+
+def _start(entry: _Kept, post: Callable[..., Any], *args: Any) -> Any:
+    """``post(*args)``, its result stored in ``entry`` (see :func:`_post`).
+    A post that fails (an MPI error) posted nothing: its entry goes."""
+    try:
+        entry.posted = posted = post(*args)
+    except MPI.Exception:
+        _forget(entry)
+        raise
+    return posted
+
+
+def _forget(entry: _Kept) -> None:
     try:
         _KEPT.remove(entry)
     except ValueError:
@@ -405,12 +416,13 @@ def dup(comm: MPI.Intracomm, deadline: Deadline | None, what: Callable[[], str])
     :func:`_hold_parent`).
     """
     entry = _post()
-    entry.posted = comm.Idup()
-    new, req = cast("tuple[MPI.Intracomm, MPI.Request]", entry.posted)
     try:
+        new, req = cast("tuple[MPI.Intracomm, MPI.Request]", _start(entry, comm.Idup))
         _wait(entry, req, deadline, what)
     except BaseException:
-        if req != MPI.REQUEST_NULL:
+        # (Held also when the post itself failed: needless then, and harmless.)
+        posted = cast("tuple[MPI.Intracomm, MPI.Request] | None", entry.posted)
+        if posted is None or posted[1] != MPI.REQUEST_NULL:
             try:
                 _HELD.append(_hold_parent(comm))
             except MPI.Exception:
@@ -482,14 +494,19 @@ def kept() -> int:
     return len(_RETIRED)
 
 
+def requests_kept() -> int:
+    """How many requests (with their buffers) are kept now: posted and not
+    yet let go of, or abandoned and not yet found complete."""
+    return len(_KEPT)
+
+
 def allreduce(
     comm: MPI.Comm, send: _Buf, op: MPI.Op, deadline: Deadline | None, what: Callable[[], str]
 ) -> _Buf:
     """Collective. Allreduce ``send`` (a numpy or int64 ``array.array``) with ``op``."""
     recv = send[:] if isinstance(send, array.array) else np.empty_like(send)
     entry = _post(send, recv)
-    entry.posted = req = comm.Iallreduce(send, recv, op)
-    _wait(entry, req, deadline, what)
+    _wait(entry, _start(entry, comm.Iallreduce, send, recv, op), deadline, what)
     return recv
 
 
@@ -502,13 +519,12 @@ def allgather(
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
     mine = np.array([data.size], dtype=np.int64)
     entry = _post(mine, sizes)
-    entry.posted = req = comm.Iallgather(mine, sizes)
-    _wait(entry, req, deadline, what)
+    _wait(entry, _start(entry, comm.Iallgather, mine, sizes), deadline, what)
     displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = np.empty(int(sizes.sum()), dtype=np.uint8)
     entry = _post(data, buf, sizes, displs)
-    entry.posted = req = comm.Iallgatherv(data, [buf, (sizes, displs), MPI.BYTE])
-    _wait(entry, req, deadline, what)
+    spec = [buf, (sizes, displs), MPI.BYTE]
+    _wait(entry, _start(entry, comm.Iallgatherv, data, spec), deadline, what)
     return [pickle.loads(buf[d : d + s].tobytes()) for d, s in zip(displs, sizes)]
 
 
@@ -521,16 +537,17 @@ def bcast(
 ) -> None:
     """Collective. Broadcast ``buf`` (numpy) from ``root``, in place."""
     entry = _post(buf)
-    entry.posted = req = comm.Ibcast(buf, root)
-    _wait(entry, req, deadline, what)
+    _wait(entry, _start(entry, comm.Ibcast, buf, root), deadline, what)
 
 
 def ibarrier(comm: MPI.Comm) -> MPI.Request:
     """Collective, non-blocking: post a barrier that is only tested
-    (:func:`test_kept`), kept until it completes. Local."""
+    (:func:`test_kept`), kept until it completes; then drops the kept
+    entries found complete (the earlier barriers'). Local."""
     entry = _post()
-    entry.posted = entry.req = req = comm.Ibarrier()
-    return req
+    entry.req = req = _start(entry, comm.Ibarrier)
+    _prune()
+    return cast(MPI.Request, req)
 
 
 def isend(comm: MPI.Comm, note: np.ndarray[Any, Any], dest: int, tag: int) -> None:
@@ -538,5 +555,5 @@ def isend(comm: MPI.Comm, note: np.ndarray[Any, Any], dest: int, tag: int) -> No
     complete (for the life of the process if ``dest`` never receives it),
     then drops the kept entries found complete. Local."""
     entry = _post(note)
-    entry.posted = entry.req = comm.Isend([note, MPI.INT64_T], dest, tag)
+    entry.req = _start(entry, comm.Isend, [note, MPI.INT64_T], dest, tag)
     _prune()

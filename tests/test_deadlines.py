@@ -179,6 +179,29 @@ def test_a_request_nobody_waits_for_is_kept_until_it_completes(comm: MPI.Intraco
 
 
 @pytest.mark.mpi(min_size=2)
+def test_barriers_only_tested_are_let_go_of_once_complete(comm: MPI.Intracomm) -> None:
+    """A family listed as unreached posts a barrier that is only tested (the
+    derived-family tree's); in a run where nothing times out, nothing else
+    prunes what is kept, so posting the next barrier must let go of the
+    complete ones: else every listing stays kept for the life of the process,
+    and every later prune tests them all. From a review of 3de931b, whose
+    barrier no longer pruned (stop 55)."""
+    lib = comm.Dup()
+    before = _transport.requests_kept()
+    most = 0
+    for _ in range(50):
+        req = _transport.ibarrier(lib)
+        deadline = time.monotonic() + 30
+        while not _transport.test_kept(req) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        most = max(most, _transport.requests_kept() - before)
+    lib.Barrier()
+    verdicts = everyone(comm, most)
+    assert all(0 <= m <= 2 for m in verdicts), verdicts
+    lib.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_huge_timeout_is_either_refused_up_front_or_works(comm: MPI.Intracomm) -> None:
     """Found by the hostile tests of core v2 (issue 14)."""
     o = Obj()

@@ -177,7 +177,7 @@ def test_a_second_ctrl_c_while_waiting_in_the_steady_state_is_raised_at_once(
     wait by its notice).
 
     Found by this test: the wait without a deadline is one blocking
-    MPI_Waitany (in ``_speedups.steady``, and ``_transport.wait``'s for the
+    MPI_Waitany (in ``_speedups.steady``, and ``_transport``'s waits' for the
     Python steps), during which Python runs no signal handler: both SIGINTs
     are handled only when rank 1 arrives, as one KeyboardInterrupt after a
     completed sync point."""
