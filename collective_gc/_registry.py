@@ -33,7 +33,7 @@ from ._registration import (
     make_registration,
     owned_by,
 )
-from ._state import ALIVE, FamilyState
+from ._state import ALIVE, FamilyState, note_queued
 
 __all__ = ["Registry"]
 
@@ -285,7 +285,7 @@ class Registry:
         for key in sorted(queued):
             found = live.get(key)
             if found is not None and found.alive:
-                found.queued_at = queued[key]
+                note_queued(found, queued[key])
                 out.append(found)
         return out if owner is None else owned_by(out, owner)
 

@@ -383,18 +383,23 @@ reg_dealloc(Reg *self)
     _PyWeakref_RefType.tp_dealloc((PyObject *)self);
 }
 
+/* Read-only from Python: C writes them (make_reg, claim_c, destroy_c,
+ * fs_forget, gc_finalize, the key in registration) and note_queued below.
+ * Written from Python, a non-tuple _args would reach PyObject_Call and a
+ * deleted name a failure's row; a destroy rebound to None while alive would
+ * be skipped by the destroy pass (it reads the call, not the state). */
 static PyMemberDef reg_members[] = {
-    {"key", T_LONGLONG, offsetof(Reg, key), 0, NULL},
-    {"queued_at", T_LONGLONG, offsetof(Reg, queued_at), 0, NULL},
-    {"_state", T_INT, offsetof(Reg, state), 0, NULL},
-    {"cyclic", T_BOOL, offsetof(Reg, cyclic), 0, NULL},
-    {"name", T_OBJECT, offsetof(Reg, name), 0, NULL},
-    {"origin", T_OBJECT, offsetof(Reg, origin), 0, NULL},
-    {"_owner", T_OBJECT, offsetof(Reg, owner), 0, NULL},
-    {"_push", T_OBJECT, offsetof(Reg, push), 0, NULL},
-    {"_destroy", T_OBJECT, offsetof(Reg, destroy), 0, NULL},
-    {"_args", T_OBJECT, offsetof(Reg, args), 0, NULL},
-    {"_typename", T_OBJECT, offsetof(Reg, typename), 0, NULL},
+    {"key", T_LONGLONG, offsetof(Reg, key), READONLY, NULL},
+    {"queued_at", T_LONGLONG, offsetof(Reg, queued_at), READONLY, NULL},
+    {"_state", T_INT, offsetof(Reg, state), READONLY, NULL},
+    {"cyclic", T_BOOL, offsetof(Reg, cyclic), READONLY, NULL},
+    {"name", T_OBJECT, offsetof(Reg, name), READONLY, NULL},
+    {"origin", T_OBJECT, offsetof(Reg, origin), READONLY, NULL},
+    {"_owner", T_OBJECT, offsetof(Reg, owner), READONLY, NULL},
+    {"_push", T_OBJECT, offsetof(Reg, push), READONLY, NULL},
+    {"_destroy", T_OBJECT, offsetof(Reg, destroy), READONLY, NULL},
+    {"_args", T_OBJECT, offsetof(Reg, args), READONLY, NULL},
+    {"_typename", T_OBJECT, offsetof(Reg, typename), READONLY, NULL},
     {NULL},
 };
 
@@ -427,6 +432,11 @@ make_reg(PyTypeObject *cls, PyObject *callback, PyObject *obj, PyObject *owner, 
     /* weakref's tp_new takes (obj, callback) and allocates cls; no __init__. */
     Reg *reg = (Reg *)cls->tp_new(cls, pair, NULL);
     Py_DECREF(pair);
+    if (reg != NULL && !PyObject_TypeCheck((PyObject *)reg, &RegType)) {
+        /* a subclass whose __new__ made something else: no fields to set */
+        PyErr_SetString(PyExc_TypeError, "new_registration: cls made no registration");
+        Py_CLEAR(reg);
+    }
     if (reg == NULL) {
         Py_DECREF(typename);
         return NULL;
@@ -460,6 +470,22 @@ new_registration(PyObject *module, PyObject *const *a, Py_ssize_t n)
         return NULL;
     }
     return make_reg((PyTypeObject *)a[0], a[1], a[2], a[3], a[4], key, a[6], a[7], a[8], a[9]);
+}
+
+/* note_queued(reg, seq): the twin of _state.note_queued. */
+static PyObject *
+note_queued(PyObject *module, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 2 || !PyObject_TypeCheck(a[0], &RegType)) {
+        PyErr_SetString(PyExc_TypeError, "note_queued(reg, seq)");
+        return NULL;
+    }
+    long long seq = PyLong_AsLongLong(a[1]);
+    if (seq == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    ((Reg *)a[0])->queued_at = seq;
+    Py_RETURN_NONE;
 }
 
 /* ======================================================================== */
@@ -1078,9 +1104,11 @@ fs_add_plain(FamilyState *s, PyObject *const *a, Py_ssize_t n)
     return (PyObject *)reg;
 }
 
-/* reg alive -> state, once: its (destroy, args), or None. No Python code runs. */
+/* reg alive -> state, once, and out of live (its owner's registrations by
+ * key): its (destroy, args), or None. No Python code runs. The kernel of a
+ * family's claim and of take_call (a local owner's), _state.take_call's twin. */
 static PyObject *
-claim_c(FamilyState *s, Reg *reg, int state)
+take_c(Reg *reg, int state, PyObject *live)
 {
     if (reg->state != ALIVE) {
         Py_RETURN_NONE;
@@ -1100,16 +1128,38 @@ claim_c(FamilyState *s, Reg *reg, int state)
         return NULL;
     }
     reg->state = state;
-    if (PyDict_DelItem(s->live, key) < 0) {
+    if (PyDict_DelItem(live, key) < 0) {
         PyErr_Clear();
     }
     Py_DECREF(key);
     Py_XSETREF(reg->destroy, Py_NewRef(Py_None));
     Py_XSETREF(reg->args, empty);
-    if (PyWeakref_GET_OBJECT((PyObject *)reg) == Py_None) {
+    return call;
+}
+
+static PyObject *
+claim_c(FamilyState *s, Reg *reg, int state)
+{
+    PyObject *call = take_c(reg, state, s->live);
+    if (call != NULL && call != Py_None && PyWeakref_GET_OBJECT((PyObject *)reg) == Py_None) {
         s->stale = 1; /* its key may be queued: the next drain drops it */
     }
     return call;
+}
+
+/* take_call(reg, state, live): the twin of _state.take_call. */
+static PyObject *
+take_call(PyObject *module, PyObject *const *a, Py_ssize_t n)
+{
+    int state;
+    if (n != 3 || !PyObject_TypeCheck(a[0], &RegType) || !PyDict_CheckExact(a[2])
+        || ((state = as_int(a[1])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "take_call(reg, state, live): live a dict");
+        }
+        return NULL;
+    }
+    return take_c((Reg *)a[0], state, a[2]);
 }
 
 static PyObject *
@@ -2009,8 +2059,8 @@ destroy_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, PyObject *batched, 
             continue;
         }
         Reg *reg = (Reg *)PyDict_GetItemWithError(s->live, key);
-        if (reg == NULL || !PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->destroy == NULL
-            || reg->destroy == Py_None || reg->args == NULL) {
+        if (reg == NULL || !PyObject_TypeCheck((PyObject *)reg, &RegType) || reg->state != ALIVE
+            || reg->destroy == NULL || reg->args == NULL) {
             PyErr_Clear(); /* destroyed or detached explicitly meanwhile, on every rank */
             Py_DECREF(key);
             continue;
@@ -3279,8 +3329,10 @@ static PyTypeObject PetscType = {
     .tp_basicsize = sizeof(Petsc),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "What collective_gc.petsc reads and runs of PETSc, in C.",
+    /* No tp_clear: fast and failed are set once, at construction, and read
+     * unchecked (is_fast, a failed destroy's report). A cycle through a Petsc
+     * (failed's globals back to it) is broken at the function or its module. */
     .tp_traverse = (traverseproc)petsc_traverse,
-    .tp_clear = (inquiry)petsc_clear,
     .tp_dealloc = (destructor)petsc_dealloc,
     .tp_methods = petsc_methods,
     .tp_new = petsc_new,
@@ -3292,6 +3344,10 @@ static PyTypeObject PetscType = {
 static PyMethodDef methods[] = {
     {"new_registration", (PyCFunction)(void (*)(void))new_registration, METH_FASTCALL,
      "collective_gc._state.new_registration, in C."},
+    {"note_queued", (PyCFunction)(void (*)(void))note_queued, METH_FASTCALL,
+     "collective_gc._state.note_queued, in C."},
+    {"take_call", (PyCFunction)(void (*)(void))take_call, METH_FASTCALL,
+     "collective_gc._state.take_call, in C."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -70,6 +70,7 @@ __all__ = [
     "Region",
     "FamilyState",
     "new_registration",
+    "note_queued",
     "take_call",
     "order_step",
 ]
@@ -194,7 +195,7 @@ class GcState:
             return  # off, or destroyed or detached already: nothing to queue
         collecting = self.collecting
         if collecting and collecting == threading.get_ident():
-            reg.cyclic = True  # the sync point that drains it reports it
+            _set_cyclic(reg, True)  # the sync point that drains it reports it
         reg._push(reg)
 
 
@@ -203,7 +204,15 @@ class GcState:
 
 class RegistrationFields(weakref.ref):  # type: ignore[type-arg]
     """The fields of a registration, which is itself the weak reference to
-    the managed object (see collective_gc._registration.Registration)."""
+    the managed object (see collective_gc._registration.Registration).
+
+    Read-only from outside this module: its writers are the functions below
+    (new_registration, take_call, note_queued), a family's state (the key)
+    and the collector's state (cyclic), and they write through the slots'
+    own descriptors. A destroy call rebound or a state rewound from outside
+    would lose a destroy or run one twice; the C twin declares its fields
+    read-only for the same reason (there a bad ``_args`` would crash the
+    process)."""
 
     __slots__ = (
         "key",
@@ -233,6 +242,28 @@ class RegistrationFields(weakref.ref):  # type: ignore[type-arg]
     _args: tuple[Any, ...]
     _typename: str
 
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a registration's {name!r} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a registration's {name!r} is read-only")
+
+
+# The slots' own setters: the writes of this module (and nowhere else).
+(
+    _set_key,
+    _set_name,
+    _set_origin,
+    _set_cyclic,
+    _set_queued_at,
+    _set_state,
+    _set_owner,
+    _set_push,
+    _set_destroy,
+    _set_args,
+    _set_typename,
+) = (RegistrationFields.__dict__[n].__set__ for n in RegistrationFields.__slots__)
+
 
 def new_registration(
     cls: type[RegistrationFields],
@@ -251,18 +282,24 @@ def new_registration(
     referenced. No Python-level ``__init__``: this is on every object's path."""
     reg = cls(obj, callback)
     typename = type(obj).__name__
-    reg.key = key
-    reg.name = typename if name is None else name
-    reg._typename = typename
-    reg.origin = origin
-    reg.cyclic = False
-    reg.queued_at = -1
-    reg._state = ALIVE
-    reg._owner = owner
-    reg._push = push
-    reg._destroy = destroy
-    reg._args = args
+    _set_key(reg, key)
+    _set_name(reg, typename if name is None else name)
+    _set_typename(reg, typename)
+    _set_origin(reg, origin)
+    _set_cyclic(reg, False)
+    _set_queued_at(reg, -1)
+    _set_state(reg, ALIVE)
+    _set_owner(reg, owner)
+    _set_push(reg, push)
+    _set_destroy(reg, destroy)
+    _set_args(reg, args)
     return reg
+
+
+def note_queued(reg: RegistrationFields, seq: int) -> None:
+    """Record ``seq``, the sync point that took ``reg``'s destroy request in
+    (collective_gc._registry.pending finds it), as its ``queued_at``."""
+    _set_queued_at(reg, int(seq))
 
 
 def take_call(
@@ -277,10 +314,11 @@ def take_call(
     owner's, in _registration's Ledger)."""
     if reg._state != ALIVE:
         return None
-    reg._state = state
+    _set_state(reg, state)
     live.pop(reg.key, None)
     fn, args = reg._destroy, reg._args
-    reg._destroy, reg._args = None, ()
+    _set_destroy(reg, None)
+    _set_args(reg, ())
     assert fn is not None
     return fn, args
 
@@ -678,7 +716,7 @@ class FamilyState:
             return None  # dropped here: its callback never runs
         self.thread = me  # (the interval's first, on the main thread: its registrar)
         key = self.next_key
-        reg.key = key
+        _set_key(reg, key)
         self.live[key] = reg
         self.next_key = key + 1
         if tag:
@@ -1205,3 +1243,5 @@ if SPEEDUPS is not None:
     Region = SPEEDUPS.Region  # type: ignore[misc]
     FamilyState = SPEEDUPS.FamilyState  # type: ignore[misc]
     new_registration = SPEEDUPS.new_registration  # type: ignore[assignment]  # (positional-only in C)
+    note_queued = SPEEDUPS.note_queued  # type: ignore[assignment]
+    take_call = SPEEDUPS.take_call  # type: ignore[assignment]

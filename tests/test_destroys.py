@@ -18,7 +18,7 @@ from mpi4py import MPI
 import collective_gc as cgc
 from collective_gc import _registration
 
-from _util import CheckedLog, GcDisabled, Obj, noop
+from _util import CheckedLog, GcDisabled, Obj
 
 
 def test_destroy_that_detaches_and_asks_pending_loses_nothing(comm: MPI.Intracomm) -> None:
@@ -52,20 +52,22 @@ def test_destroy_that_detaches_and_asks_pending_loses_nothing(comm: MPI.Intracom
     assert sib_reg.state == "detached"
 
 
-def _state_with(n: int) -> tuple[Any, list[Obj], list[Any]]:
-    """A family state of size 1 (the bound twin: C where built) with ``n``
-    registrations, keys 0..n-1, whose objects died (queued and drained)."""
+def _state_with(
+    calls: list[tuple[Any, tuple[Any, ...]]],
+) -> tuple[Any, list[Obj], list[Any]]:
+    """A family state of size 1 (the bound twin: C where built) with a
+    registration for each (destroy, args) of ``calls``, keys 0..n-1."""
     from collective_gc._registration import GC, Registration
     from collective_gc._state import FamilyState, new_registration
     from collective_gc._syncpoint import CollectStats
 
     state = FamilyState(0, 1, GC, Registration, CollectStats)
-    objs = [Obj() for _ in range(n)]
+    objs = [Obj() for _ in calls]
     regs = []
-    for o in objs:  # the guarded path's steps: key, registration, store
+    for o, (fn, args) in zip(objs, calls):  # the guarded path's steps: key, registration, store
         key = state.take_key(0)
         reg = new_registration(
-            Registration, GC.finalize, o, None, state.inbox.append, key, noop, (), None, None
+            Registration, GC.finalize, o, None, state.inbox.append, key, fn, args, None, None
         )
         state.store(reg)
         regs.append(reg)
@@ -75,10 +77,8 @@ def _state_with(n: int) -> tuple[Any, list[Obj], list[Any]]:
 def test_the_destroy_pass_skips_a_registration_destroyed_meanwhile() -> None:
     """Keys agreed for a registration whose destroy ran meanwhile (explicitly,
     on every rank) run nothing for it. Issue 11, defect 17."""
-    state, objs, regs = _state_with(3)
     log: list[int] = []
-    for i, reg in enumerate(regs):
-        reg._destroy, reg._args = log.append, (i,)
+    state, objs, regs = _state_with([(log.append, (i,)) for i in range(3)])
     assert state.claim(regs[1], _registration.DESTROYED) is not None
     keys = np.arange(3, dtype=np.int64).tobytes()
     count, failures, interrupt = state.destroy(keys, (), ())
@@ -90,7 +90,6 @@ def test_the_destroy_pass_tries_every_call_whatever_raises() -> None:
     """Plain destroys and a batched run alike: every call is made, newest
     first, and what raised is reported with its key, a KeyboardInterrupt too.
     Issue 11, defect 17."""
-    state, objs, regs = _state_with(6)
     calls: list[int] = []
 
     def f(i: int) -> None:
@@ -110,8 +109,7 @@ def test_the_destroy_pass_tries_every_call_whatever_raises() -> None:
                 errors.append((at, exc))
         return errors
 
-    for i, reg in enumerate(regs):
-        reg._destroy, reg._args = (f if i < 3 else batched), (i,)
+    state, objs, regs = _state_with([(f if i < 3 else batched, (i,)) for i in range(6)])
     keys = np.arange(6, dtype=np.int64).tobytes()
     count, failures, _ = state.destroy(keys, (batched,), (run,))
     assert count == 6 and calls == [5, 4, 3, 2, 1, 0]

@@ -28,6 +28,7 @@ from collective_gc import _registration, _registry
 from _util import (
     TIMEOUT,
     WORLD,
+    CheckedLog,
     GcDisabled,
     Obj,
     Tiny,
@@ -550,6 +551,66 @@ def test_a_registration_is_made_with_its_fields() -> None:
         _state.new_registration(
             _registration.Registration, fin, 3, None, print, 0, noop, (), None, None
         )
+
+    class MakesNone(_registration.Registration):
+        """A subclass whose __new__ makes no registration: nothing is written into what
+        it made (the C twin wrote the fields into it)."""
+
+        __slots__ = ()
+
+        def __new__(cls, *args: Any) -> Any:
+            return None
+
+    with pytest.raises(TypeError):
+        _state.new_registration(MakesNone, fin, Obj(), None, print, 0, noop, (), None, None)
+
+
+# Every field of a registration (the public ones and the private ones its
+# owner's state keeps), and a value of the wrong kind for each.
+_FIELDS = (
+    "key",
+    "name",
+    "origin",
+    "cyclic",
+    "queued_at",
+    "_state",
+    "_owner",
+    "_push",
+    "_destroy",
+    "_args",
+    "_typename",
+)
+
+
+def test_a_registrations_fields_are_read_only(comm: MPI.Intracomm) -> None:
+    """A write or a delete of any field of a registration is refused, and its
+    destroy still runs once, at the sync point. From a review of the C
+    registration (issue 38): written from Python, a C registration's ``_args``
+    that is not a tuple crashed the process at its destroy, ``_destroy = None``
+    made the destroy pass skip a live registration (its destroy lost), and a
+    deleted ``name`` dropped its row from a failure's report."""
+    log = CheckedLog(comm)
+    o = Obj()
+    reg = cgc.register(o, log.destroy, "only", comm=comm, name="o")
+    before = [getattr(reg, f) for f in _FIELDS]
+    refused = []
+    for field in _FIELDS:
+        for value in (5, None, "x", (1, 2)):
+            try:
+                setattr(reg, field, value)
+            except AttributeError:
+                refused.append(field)
+        try:
+            delattr(reg, field)
+        except AttributeError:
+            refused.append(field)
+    assert refused == [f for f in _FIELDS for _ in range(5)]
+    assert [getattr(reg, f) for f in _FIELDS] == before
+    del o
+    (queued,) = cgc.pending(comm)  # the library's own write of queued_at
+    assert queued is reg and reg.queued_at >= 0 and reg.state == "queued"
+    assert cgc.collect(comm, generation=None, timeout=TIMEOUT).destroyed == 1
+    assert log.keys == ["only"] and reg.state == "destroyed"
 
 
 def test_a_registration_refused_inside_a_destroy_keeps_keys_in_step(
