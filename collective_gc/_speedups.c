@@ -1724,6 +1724,14 @@ start_and_wait(FamilyState *s, double at)
             break;
         }
     }
+    if (!flag && ierr == MPI_SUCCESS && s->gone != Py_None) {
+        /* A notice taken before this wait (fired(), between sync points) or
+         * this rank's own: the watch's receive is done or beside the point,
+         * and Testany would wait for the deadline, or for ever without one.
+         * The twin's poll asks fired() between its Tests. */
+        abandon_buffer(s);
+        return WATCHED;
+    }
     double spin_until = now_seconds() + SPIN_S;
     long delay_ns = 0;
     for (;;) {

@@ -435,6 +435,9 @@ def reach(parent: Collective) -> Offer:
             if link(parent, fam, comm, label):
                 gone.append(entry)
             continue
+        if _gave_up(fam):
+            gone.append(entry)  # never ripe on every rank, or ripe by mistake
+            continue
         if offer is None:
             offer = Offer()
         bit = child_bit(hash(ranks) & ((1 << 64) - 1))
@@ -449,6 +452,24 @@ def reach(parent: Collective) -> Offer:
         return NO_OFFER
     parent.core.set_hold(HOLD_REACH, True)  # it looks again at its next sync point
     return offer
+
+
+def _gave_up(fam: Collective) -> bool:
+    """Whether a rank of ``fam`` gave up on it (its watch took the notice).
+    Then a listing of ``fam`` can never be ripe on every rank alike: a rank
+    that gave up lists it as unusable (adopted by nothing, never announced),
+    so its barrier either never completes or completes only by matching
+    what that rank left posted on the same communicator (the agreement it
+    gave up on). Either way it is not adopted, here as there; its own next
+    sync point raises the notice's error. The watch has one tester at a
+    time, the family lock's holder: a family busy on another thread is
+    asked at a later sync point. Local."""
+    if not fam.lock.acquire(blocking=False):
+        return False
+    try:
+        return bool(fam.core.fired())
+    finally:
+        fam.lock.release()
 
 
 def _bucket(bit: int) -> int:

@@ -39,6 +39,8 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 from collective_gc import _exit
+from collective_gc import _manager as cgc_manager
+from collective_gc import _tree as cgc_tree
 
 from _util import (
     JOB_HEAD,
@@ -626,6 +628,60 @@ def test_a_closed_library_subcommunicator_leaves_its_parent_in_the_steady_state(
         for _ in range(3):
             cgc.collect(comm, generation=None)
     assert everyone(comm, outcomes) == [["steady"] * 3] * comm.Get_size()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_child_let_go_after_a_timeout_on_one_of_its_ranks_is_adopted_nowhere(
+    comm: MPI.Intracomm, outcomes: list[str]
+) -> None:
+    """A library's communicator (``inner``: the ranks of a half of the
+    communicator in reverse order, its own family) is first used inside a
+    scope of the half, so it is the half's child. One of its two ranks runs a
+    sync point of it alone and gives up at its deadline (a program error: the
+    other never enters it); then both close and free the half. Its child is
+    unreached again: on the rank that gave up, listed as unusable (dropped);
+    on the other, as usable, announced by a barrier over its communicator
+    that the first never posts. It must be adopted nowhere, on every rank
+    alike, and leave no listing that keeps the communicator's sync points
+    off the steady state.
+
+    From the reviews of stop 55 (a listing that can never ripen after a
+    timeout split). Found by this test: with Open MPI the barrier completes
+    anyway, matched with the agreement the other rank gave up on, and the
+    communicator's sync point adopted the child on the ranks that did not
+    give up only."""
+    rank = comm.Get_rank()
+    with GcDisabled():
+        half = comm.Split(rank % 2)
+        with cgc.collective_scope(half):
+            inner = half.Split(0, key=half.Get_size() - half.Get_rank())
+            cgc.collect(inner, generation=None, timeout=30)
+        inner_rank = inner.Get_rank()
+        if inner_rank == 0:
+            with pytest.raises(cgc.CollectiveTimeoutError):
+                cgc.collect(inner, generation=None, timeout=0.5)
+        half.Barrier()  # the notice has been sent: what follows is no race
+        cgc.manager(half).close(timeout=30)
+        half.Free()
+        settle(comm, quiet=3)
+        outcomes.clear()
+        for _ in range(3):
+            cgc.collect(comm, generation=None)
+        fam = cgc_manager.family(cgc.manager(inner))
+        adopted = fam is not None and fam.parent is not None
+        listed = [f.size for f, _ in cgc_tree.unreached_families() if f.size < comm.Get_size()]
+        closed = "closed"
+        try:
+            cgc.manager(inner).close(timeout=60)
+        except cgc.CollectiveTimeoutError as exc:
+            # The rank that did not give up learnt it from the notice (taken
+            # when the child was let go): it says so at once, not at its own deadline.
+            closed = "told" if "rank 0 gave up waiting at its deadline" in str(exc) else str(exc)
+        inner.Free()
+    verdicts = everyone(comm, (outcomes, adopted, listed, closed))
+    gave_up = [r == 0 for r in comm.allgather(inner_rank)]
+    want = [(["steady"] * 3, False, [], "closed" if g else "told") for g in gave_up]
+    assert verdicts == want, verdicts
 
 
 _UNADOPTABLE_JOB = (
