@@ -435,13 +435,14 @@ def reach(parent: Collective) -> Offer:
             if link(parent, fam, comm, label):
                 gone.append(entry)
             continue
-        if _gave_up(fam):
+        gave_up = _gave_up(fam)
+        if gave_up:
             gone.append(entry)  # never ripe on every rank, or ripe by mistake
             continue
         if offer is None:
             offer = Offer()
         bit = child_bit(hash(ranks) & ((1 << 64) - 1))
-        if 0 < entry.done_at < before:
+        if 0 < entry.done_at < before and gave_up is not None:
             offer.ripe.append((fam, comm, bit))
             if fam.core.wants():
                 offer.wanted |= bit
@@ -454,7 +455,7 @@ def reach(parent: Collective) -> Offer:
     return offer
 
 
-def _gave_up(fam: Collective) -> bool:
+def _gave_up(fam: Collective) -> bool | None:
     """Whether a rank of ``fam`` gave up on it (its watch took the notice).
     Then a listing of ``fam`` can never be ripe on every rank alike: a rank
     that gave up lists it as unusable (adopted by nothing, never announced),
@@ -462,10 +463,13 @@ def _gave_up(fam: Collective) -> bool:
     what that rank left posted on the same communicator (the agreement it
     gave up on). Either way it is not adopted, here as there; its own next
     sync point raises the notice's error. The watch has one tester at a
-    time, the family lock's holder: a family busy on another thread is
-    asked at a later sync point. Local."""
+    time, the family lock's holder: None while another thread holds it (not
+    known: the listing is not offered at this sync point, as if unripe).
+    A rank the notice has not reached yet may still adopt it alone: then
+    the family's first visit from its new parent raises the notice's
+    error there, as the family's own sync point would have. Local."""
     if not fam.lock.acquire(blocking=False):
-        return False
+        return None
     try:
         return bool(fam.core.fired())
     finally:
