@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._switch import SPEEDUPS
-from ._transport import DONE, TAG_GAVE_UP, WOKEN, isend, keep_alive, poll
+from ._transport import DONE, TAG_GAVE_UP, WOKEN, free_unless_kept, isend, keep_alive, poll
 
 __all__ = [
     "ALIVE",
@@ -837,9 +837,10 @@ class FamilyState:
         self._nbits = self._wbits
 
     def _drop_request(self) -> None:
+        # (An abandoned one is _transport's to free: see free_unless_kept.)
         req, self._preq = self._preq, None
-        if req is not None and req != MPI.REQUEST_NULL:
-            req.Free()
+        if req is not None:
+            free_unless_kept(req)
 
     def _start(self) -> Any:
         buf = self._buf

@@ -390,6 +390,21 @@ def _prune() -> None:
         _TESTING.release()
 
 
+def free_unless_kept(req: MPI.Request) -> None:
+    """Free ``req``, a persistent request its owner lets go of, unless an
+    abandoned wait gave it to :func:`keep_alive`: then it may still be
+    active, and the prune that finds it complete frees it. The owner's two
+    stores when it abandons one (the request kept, its own field cleared)
+    have an interrupt's width between them, so the owner cannot know; this
+    module's list can. Local; one thread at a time with the prunes (a
+    request complete and freed by one is seen as freed here: the same
+    object, its handle null)."""
+    with _TESTING:
+        if req == MPI.REQUEST_NULL or any(kept.req is req for kept in _KEPT):
+            return
+        req.Free()
+
+
 def test_kept(req: MPI.Request) -> bool:
     """Whether ``req``, a request given to :func:`keep_alive` that its
     caller also looks at, has completed (False on an MPI error, as for the

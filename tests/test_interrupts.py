@@ -487,6 +487,76 @@ def test_an_interrupt_just_after_a_collective_is_posted_keeps_its_buffers(
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_interrupt_as_an_agreement_is_abandoned_leaves_its_request_to_the_prune(
+    comm: MPI.Intracomm,
+) -> None:
+    """A family's state abandons an agreement that timed out in two stores:
+    its persistent request given to the transport's keep (MPI may still
+    complete it, and write the buffer), then its own field cleared. An
+    interrupt between the two (a second Ctrl-C) left the field set, and
+    letting go of the family freed the request while it was still active:
+    erroneous, and the keep then dropped the buffer MPI writes once the
+    late rank arrives. A profile hook raises KeyboardInterrupt there on rank
+    0, the Python twin's (the C twin abandons in one C call, under the GIL);
+    rank 1 arrives once rank 0 has let go. The request must outlive the let
+    go and be freed by the prune that finds it complete. From stop 55's
+    review of the interrupt windows (the persistent request's double owner)."""
+    from collective_gc._registration import GC, Registration
+    from collective_gc._syncpoint import CollectStats
+
+    lib = comm.Dup()
+    _POSTED_ON.append(lib)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    state = _state.PythonFamilyState(rank, size, GC, Registration, CollectStats)
+    state.open(lib, True)
+    taken: list[MPI.Request] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "return"
+            and frame.f_code is _transport.keep_alive.__code__
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "_abandon"
+        ):
+            sys.setprofile(None)
+            taken.append(frame.f_locals["req"])
+            raise KeyboardInterrupt
+
+    outcome = None
+    if rank == 0:
+        sys.setprofile(hook)
+        try:
+            state.exchange(False, 0, 0, 0, time.monotonic() + 0.3)
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        finally:
+            sys.setprofile(None)
+        persistent = state.persistent  # (set back to None where MPI has none after all)
+        state.close(True)  # the family lets go of everything it has
+        alive = bool(taken) and taken[0] != MPI.REQUEST_NULL
+    comm.Barrier()
+    if rank != 0:
+        # The same collective on the other ranks (persistent ones match
+        # persistent ones only): rank 0's request completes now. Its notice
+        # may end this wait first; the request completes all the same.
+        state.exchange(False, 0, 0, 0, None)
+        state.close(True)
+    persistent = comm.bcast(persistent if rank == 0 else None, root=0)
+    if not persistent:
+        pytest.skip("this MPI or mpi4py offers no persistent allreduce")
+    if rank == 0:
+        assert outcome == "interrupted" and taken and alive, (outcome, taken)
+        req = taken.pop()
+        give_up = time.monotonic() + 60
+        while not _transport.test_kept(req):
+            assert time.monotonic() < give_up, "the abandoned allreduce never completed"
+            time.sleep(0.001)
+        _transport.keep_alive(MPI.REQUEST_NULL)  # (adds nothing; prunes)
+        assert req == MPI.REQUEST_NULL  # freed by the prune, once
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_an_interrupt_held_in_a_wait_that_then_times_out_is_raised_not_lost(
     comm: MPI.Intracomm,
 ) -> None:
