@@ -1680,6 +1680,12 @@ start_and_wait(FamilyState *s, double at)
 {
     int ierr;
     MPI_Request req;
+    if (s->gone != Py_None) {
+        /* A notice taken before (fired(), between sync points): nothing
+         * completes in step, and an allreduce posted now would only be
+         * abandoned, on a communicator the other ranks may use once more. */
+        return WATCHED;
+    }
     if (s->persistent) {
 #if HAVE_PERSISTENT
         if (!s->have_preq) {
@@ -1723,14 +1729,6 @@ start_and_wait(FamilyState *s, double at)
         if (ierr != MPI_SUCCESS) {
             break;
         }
-    }
-    if (!flag && ierr == MPI_SUCCESS && s->gone != Py_None) {
-        /* A notice taken before this wait (fired(), between sync points) or
-         * this rank's own: the watch's receive is done or beside the point,
-         * and Testany would wait for the deadline, or for ever without one.
-         * The twin's poll asks fired() between its Tests. */
-        abandon_buffer(s);
-        return WATCHED;
     }
     double spin_until = now_seconds() + SPIN_S;
     long delay_ns = 0;

@@ -47,7 +47,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ._switch import SPEEDUPS
-from ._transport import DONE, TAG_GAVE_UP, WOKEN, free_unless_kept, isend, keep_alive, poll
+from ._transport import (
+    DONE,
+    TAG_GAVE_UP,
+    WATCHED,
+    WOKEN,
+    free_unless_kept,
+    isend,
+    keep_alive,
+    poll,
+)
 
 __all__ = [
     "ALIVE",
@@ -868,10 +877,11 @@ class FamilyState:
         participants' fingerprint, each as x and ~x; ``flags`` and
         ``children`` complemented; the hash filter of the pending keys
         outside the window) and the window's bitmap of the pending keys.
-        Returns DONE, WATCHED (a rank's notice came first) or LATE (this
-        rank's ``deadline`` passed: it told the others). Anything but DONE,
-        or an exception (a handler's, in the wait), leaves the buffer and
-        the request to MPI for ever. From here until the sync point's last
+        Returns DONE, WATCHED (a rank's notice came first: before the post,
+        which is then not made, or in the wait) or LATE (this rank's
+        ``deadline`` passed: it told the others). A wait left but by DONE
+        (or by an exception, a handler's) leaves the buffer and the request
+        to MPI for ever. From the post until the sync point's last
         collective, ``inside`` is set."""
         if self._nbits != self._wbits:
             self._reshape()
@@ -903,6 +913,11 @@ class FamilyState:
                 self._dirty = False
         del words
         self.first, self.last = first, last
+        if self.gone is not None:
+            # A notice taken before (fired(), between sync points): nothing
+            # completes in step, and an allreduce posted now would only be
+            # abandoned, on a communicator the other ranks may use once more.
+            return WATCHED
         self.inside = True
         req = None
         try:

@@ -178,6 +178,53 @@ def test_a_request_nobody_waits_for_is_kept_until_it_completes(comm: MPI.Intraco
     lib.Free()
 
 
+# Private duplicates on which a test's rank may have left a collective posted.
+_POSTED_ON: list[MPI.Intracomm] = []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_agreement_after_a_notice_posts_nothing(comm: MPI.Intracomm) -> None:
+    """A rank whose watch took a notice between two sync points (a sync point
+    of another family asked it: the derived-family tree's) knows that its
+    family's next agreement cannot complete in step. It must not post it:
+    the allreduce would only be abandoned (its request and buffer kept for
+    the life of the process), on a communicator the other ranks may still
+    use. Rank 1 leaves; each other rank waits for its notice, then starts an
+    agreement, which ends at once with WATCHED, having abandoned nothing
+    (the Python twin keeps what it abandons with the transport, the C twin
+    lets its buffer go). From stop 56's change to the C wait, which returned
+    WATCHED only after posting."""
+    from collective_gc import _state
+    from collective_gc._registration import GC, Registration
+    from collective_gc._syncpoint import CollectStats
+
+    lib = comm.Dup()
+    _POSTED_ON.append(lib)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    state = _state.FamilyState(rank, size, GC, Registration, CollectStats)
+    state.open(lib, _agree.PERSISTENT)
+    verdict: tuple[object, ...] = ("left",)
+    if rank == 1:
+        state.announce(_transport.LEFT)
+    else:
+        give_up = time.monotonic() + 30
+        while not state.fired() and time.monotonic() < give_up:
+            time.sleep(0.001)
+        _transport.keep_alive(MPI.REQUEST_NULL)  # (drops what earlier tests left complete)
+        kept = _transport.requests_kept()
+        found = state.exchange(False, 0, 0, 0, None)
+        verdict = (
+            found == _transport.WATCHED,
+            state.gone == (1, 0, _transport.LEFT),
+            _transport.requests_kept() - kept,
+            state.words > 0,  # (the C twin's, made by this exchange, not abandoned)
+        )
+    state.close(True)
+    verdicts = everyone(comm, verdict)
+    assert verdicts[1] == ("left",), verdicts
+    assert all(v == (True, True, 0, True) for i, v in enumerate(verdicts) if i != 1), verdicts
+
+
 @pytest.mark.mpi(min_size=2)
 def test_barriers_only_tested_are_let_go_of_once_complete(comm: MPI.Intracomm) -> None:
     """A family listed as unreached posts a barrier that is only tested (the
