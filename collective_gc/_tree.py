@@ -133,6 +133,9 @@ class Child:
                 if not any(exc is e for _, (_, _, e) in kept):  # else it is among those below
                     failures.append((-1, f"the sync point of {self.label}", exc))
         failures.extend((key, f"{name} (on {self.label})", exc) for _, (key, name, exc) in kept)
+        # Emptied, not only unbound: the child's sync point's frame, which
+        # the failures' tracebacks reach, holds the same list (its sink).
+        kept.clear()
         del kept
         try:
             return failures

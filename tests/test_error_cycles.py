@@ -210,3 +210,34 @@ def test_a_destroy_failed_on_one_rank_leaves_no_cycle_on_any(comm: MPI.Intracomm
         ]
         * comm.Get_size()
     )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failed_destroy_on_a_child_family_leaves_no_cycle(comm: MPI.Intracomm) -> None:
+    """A child family (a split in another order: not congruent with the
+    communicator, so a family of its own, whose sync point the parent's
+    visits) reports its failures to the parent's sync point. From a review of
+    the report step (stop 57): the list the child's sync point filled with
+    this rank's failures stayed held by that sync point's frame, which the
+    failures' tracebacks reach."""
+
+    def action() -> tuple[str, list[Any]]:
+        child = cgc.split(comm, 0, key=-comm.Get_rank())
+        owner, res = Obj(), Resource()
+        ref = weakref.ref(res)
+        cgc.register(owner, fail, res, comm=child)
+        del owner, res, child
+        first = raised_by(lambda: cgc.collect(comm, generation=None))
+        then = raised_by(lambda: cgc.collect(comm, generation=None))
+        return f"{first}, then {then}", [ref]
+
+    try:
+        verdict = leftovers(comm, action)
+    finally:
+        for _ in range(3):
+            cgc.collect(comm, generation=None)  # frees the child
+    verdicts = comm.allgather(verdict)
+    assert verdicts == [verdicts[0]] * comm.Get_size(), verdicts
+    assert verdicts[0] == (
+        "nothing raised, then DestroyError; 0 of 1 held objects alive; 0 objects in garbage cycles"
+    )
