@@ -460,8 +460,12 @@ class SyncPoint:
         del r
         if self.flags & FLAG_BAD_VOTE:
             # Seen alike by every rank, before anything is destroyed: the keys
-            # stay pending, and the family stays usable. (An interrupt held
+            # stay pending, and the family stays usable; the failures taken
+            # to report go back, for the next agreement (first: an interrupt
+            # after left() is this rank's alone). (An interrupt held
             # meanwhile is raised in its place by the protected region's end.)
+            core.keep(self.failures)
+            self.failures.clear()
             core.left()
             raise CollectiveGCError(
                 f"rank {fam.rank}: a participant of the {fam.label} voted outside "

@@ -191,3 +191,34 @@ def test_a_participant_that_does_not_override_finish_adds_no_collective() -> Non
     assert not Voter().may_raise(0)
     assert Finisher("x", 0, None, True).may_raise(0)
     assert cgc.Participant.may_raise(Recorder(0, 0), 0)  # it overrides finish
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_vote_leaves_the_failures_it_was_to_report_for_the_next(
+    comm: MPI.Intracomm,
+) -> None:
+    """A destroy that failed on rank 1 only is kept for the family's next
+    agreement. When that agreement finds a vote out of range (on rank 0),
+    every rank refuses the sync point before destroying anything; the kept
+    failure must then be reported by the one after, on every rank, not
+    vanish. From a review of the report step (stop 57): the bad vote's error
+    dropped the failures its sync point had taken to report."""
+    import time
+
+    rank = comm.Get_rank()
+
+    def fails_on_rank_1(_: object) -> None:
+        if rank == 1:
+            raise RuntimeError("this destroy fails on rank 1")
+
+    owner = Obj()
+    cgc.register(owner, fails_on_rank_1, None, comm=comm, name="fails on rank 1")
+    del owner
+    first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    bad = Recorder(5, 300 if rank == 0 else 0)
+    second = outcome_of(
+        lambda: cgc.manager(comm).sync(participants=[bad], deadline=time.monotonic() + 30)
+    )
+    third = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    verdicts = everyone(comm, (first, second, third))
+    assert all(v == ("ok", "CollectiveGCError", "DestroyError") for v in verdicts), verdicts
