@@ -552,8 +552,9 @@ class SyncPoint:
 
     def finish(self) -> bool:
         """Every participant's finish, whatever raises; then, if any of them
-        said it might raise (agreed, so on every rank alike), one more word
-        says whether anything failed anywhere (FLAG_FAILED in the flags)."""
+        said it might raise (agreed, so on every rank alike) or the sync
+        point is final, one more word says whether anything failed anywhere
+        (FLAG_FAILED in the flags)."""
         if not self.parts:
             return False
         # Whether to check is asked of every participant before any finish
@@ -573,7 +574,9 @@ class SyncPoint:
         ]
         if not running:
             return False
-        check = False
+        # A final sync point (a close's, the exit's) may have no agreement
+        # after it to report what fails here: it always asks.
+        check = self.final
         for p, _ in running:
             try:
                 check = p.may_raise(flags) or check

@@ -222,3 +222,25 @@ def test_a_bad_vote_leaves_the_failures_it_was_to_report_for_the_next(
     third = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
     verdicts = everyone(comm, (first, second, third))
     assert all(v == ("ok", "CollectiveGCError", "DestroyError") for v in verdicts), verdicts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_finish_failing_in_a_closes_last_sync_point_is_reported_everywhere(
+    comm: MPI.Intracomm,
+) -> None:
+    """A close runs final sync points until one destroys nothing; the last of
+    them has no agreement after it. A finish (one that says it never raises)
+    failing there on rank 0 was kept for a next agreement that never came:
+    lost, with no error on any rank. A final sync point asks whether
+    anything failed, so that close raises DestroyError on every rank. From
+    a review of the report step (stop 57)."""
+    lib = comm.Dup()
+    try:
+        mgr = cgc.manager(lib)
+        cgc.collect(lib, generation=None)  # the family exists
+        mgr.add_participant(Finisher("last", 0, RuntimeError("fails on rank 0"), False))
+        closed = outcome_of(mgr.close)
+    finally:
+        lib.Free()
+    verdicts = everyone(comm, closed)
+    assert verdicts == ["DestroyError"] * comm.Get_size(), verdicts
