@@ -654,12 +654,19 @@ class SyncPoint:
             )
         # An interrupt among failures kept from an earlier sync point was
         # raised on its rank then: here every rank raises DestroyError, but
-        # for an interrupt of this sync point's own (a str() that raised one
-        # while the rows were written, say).
+        # for an interrupt of this sync point's own (a finish's; a str() that
+        # raised one while the rows were written, say), on its rank.
         local = self.caught + [e for _, (_, _, e) in self.failures]
         interrupt = self.caught[0] if self.caught else None
-        if interrupt is None and not earlier:
-            interrupt = next((e for e in local if not isinstance(e, Exception)), None)
+        if interrupt is None:
+            interrupt = next(
+                (
+                    e
+                    for s, (_, _, e) in self.failures
+                    if s == self.seq and not isinstance(e, Exception)
+                ),
+                None,
+            )
         self.caught = []
         try:
             _destroy.raise_failures(rows, local, where, fam.rank, self.core.reason, interrupt)

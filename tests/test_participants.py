@@ -244,3 +244,33 @@ def test_a_finish_failing_in_a_closes_last_sync_point_is_reported_everywhere(
         lib.Free()
     verdicts = everyone(comm, closed)
     assert verdicts == ["DestroyError"] * comm.Get_size(), verdicts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_interrupt_from_a_finish_is_its_ranks_beside_kept_failures(
+    comm: MPI.Intracomm,
+) -> None:
+    """A destroy failed on rank 1 at the sync point before, kept for this
+    one; here a finish raises KeyboardInterrupt on rank 0. Every rank reports
+    both, and rank 0 raises the interrupt (a finish's documented promise:
+    an interrupt is re-raised on its rank), the others DestroyError. From a
+    review of the report step (stop 57): the interrupt became a DestroyError
+    whenever failures of an earlier sync point were reported beside it."""
+    rank = comm.Get_rank()
+
+    def fails_on_rank_1(_: object) -> None:
+        if rank == 1:
+            raise RuntimeError("this destroy fails on rank 1")
+
+    owner = Obj()
+    cgc.register(owner, fails_on_rank_1, None, comm=comm, name="fails on rank 1")
+    del owner
+    first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    mgr = cgc.manager(comm)
+    second = outcome_of(
+        lambda: sync_with(mgr, Finisher("ki", 0, KeyboardInterrupt("on rank 0"), True))
+    )
+    third = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    verdicts = everyone(comm, (first, second, third))
+    assert verdicts[0] == ("ok", "KeyboardInterrupt", "ok"), verdicts
+    assert all(v == ("ok", "DestroyError", "ok") for v in verdicts[1:]), verdicts
