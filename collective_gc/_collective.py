@@ -729,17 +729,21 @@ class Collective:
         KeyboardInterrupt): the rounds go on, and the first exception is
         raised once they are done, the later ones noted on it. Anything that
         leaves the family unusable (a timeout, a mismatch, a collective left
-        half-way) ends them, and so do two reports running (a participant
-        whose finish raises at every sync point)."""
+        half-way) ends them, and so do two reports running, the second
+        destroying nothing (a participant whose finish raises at every sync
+        point)."""
         errors: list[BaseException] = []
         try:
             raised = False
             for _ in range(self.LAST_ROUNDS):
+                before = self.core.destroyed  # (agreed destroys, explicit ones collective: alike)
                 try:
                     stats = self.sync(owner, deadline=deadline, at_exit=at_exit, final=True)
                 except BaseException as exc:  # noqa: BLE001 (raised below, once done)
                     errors.append(exc)
-                    if self.core.code != OPEN or raised:
+                    if self.core.code != OPEN:
+                        break
+                    if raised and self.core.destroyed == before:
                         break  # (two reports running: a finish that always raises)
                     raised = True
                     continue

@@ -22,6 +22,7 @@ from _util import (
     FINISHED,
     Asked,
     Finisher,
+    GcDisabled,
     Obj,
     Recorder,
     everyone,
@@ -274,3 +275,43 @@ def test_an_interrupt_from_a_finish_is_its_ranks_beside_kept_failures(
     verdicts = everyone(comm, (first, second, third))
     assert verdicts[0] == ("ok", "KeyboardInterrupt", "ok"), verdicts
     assert all(v == ("ok", "DestroyError", "ok") for v in verdicts[1:]), verdicts
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_close_destroys_what_a_failing_destroy_dropped_after_a_report(
+    comm: MPI.Intracomm,
+) -> None:
+    """A close runs final sync points while they destroy something, and stops
+    after two in a row raised (a finish that raises at every one). Its first
+    reports a failure kept from before (on rank 1) and destroys nothing; its
+    second runs a destroy that drops another managed object and fails: two
+    raised in a row, yet the second destroyed something, and what it dropped
+    must be destroyed by a third, not detached as a leak. From a review of
+    the report step (stop 57)."""
+    rank = comm.Get_rank()
+    lib = comm.Dup()
+    log: list[str] = []
+
+    def fails_on_rank_1(_: object) -> None:
+        if rank == 1:
+            raise RuntimeError("this destroy fails on rank 1")
+
+    def drops_then_fails(held: list[object]) -> None:
+        held.clear()
+        raise RuntimeError("this destroy fails after dropping one more")
+
+    try:
+        with GcDisabled():
+            owner = Obj()
+            cgc.register(owner, fails_on_rank_1, None, comm=lib, name="fails on rank 1")
+            del owner
+            first = outcome_of(lambda: cgc.collect(lib, generation=None, timeout=30))
+            last, held = Obj(), [Obj()]
+            cgc.register(held[0], log.append, "dropped", comm=lib, name="dropped")
+            cgc.register(last, drops_then_fails, held, comm=lib, name="drops then fails")
+            del last, held
+            closed = outcome_of(lambda: cgc.manager(lib).close(timeout=30))
+    finally:
+        lib.Free()
+    verdicts = everyone(comm, (first, closed, log))
+    assert all(v == ("ok", "DestroyError", ["dropped"]) for v in verdicts), verdicts
