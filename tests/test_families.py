@@ -1445,3 +1445,41 @@ def test_a_failing_delete_callback_at_a_kept_duplicate_s_free_is_a_warning(
             assert warned == [], report
             assert "RuntimeError: the program's delete callback" in err, report
         assert "after 1" in out, report
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_childs_failure_is_named_once_in_its_parents_report(comm: MPI.Intracomm) -> None:
+    """A destroy failing on one rank of a child family (a split in another
+    order: a family of its own, visited from the parent's sync point) at the
+    child's own sync point is reported by the child's next agreement, here
+    the parent's visit, and so by the parent on every rank, once. From a review of the report
+    step (stop 57): each rank of the child with no failure of its own added
+    the child's whole error, rows and all, beside the rows of the rank that
+    failed."""
+    rank = comm.Get_rank()
+    child = cgc.split(comm, 0, key=-rank)
+
+    def fails_on_rank_0(_: object) -> None:
+        if rank == 0:
+            raise RuntimeError("this destroy fails on rank 0")
+
+    owner = Obj()
+    cgc.register(owner, fails_on_rank_0, None, comm=child, name="fails on rank 0")
+    del owner
+    # The child's own sync point: the failure is kept there, for the child's
+    # next agreement, which the parent's sync point visits.
+    cgc.collect(child, generation=None, timeout=30)
+    del child
+    rows: list[Any] = []
+    for _ in range(3):
+        try:
+            cgc.collect(comm, generation=None, timeout=30)
+        except cgc.DestroyError as exc:
+            rows = [(r, name) for r, _, name, _ in exc.failures]
+            del exc
+            break
+    for _ in range(3):
+        cgc.collect(comm, generation=None, timeout=30)  # frees the child
+    verdicts = everyone(comm, rows)
+    assert verdicts == [verdicts[0]] * comm.Get_size(), verdicts
+    assert len(verdicts[0]) == 1 and "fails on rank 0" in verdicts[0][0][1], verdicts[0]
