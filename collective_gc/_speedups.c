@@ -931,8 +931,13 @@ fs_wants_c(FamilyState *s)
         int rc = vote_of(PyTuple_GET_ITEM(parts, i), LOOK, &v);
         if (rc < 0 || v) {
             Py_DECREF(parts);
-            /* An exception, or a bad vote (the steps say so), or a vote. */
-            return rc < 0 && PyErr_Occurred() ? -1 : 1;
+            /* A vote, or a bad one, or one that raised (an Exception): its
+             * own sync point, visited, refuses it on every rank alike. */
+            if (rc < 0 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+                return -1;
+            }
+            PyErr_Clear();
+            return 1;
         }
     }
     Py_DECREF(parts);

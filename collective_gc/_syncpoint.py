@@ -317,7 +317,7 @@ class SyncPoint:
         self.quiet = False
         self.way = "steps"
         self.phases: Phases | None = None  # traced: where the exchange marks its wait
-        self.bad: list[str] = []  # participants' votes outside 0..255, on this rank
+        self.bad: list[str] = []  # participants' votes outside 0..255 or raising, on this rank
         # (sync point, failure): what failed here, and what the family kept
         # for this sync point's agreement to report.
         self.failures: list[tuple[int, _destroy.Failure]] = []
@@ -469,8 +469,8 @@ class SyncPoint:
             core.left()
             raise CollectiveGCError(
                 f"rank {fam.rank}: a participant of the {fam.label} voted outside "
-                f"0..255 at sync point {self.seq} (here: {'; '.join(self.bad) or 'none'}); "
-                "nothing was destroyed"
+                f"0..255, or its vote raised, at sync point {self.seq} (here: "
+                f"{'; '.join(self.bad) or 'none'}); nothing was destroyed"
             )
         if self.flags & FLAG_FAILED:
             # Failures kept by earlier sync points: reported now, on every
@@ -541,7 +541,14 @@ class SyncPoint:
         the kind of sync point, alike on every rank)."""
         if not self.final or self.reporting or not (self.keys.size or self.visited):
             return False
-        after = self._votes() | (FLAG_FAILED if self.failures else 0)
+        seen = len(self.bad)
+        after = self._votes() & ~FLAG_BAD_VOTE
+        if len(self.bad) > seen:
+            # After the destroys, a bad vote is one more failure to report.
+            refused = CollectiveGCError("; ".join(self.bad[seen:]))
+            self.failures.append((self.seq, (-1, "a participant's vote", refused)))
+            del refused
+        after |= FLAG_FAILED if self.failures else 0
         if self.fam.size > 1:
             after = _agree.any_flags(self.core, after, self.dl, self.fam.what("its error check"))
         self.flags = after | (self.flags & FLAG_CYCLIC)
@@ -701,7 +708,15 @@ class SyncPoint:
         flags = 0
         for p, owner in zip(self.parts, self.owners):
             if p.field is not None:
-                vote = p.vote(owner)
+                try:
+                    vote = p.vote(owner)
+                except Exception as exc:  # noqa: BLE001 (on this rank only: a bad vote)
+                    # Raised here, it would leave the other ranks in the
+                    # agreement; refused on every rank alike instead.
+                    (_, _, _, text), *_ = _destroy.rows_of([(-1, "", exc)], 0, self.caught)
+                    self.bad.append(f"{type(p).__name__}'s vote raised {text}")
+                    flags |= FLAG_BAD_VOTE
+                    continue
                 if type(vote) is not int or not 0 <= vote <= 0xFF:
                     self.bad.append(f"{type(p).__name__} voted {vote!r}")
                     flags |= FLAG_BAD_VOTE

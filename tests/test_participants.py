@@ -315,3 +315,75 @@ def test_a_close_destroys_what_a_failing_destroy_dropped_after_a_report(
         lib.Free()
     verdicts = everyone(comm, (first, closed, log))
     assert all(v == ("ok", "DestroyError", ["dropped"]) for v in verdicts), verdicts
+
+
+class RaisingVote(cgc.Participant):
+    """A vote that raises on one rank (a participant's bug there)."""
+
+    field = 5
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def vote(self, mgr: cgc.Manager) -> int:
+        if mgr.rank == self.rank:
+            raise ValueError(f"this vote fails on rank {self.rank}")
+        return 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_vote_raising_on_one_rank_is_refused_on_every_rank(comm: MPI.Intracomm) -> None:
+    """A participant's vote raises on rank 0 only: the sync point is refused
+    on every rank alike, as for a vote outside 0..255 (nothing destroyed, the
+    family still usable), and rank 0's error says what the vote raised.
+    From a review of the report step (stop 57): the exception left rank 0's
+    sync point before its agreement, and the other ranks waited there until
+    their deadline, or for ever without one."""
+    import time
+
+    log: list[str] = []
+    owner = Obj()
+    cgc.register(owner, log.append, "destroyed", comm=comm)
+    del owner
+    message = ""
+    try:
+        cgc.manager(comm).sync(participants=[RaisingVote(0)], deadline=time.monotonic() + 20)
+        seen = "ok"
+    except cgc.CollectiveGCError as exc:
+        seen, message = type(exc).__name__, str(exc)
+    before = list(log)
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    named = "RaisingVote's vote raised ValueError: this vote fails on rank 0" in message
+    verdicts = everyone(comm, (seen, named, before, then, log))
+    assert verdicts[0] == ("CollectiveGCError", True, [], "ok", ["destroyed"]), verdicts
+    assert all(v == ("CollectiveGCError", False, [], "ok", ["destroyed"]) for v in verdicts[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_childs_vote_raising_on_one_rank_is_reported_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """A parent's sync point asks each child whether it has something (its
+    participants' votes, looked at); a vote raising there on rank 0 sends
+    the parent to visit the child, whose own sync point refuses it on every
+    rank: the parent reports that, on every rank (at its next agreement,
+    as any failure of a visit). From a review of the
+    report step (stop 57): the look raised on rank 0 alone, before the
+    parent's agreement."""
+    rank = comm.Get_rank()
+    child = cgc.split(comm, 0, key=-rank)
+    cgc.collect(child, generation=None, timeout=30)  # the child's family exists
+    cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
+    part = RaisingVote(0)  # rank 0 of the child, the last of comm
+    cgc.manager(child).add_participant(part)
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=20))
+    cgc.manager(child).remove_participant(part)
+    # (Known on the child's ranks at the visit, it is reported by the
+    # parent's next agreement.)
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    after = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    del child
+    for _ in range(3):
+        cgc.collect(comm, generation=None, timeout=30)  # frees the child
+    verdicts = everyone(comm, (seen, then, after))
+    assert all(v == ("ok", "DestroyError", "ok") for v in verdicts), verdicts
