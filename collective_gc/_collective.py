@@ -158,11 +158,12 @@ class Collective:
         self.identities = ""  # of participants (see Participant.identity)
         self.fingerprint = 0  # _agree.fingerprint of identities (0: none)
         # A sync point's own participant (a scope's), as the steady state
-        # takes it, and the fingerprint with it (weak: it goes with its scope);
-        # emptied when the family's own participants change.
-        self.extra: weakref.WeakKeyDictionary[Participant, tuple[int, _Described | None]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # takes it, and the fingerprint with it: the last one only (a scope
+        # syncs with the same one each time). What it is taken as holds it
+        # and its owner, so a cache keyed by it, even weakly, would keep every
+        # scope's for the life of the family; emptied when the family's own
+        # participants change, and when it lets go.
+        self.extra: tuple[Participant, int, _Described | None] | None = None
         # The derived-family tree's (collective_gc._tree writes these): the
         # strict subsets its sync points reach, and whose sync points reach it.
         self.children: list[Child] = []
@@ -286,6 +287,7 @@ class Collective:
         # otherwise keep a cycle that only the collector frees.
         self.leaving = []
         self.recorded = []
+        self.extra = None
         core.set_hold(HOLD_LEAVING, False)
         forget(self)
         if self.children:
@@ -407,7 +409,7 @@ class Collective:
     def _participants_changed(self) -> None:
         self.identities = identities(self.participants)
         self.fingerprint = _agree.fingerprint(self.identities) if self.identities else 0
-        self.extra.clear()
+        self.extra = None
         self.core.set_participants(
             tuple(_describe(p, o) for p, o in zip(self.participants, self.owners))
         )
@@ -591,12 +593,13 @@ class Collective:
         family's participants with it, and it as the steady state takes it
         (None: one whose finish must always run, so no steady state). Cached:
         a scope's participant is the same at each of its sync points."""
-        found = self.extra.get(extra)
-        if found is None:
-            fp = _agree.fingerprint(identities([*self.participants, extra]))
-            found = (fp, _describe(extra, owner) if extra.quiet_finish else None)
-            self.extra[extra] = found
-        return found
+        last = self.extra
+        if last is not None and last[0] is extra:
+            return last[1], last[2]
+        fp = _agree.fingerprint(identities([*self.participants, extra]))
+        described = _describe(extra, owner) if extra.quiet_finish else None
+        self.extra = (extra, fp, described)
+        return fp, described
 
     def _done(self) -> None:
         """A sync point's end on this rank, however it ended."""

@@ -529,3 +529,36 @@ def test_strict_mode_sees_a_cyclic_death_drained_on_a_congruent_communicator(
         d.Free()
     seen = comm.allgather(where)
     assert seen[0] != "nowhere" and len(set(seen)) == 1, seen
+
+
+@pytest.mark.parametrize("policy", ["managed", "auto", "off"])
+def test_many_scopes_on_one_communicator_keep_nothing_of_the_earlier_ones(
+    comm: MPI.Intracomm, policy: str
+) -> None:
+    """A scope around each of many short solves, as the docs advise: each
+    scope's sync points take a participant of its own, which the family
+    takes for its steady state. Once a scope is done, nothing of it may
+    stay. From a review of the scopes (stop 57): the family cached each
+    scope's participant in a weak dictionary whose values held it, so that
+    none ever left (some twenty objects per scope, for the life of the
+    family)."""
+    for _ in range(5):
+        with cgc.collective_scope(comm, gc=policy, timeout=30) as scope:  # type: ignore[arg-type]
+            scope.sync()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(200):
+            with cgc.collective_scope(comm, gc=policy, timeout=30) as scope:  # type: ignore[arg-type]
+                scope.sync()
+        del scope
+        gc.collect()
+        grown = len(gc.get_objects()) - before
+    finally:
+        if was:
+            gc.enable()
+    verdicts = comm.allgather(grown)
+    assert all(g < 50 for g in verdicts), verdicts
+
