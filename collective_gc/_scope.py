@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, Union
 
 from mpi4py import MPI
 
-from . import _gcpolicy, _registration
+from . import _gcpolicy, _interrupts, _registration
 from ._agree import FIELD_GC, FLAG_CYCLIC
 from ._api import check_timeout, collect
 from ._errors import (
@@ -418,22 +418,32 @@ class collective_scope:
                 "open; scopes must be exited innermost first. It is closed now, "
                 "without its exit sync point"
             )
+        # One protected region, the exit collection included: it runs on
+        # every rank before the exit sync point (and may be long), so a
+        # signal there would leave this rank's exit sync point unmade while
+        # the others wait in it; held, it is raised once the scope is closed.
+        entered = None
         try:
-            if misuse is None:
-                if exc is None:
-                    self._sync(collect=True, deadline_s=self.timeout)
-                else:
-                    self._sync_after_error(exc)
+            try:
+                entered = _interrupts.enter()  # (if it raises, nothing entered)
+                if misuse is None:
+                    if exc is None:
+                        self._sync(collect=True, deadline_s=self.timeout)
+                    else:
+                        self._sync_after_error(exc)
+            finally:
+                # Whichever way we leave, the state this scope changed is put
+                # back (trio's CancelScope._close does the same on misuse).
+                if self in stack:
+                    stack.remove(self)
+                self._state = "exited"
+                _registration.track_origins(self._origins_were)
+                _gcpolicy.POLICY.leave(self.gc)
+                if self._watch is not None:
+                    self.manager.remove_participant(self._watch)  # (local: as every rank leaves)
         finally:
-            # Whichever way we leave, the state this scope changed is put back
-            # (trio's CancelScope._close does the same on misuse).
-            if self in stack:
-                stack.remove(self)
-            self._state = "exited"
-            _registration.track_origins(self._origins_were)
-            _gcpolicy.POLICY.leave(self.gc)
-            if self._watch is not None:
-                self.manager.remove_participant(self._watch)  # (local: as every rank leaves)
+            if entered is not None:
+                _interrupts.leave(entered)
         if misuse is not None:
             raise CollectiveGCError(misuse)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import random
+import signal
 import warnings
+from typing import Any
 
 import pytest
 from mpi4py import MPI
@@ -289,7 +291,11 @@ def test_exit_sync_after_error_on_one_rank_does_not_hang(comm: MPI.Intracomm) ->
     # elsewhere: the failing rank's exit sync gives up at its deadline and its
     # own exception propagates, with a note, instead of hanging.
     last = comm.Get_size() - 1
-    cgc.manager(comm)  # collective the first time, so on every rank
+    # The family first, on every rank: the exit sync's collectives are then
+    # on its private duplicate, not a first collective on ``comm`` made by
+    # one rank (an abandoned duplication the others' next collective there
+    # could match).
+    cgc.collect(comm, generation=None, timeout=30)
     if comm.Get_rank() == last:
         with pytest.raises(KeyError) as info:
             with cgc.collective_scope(comm, timeout=0.5):
@@ -562,3 +568,50 @@ def test_many_scopes_on_one_communicator_keep_nothing_of_the_earlier_ones(
     verdicts = comm.allgather(grown)
     assert all(g < 50 for g in verdicts), verdicts
 
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise TimeoutError(f"signal {signum}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_signal_in_a_scopes_exit_collection_waits_for_its_exit_sync(
+    comm: MPI.Intracomm,
+) -> None:
+    """A scope's exit sync point comes after a collection on every rank,
+    which may be long (a large heap). A signal arriving in it (a watchdog's
+    alarm here; a Ctrl-C, a scheduler's SIGTERM) is held, as one arriving in
+    the sync point itself, and raised once every rank has left the exit
+    sync point: the family stays usable. On rank 0 the body leaves five
+    million cycles and arms the alarm, which comes while the collector
+    frees them. From a review of the scopes (stop 57): the collection ran
+    outside the protected region, so the signal left rank 0's exit sync
+    point unmade, and the other ranks waited in it until their deadline."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None, timeout=30)  # the family exists
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    try:
+        try:
+            with cgc.collective_scope(comm, gc="managed", timeout=30):
+                if rank == 0:
+                    for _ in range(5_000_000):
+                        cycle: list[Any] = []
+                        cycle.append(cycle)
+                    del cycle
+                    signal.setitimer(signal.ITIMER_REAL, 0.05)
+            got = "ok"
+        except TimeoutError:
+            got = "TimeoutError"
+        except cgc.CollectiveGCError as exc:
+            got = type(exc).__name__
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    then = "ok"
+    try:
+        cgc.collect(comm, generation=None, timeout=30)
+    except Exception as exc:  # noqa: BLE001 (named in the verdict)
+        then = type(exc).__name__
+    verdicts = comm.allgather((got, then, cgc.manager(comm).broken is None))
+    assert verdicts[0] == ("TimeoutError", "ok", True), verdicts
+    assert all(v == ("ok", "ok", True) for v in verdicts[1:]), verdicts
