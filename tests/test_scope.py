@@ -548,16 +548,17 @@ def test_many_scopes_on_one_communicator_keep_nothing_of_the_earlier_ones(
     scope's participant in a weak dictionary whose values held it, so that
     none ever left (some twenty objects per scope, for the life of the
     family)."""
+    # (No exit collection: a full one per scope is the test's whole cost.)
     for _ in range(5):
-        with cgc.collective_scope(comm, gc=policy, timeout=30) as scope:  # type: ignore[arg-type]
+        with cgc.collective_scope(comm, gc=policy, timeout=30, exit_collect=None) as scope:  # type: ignore[arg-type]
             scope.sync()
     was = gc.isenabled()
     gc.disable()
     try:
         gc.collect()
         before = len(gc.get_objects())
-        for _ in range(200):
-            with cgc.collective_scope(comm, gc=policy, timeout=30) as scope:  # type: ignore[arg-type]
+        for _ in range(100):
+            with cgc.collective_scope(comm, gc=policy, timeout=30, exit_collect=None) as scope:  # type: ignore[arg-type]
                 scope.sync()
         del scope
         gc.collect()
