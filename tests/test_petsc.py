@@ -1655,3 +1655,55 @@ def test_an_unread_release_cleans_past_a_member_an_earlier_cleanup_freed(
     seen += [attempt(lambda: cgc.collect(comm, generation=None, timeout=30))[0] for _ in range(3)]
     verdicts = comm.allgather(seen)
     assert all(v == ["ok"] * 6 for v in verdicts), verdicts
+
+
+class _StoresMeanwhile:
+    """Stands in for the weak reference in manage()'s cache of its last
+    communicator: dereferenced, it stores another communicator's entry in
+    the cache first, as another thread's manage() may while this one runs."""
+
+    def __init__(self, comm: MPI.Intracomm, other: list[Any]) -> None:
+        self.comm, self.other = comm, other
+
+    def __call__(self) -> MPI.Intracomm:
+        cp._LAST[:] = self.other
+        return self.comm
+
+
+def test_manage_reads_its_cache_of_the_last_communicator_in_one_step(
+    comm: MPI.Intracomm,
+) -> None:
+    """manage() keeps the communicator of its last call, with its manager,
+    family and cleanup, for the next call's fast path; another thread's
+    call may store its own meanwhile (threads may manage objects on
+    different communicators). One call must take one entry: the manager
+    read after another call stored its own would register this
+    communicator's object on that other communicator. From a review of the
+    PETSc adapter (stop 57)."""
+    if _destroyers.NATIVE is None:
+        pytest.skip("the C path is off in this process (COLLECTIVE_GC_PURE_PYTHON=1)")
+    lib = MPI.COMM_SELF.Dup()
+    try:
+        first = Holder()
+        first.vec = PETSc.Vec().createSeq(2, comm=PETSc.COMM_SELF)
+        cp.manage(first, first.vec, comm=lib)  # the cache holds lib's entry
+        other = list(cp._LAST)
+        second = Holder()
+        second.vec = PETSc.Vec().createMPI(2, comm=comm)
+        cp.manage(second, second.vec, comm=comm)  # now comm's
+        ref, mgr, fam, cleanup = cp._LAST
+        cp._LAST[:] = [_StoresMeanwhile(comm, other), mgr, fam, cleanup]
+        third = Holder()
+        third.vec = PETSc.Vec().createMPI(2, comm=comm)
+        before = (cgc.manager(comm).registered, cgc.manager(lib).registered)
+        cp.manage(third, third.vec, comm=comm)
+        after = (cgc.manager(comm).registered, cgc.manager(lib).registered)
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 0), (before, after)
+        del first, second, third, ref, mgr, fam, cleanup, other
+        for _ in range(2):
+            cgc.collect(comm, generation=None, timeout=30)
+            cgc.collect(lib, generation=None, timeout=30)
+    finally:
+        cp._LAST[:] = [None, None, None, None]
+        cgc.manager(lib).close()
+        lib.Free()

@@ -224,10 +224,11 @@ def manage(owner: object, *objs: Any, comm: MPI.Comm, name: str | None = None) -
     # PETSc's own classes destroy, on its inner communicator or serial, with
     # nothing in Python they refer to. Whether the manager can register now
     # is register()'s to say, as on every path.
-    last = _LAST
-    if NATIVE is not None and last[0] is not None and last[0]() is comm:
-        mgr: Manager = last[1]
-        fam, cleanup = last[2], last[3]
+    # (Read in one step: another thread's call may store between two reads,
+    # and one of this communicator with another's manager registers there.)
+    ref, last_mgr, fam, cleanup = _LAST
+    if NATIVE is not None and ref is not None and ref() is comm:
+        mgr: Manager = last_mgr
         if cleanup in fam.participants:
             kind = NATIVE.sort(objs, comm)
             if kind >= 0:
