@@ -253,8 +253,11 @@ class collective_scope:
             collect, and which generation (the oldest any rank's allocation
             counts call for), so collections happen at the same point on
             every rank. ``"auto"``: the collector stays on (safe: finalization
-            only queues). ``"off"``: no collection but explicit ones. The
-            collector's previous state is restored on exit, exceptions included.
+            only queues), unless a ``"managed"`` or ``"off"`` scope is open
+            in this process too, on any thread: the collector is one per
+            process, and theirs win. ``"off"``: no collection but explicit
+            ones. The collector's previous state is restored on exit,
+            exceptions included.
         strict: ``False`` counts cyclic finalizations of managed objects
             (:attr:`cyclic`); ``"warn"`` also warns
             (:class:`CyclicFinalizationWarning`) on the ranks where they
