@@ -1594,43 +1594,6 @@ def test_a_cleanup_that_frees_an_installed_inner_communicator_is_no_failure(
     mesh.Free()
 
 
-# Communicators on which a test left PETSc's state split between ranks: never
-# freed here (a free would be collective PETSc work on them).
-_SPLIT: list[MPI.Intracomm] = []
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-def test_a_cleanup_failing_on_one_rank_still_runs_the_later_ones_there(
-    comm: MPI.Intracomm,
-) -> None:
-    """The family's PETSc participant cleans PETSc's garbage on each installed
-    communicator that holds some, each cleanup collective over its own. A
-    raw Python-type Mat dropped on ``comm`` whose context's destroy fails on
-    the last rank makes ``comm``'s cleanup raise there only; the cleanup of
-    a library's duplicate, after it, must still run there as on the other
-    ranks, which would otherwise wait in it for ever. From a review of the
-    PETSc adapter (stop 57): the first error left the loop on its rank."""
-    rank, bad = comm.Get_rank(), comm.Get_size() - 1
-    lib = comm.Dup()
-    _SPLIT.append(lib)
-    log: list[Any] = []
-    tracker = Tracker()
-    cp.install(comm)
-    cp.install(lib)  # a second member, cleaned after comm's
-    mat = probe_mat(comm, "raw", log, fail=rank == bad)
-    vec = PETSc.Vec().createMPI(2, comm=lib)
-    tracker.watch(vec)
-    del mat, vec  # PETSc's garbage now, on comm's and on lib's
-    first, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
-    cleaned = tracker.alive() == 0
-    second, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
-    verdicts = comm.allgather((first, cleaned, second, log))
-    tracker.close()
-    # The cleanup's failure is reported by the next agreement, on every rank.
-    assert all(v == ("ok", True, "DestroyError", ["raw"]) for v in verdicts), verdicts
-
-
 @pytest.mark.mpi(min_size=2)
 def test_an_unread_release_cleans_past_a_member_an_earlier_cleanup_freed(
     comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch

@@ -139,7 +139,6 @@ class _Cleanup(Participant):
         votes = self.votes(flags)
         self._look_at()  # (a stale state voted garbage: see CommState.vote)
         reader = _internals.READER
-        failed: list[BaseException] = []
         try:
             members = self.members()
             if mgr.size > 1 and votes & _FAILED:
@@ -150,31 +149,28 @@ class _Cleanup(Participant):
                     # (A member freed by an earlier cleanup of this loop: see
                     # _clean.)
                     if not member.comm_freed:
-                        _cleanup(member.comm, failed)
+                        PETSc.garbage_cleanup(member.comm)
             elif mgr.size == 1:
                 self.state.forgive()  # one rank: nothing can differ between ranks
                 for member in members:
                     if not member.comm_freed and _look(member) & _HAS_GARBAGE:
-                        _cleanup(member.comm, failed)
+                        PETSc.garbage_cleanup(member.comm)
             elif votes & _HAS_GARBAGE:
-                self._clean(mgr, members, votes, failed)
+                self._clean(mgr, members, votes)
             if reader is None:
                 # (Not the same one twice.)
                 if all(m.comm_freed or m.comm != MPI.COMM_SELF for m in members):
-                    _cleanup(MPI.COMM_SELF, failed)
+                    PETSc.garbage_cleanup(MPI.COMM_SELF)
             elif votes & _SELF_GARBAGE and _self_garbage():
                 # Rank-local, but only when the vote said so: then every rank
                 # knows to look. Garbage made since the vote waits for the next
                 # sync point.
-                _cleanup(MPI.COMM_SELF, failed)
-            _raise_first(failed)
+                PETSc.garbage_cleanup(MPI.COMM_SELF)
         except BaseException:
             self.state.failure()  # the next vote says so: the family is refused then
             raise
 
-    def _clean(
-        self, mgr: Manager, members: list[Manager], votes: int, failed: list[BaseException]
-    ) -> None:
+    def _clean(self, mgr: Manager, members: list[Manager], votes: int) -> None:
         # Some rank holds garbage on some installed communicator: one word per
         # communicator (ORed) says which, and whether a rank lacks PETSc's
         # inner communicator there (a cleanup would make one on some ranks
@@ -195,7 +191,7 @@ class _Cleanup(Participant):
                 # collectively, so on every rank alike.
                 continue
             if seen & _HAS_GARBAGE and not seen & _LACKS_INNER:
-                _cleanup(member.comm, failed)
+                PETSc.garbage_cleanup(member.comm)
             elif seen & _HAS_GARBAGE and seen & _HAS_INNER:
                 _warn_split_state(member)
 
@@ -355,31 +351,3 @@ def _warn_immortal_at_exit() -> None:
 
 
 atexit.register(_warn_immortal_at_exit)
-
-
-def _cleanup(comm: MPI.Comm, failed: list[BaseException]) -> None:
-    """One agreed cleanup, collective over ``comm``. What it raises is kept in
-    ``failed`` and raised once every agreed cleanup ran: one that raises on
-    some ranks only (a Python context's destroy, say) must not skip the later
-    ones there, which the other ranks run (each collective: a hang)."""
-    try:
-        PETSc.garbage_cleanup(comm)
-    except BaseException as exc:  # noqa: BLE001 (raised once all ran)
-        failed.append(exc)
-
-
-def _raise_first(failed: list[BaseException]) -> None:
-    """Raise the first of ``failed`` (an interrupt before any other), the
-    others as its notes; nothing if it is empty. Emptied first: the frames
-    on the tracebacks (through ``f_back``) hold the list."""
-    if not failed:
-        return
-    failed.sort(key=lambda e: isinstance(e, Exception))  # stable: interrupts first
-    first = failed[0]
-    for later in failed[1:]:
-        first.add_note(f"collective_gc: and then: {later!r}")
-    failed.clear()
-    try:
-        raise first
-    finally:
-        del first
