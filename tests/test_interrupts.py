@@ -524,13 +524,14 @@ def test_an_interrupt_as_an_agreement_is_abandoned_leaves_its_request_to_the_pru
 
     outcome = None
     if rank == 0:
+        profiler = sys.getprofile()
         sys.setprofile(hook)
         try:
             state.exchange(False, 0, 0, 0, time.monotonic() + 0.3)
         except KeyboardInterrupt:
             outcome = "interrupted"
         finally:
-            sys.setprofile(None)
+            sys.setprofile(profiler)
         persistent = state.persistent  # (set back to None where MPI has none after all)
         state.close(True)  # the family lets go of everything it has
         alive = bool(taken) and taken[0] != MPI.REQUEST_NULL
