@@ -121,9 +121,7 @@ class Child:
                     for r, key, name, msg in exc.failures
                     if r == fam.rank
                 )
-                # Each row is its rank's to report (every rank of the child is
-                # one of the parent's); an error without rows, this rank's.
-                if not exc.failures:
+                if not failures:  # other ranks' only: still the parent's to report
                     failures.append((-1, f"the sync point of {self.label}", exc))
             except CollectiveTimeoutError:
                 raise
