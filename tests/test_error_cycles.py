@@ -78,13 +78,16 @@ def raised_by(fn: Callable[[], object]) -> str:
     return "nothing raised"
 
 
-def fail_once(comm: MPI.Intracomm, destroy: Callable[[Resource], None]) -> tuple[str, list[Any]]:
-    """The sync point where the destroy fails, then the next one, which
-    reports it: what each raised."""
+def fail_once(
+    comm: MPI.Intracomm, destroy: Callable[[Resource], None], on: MPI.Intracomm | None = None
+) -> tuple[str, list[Any]]:
+    """The sync point of ``comm`` where the destroy (registered on ``on``, a
+    communicator its sync points reach; ``comm`` if None) fails, then the
+    next one, which reports it: what each raised."""
     owner, res = Obj(), Resource()
     ref = weakref.ref(res)
-    cgc.register(owner, destroy, res, comm=comm)
-    del owner, res
+    cgc.register(owner, destroy, res, comm=comm if on is None else on)
+    del owner, res, on
     first = raised_by(lambda: cgc.collect(comm, generation=None))
     then = raised_by(lambda: cgc.collect(comm, generation=None))
     return f"{first}, then {then}", [ref]
@@ -139,18 +142,8 @@ def test_a_failed_finish_leaves_no_cycle() -> None:
 def test_a_failed_destroy_on_a_derived_communicator_leaves_no_cycle() -> None:
     comm = MPI.COMM_SELF.Dup()
 
-    def action() -> tuple[str, list[Any]]:
-        child = cgc.dup(comm)
-        owner, res = Obj(), Resource()
-        ref = weakref.ref(res)
-        cgc.register(owner, fail, res, comm=child)
-        del owner, res, child
-        first = raised_by(lambda: cgc.collect(comm, generation=None))
-        then = raised_by(lambda: cgc.collect(comm, generation=None))
-        return f"{first}, then {then}", [ref]
-
     try:
-        verdict = leftovers(comm, action)
+        verdict = leftovers(comm, lambda: fail_once(comm, fail, on=cgc.dup(comm)))
     finally:
         cgc.collect(comm, generation=None)  # frees the derived communicator
         comm.Free()
@@ -222,14 +215,7 @@ def test_a_failed_destroy_on_a_child_family_leaves_no_cycle(comm: MPI.Intracomm)
     failures' tracebacks reach."""
 
     def action() -> tuple[str, list[Any]]:
-        child = cgc.split(comm, 0, key=-comm.Get_rank())
-        owner, res = Obj(), Resource()
-        ref = weakref.ref(res)
-        cgc.register(owner, fail, res, comm=child)
-        del owner, res, child
-        first = raised_by(lambda: cgc.collect(comm, generation=None))
-        then = raised_by(lambda: cgc.collect(comm, generation=None))
-        return f"{first}, then {then}", [ref]
+        return fail_once(comm, fail, on=cgc.split(comm, 0, key=-comm.Get_rank()))
 
     try:
         verdict = leftovers(comm, action)

@@ -194,6 +194,23 @@ def test_a_participant_that_does_not_override_finish_adds_no_collective() -> Non
     assert cgc.Participant.may_raise(Recorder(0, 0), 0)  # it overrides finish
 
 
+def _fails_on_rank_1(rank: int) -> Any:
+    def fails_on_rank_1(_: object) -> None:
+        if rank == 1:
+            raise RuntimeError("this destroy fails on rank 1")
+
+    return fails_on_rank_1
+
+
+def _a_failure_kept_on_rank_1(comm: MPI.Intracomm) -> str:
+    """A sync point of ``comm`` whose one destroy fails on rank 1 only: kept
+    there for the family's next agreement. What the sync point raised."""
+    owner = Obj()
+    cgc.register(owner, _fails_on_rank_1(comm.Get_rank()), None, comm=comm, name="fails on rank 1")
+    del owner
+    return outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_bad_vote_leaves_the_failures_it_was_to_report_for_the_next(
     comm: MPI.Intracomm,
@@ -207,15 +224,7 @@ def test_a_bad_vote_leaves_the_failures_it_was_to_report_for_the_next(
     import time
 
     rank = comm.Get_rank()
-
-    def fails_on_rank_1(_: object) -> None:
-        if rank == 1:
-            raise RuntimeError("this destroy fails on rank 1")
-
-    owner = Obj()
-    cgc.register(owner, fails_on_rank_1, None, comm=comm, name="fails on rank 1")
-    del owner
-    first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    first = _a_failure_kept_on_rank_1(comm)
     bad = Recorder(5, 300 if rank == 0 else 0)
     second = outcome_of(
         lambda: cgc.manager(comm).sync(participants=[bad], deadline=time.monotonic() + 30)
@@ -257,16 +266,7 @@ def test_an_interrupt_from_a_finish_is_its_ranks_beside_kept_failures(
     an interrupt is re-raised on its rank), the others DestroyError. From a
     review of the report step (stop 57): the interrupt became a DestroyError
     whenever failures of an earlier sync point were reported beside it."""
-    rank = comm.Get_rank()
-
-    def fails_on_rank_1(_: object) -> None:
-        if rank == 1:
-            raise RuntimeError("this destroy fails on rank 1")
-
-    owner = Obj()
-    cgc.register(owner, fails_on_rank_1, None, comm=comm, name="fails on rank 1")
-    del owner
-    first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    first = _a_failure_kept_on_rank_1(comm)
     mgr = cgc.manager(comm)
     second = outcome_of(
         lambda: sync_with(mgr, Finisher("ki", 0, KeyboardInterrupt("on rank 0"), True))
@@ -292,10 +292,6 @@ def test_a_close_destroys_what_a_failing_destroy_dropped_after_a_report(
     lib = comm.Dup()
     log: list[str] = []
 
-    def fails_on_rank_1(_: object) -> None:
-        if rank == 1:
-            raise RuntimeError("this destroy fails on rank 1")
-
     def drops_then_fails(held: list[object]) -> None:
         held.clear()
         raise RuntimeError("this destroy fails after dropping one more")
@@ -303,7 +299,7 @@ def test_a_close_destroys_what_a_failing_destroy_dropped_after_a_report(
     try:
         with GcDisabled():
             owner = Obj()
-            cgc.register(owner, fails_on_rank_1, None, comm=lib, name="fails on rank 1")
+            cgc.register(owner, _fails_on_rank_1(rank), None, comm=lib, name="fails on rank 1")
             del owner
             first = outcome_of(lambda: cgc.collect(lib, generation=None, timeout=30))
             last, held = Obj(), [Obj()]
