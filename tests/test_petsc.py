@@ -1620,6 +1620,72 @@ def test_an_unread_release_cleans_past_a_member_an_earlier_cleanup_freed(
     assert all(v == ["ok"] * 6 for v in verdicts), verdicts
 
 
+# Communicators on which a test left PETSc's state split between ranks: never
+# freed here (a free would be collective PETSc work on them).
+_SPLIT: list[MPI.Intracomm] = []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_cleanup_failing_on_one_rank_stops_the_later_ones_on_every_rank(
+    comm: MPI.Intracomm,
+) -> None:
+    """The family's PETSc participant cleans PETSc's garbage on each installed
+    communicator that holds some, each cleanup collective over its own. A
+    raw Python-type Mat dropped on ``comm`` whose context's destroy fails on
+    the last rank makes ``comm``'s cleanup raise there only: then no rank
+    starts the cleanup of a library's duplicate after it (the ranks that
+    went on waited in it for ever), and the failure is reported by the
+    next agreement, on every rank. From a review of the PETSc adapter
+    (stop 57): the first error left the loop on its rank only."""
+    rank, bad = comm.Get_rank(), comm.Get_size() - 1
+    lib = comm.Dup()
+    _SPLIT.append(lib)
+    log: list[Any] = []
+    tracker = Tracker()
+    cp.install(comm)
+    cp.install(lib)  # a second member, cleaned after comm's
+    mat = probe_mat(comm, "raw", log, fail=rank == bad)
+    vec = PETSc.Vec().createMPI(2, comm=lib)
+    tracker.watch(vec)
+    del mat, vec  # PETSc's garbage now, on comm's and on lib's
+    first, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
+    cleaned = tracker.alive() == 0
+    second, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
+    verdicts = comm.allgather((first, cleaned, second, log))
+    tracker.close()
+    assert all(v == ("ok", False, "DestroyError", ["raw"]) for v in verdicts), verdicts
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_an_unread_release_stops_cleaning_past_a_cleanup_failing_on_one_rank(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where PETSc's layouts are not read, ``cp.manage`` installs a
+    communicator and PETSc's inner one, and each sync point cleans both,
+    in that order. When the first cleanup raises on one rank only, the
+    other ranks' cleanup frees the inner communicator (its last object
+    gone) while it survives with the wreck on the failing rank: no rank
+    may clean it then (the failing rank alone would wait in a cleanup
+    nobody joins). From the review of stop 57's diff: a loop that went on
+    past the failure on its rank hung here."""
+    monkeypatch.setattr(_internals, "PETSC_RELEASE", (3, 99))
+    monkeypatch.setattr(_internals, "PETSC4PY_RELEASE", (3, 99))
+    monkeypatch.setattr(_internals, "READER", None)
+    rank, bad = comm.Get_rank(), comm.Get_size() - 1
+    log: list[Any] = []
+    owner = Holder()
+    owner.vec = PETSc.Vec().createMPI(2, comm=comm)
+    cp.manage(owner, owner.vec, comm=comm, name="managed")  # installs comm and its inner one
+    mat = probe_mat(comm, "raw", log, fail=rank == bad)  # unmanaged: PETSc's garbage once dropped
+    del owner, mat
+    first, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
+    second, _ = attempt(lambda: cgc.collect(comm, generation=None, timeout=60))
+    verdicts = comm.allgather((first, second, log))
+    assert all(v == ("ok", "DestroyError", ["raw"]) for v in verdicts), verdicts
+
+
 class _StoresMeanwhile:
     """Stands in for the weak reference in manage()'s cache of its last
     communicator: dereferenced, it stores another communicator's entry in

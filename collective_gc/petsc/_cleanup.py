@@ -144,12 +144,7 @@ class _Cleanup(Participant):
             if mgr.size > 1 and votes & _FAILED:
                 _refuse(mgr)  # nothing collective on it any more
             elif reader is None:
-                for member in members:
-                    # Cannot look: clean unconditionally (every rank alike).
-                    # (A member freed by an earlier cleanup of this loop: see
-                    # _clean.)
-                    if not member.comm_freed:
-                        PETSc.garbage_cleanup(member.comm)
+                _clean_each(members)  # cannot look: clean every member (every rank alike)
             elif mgr.size == 1:
                 self.state.forgive()  # one rank: nothing can differ between ranks
                 for member in members:
@@ -182,18 +177,13 @@ class _Cleanup(Participant):
         if not members:
             return
         looked = members[0].reduce_or([_look(m) for m in members])
+        due = []
         for member, seen in zip(members, looked):
-            if member.comm_freed:
-                # Freed by an earlier cleanup of this loop: PETSc's inner
-                # communicator of one installed member can be another
-                # installed member (cp.manage installs both), which the
-                # cleanup of the first frees with its last object. Freed
-                # collectively, so on every rank alike.
-                continue
             if seen & _HAS_GARBAGE and not seen & _LACKS_INNER:
-                PETSc.garbage_cleanup(member.comm)
+                due.append(member)
             elif seen & _HAS_GARBAGE and seen & _HAS_INNER:
                 _warn_split_state(member)
+        _clean_each(due)
 
     def view_rows(self, mgr: Manager) -> Iterator[tuple[str, str]]:
         """PETSc's garbage on ``mgr.comm`` (and on COMM_SELF), and owners that can never die."""
@@ -201,6 +191,48 @@ class _Cleanup(Participant):
 
     def leak_reasons(self, mgr: Manager) -> list[str]:
         return keepers(mgr)
+
+
+# What each rank says before each cleanup of _clean_each after the first
+# (ORed over the ranks).
+_STOP = 1  # a cleanup of this loop raised on this rank
+_FREED = 2  # this member's communicator is freed here
+_LIVE = 4  # it is not
+
+
+def _clean_each(members: list[Manager]) -> None:
+    """``PETSc.garbage_cleanup`` on each of ``members`` (agreed, in the same
+    order on every rank), each collective over its member's communicator.
+    Collective over the family.
+
+    Whether each further cleanup runs is agreed first, in one word over the
+    family: a cleanup that raised on one rank only (a destroy PETSc runs
+    failed there) leaves that rank's PETSc objects, and maybe its inner
+    communicators, unlike the others', and a rank that went on to the next
+    cleanup while another left the loop would wait in it for ever. So
+    after a failure anywhere, no rank starts another cleanup (the failure
+    is in the vote: the family is refused at its next sync point). And a
+    member is passed over on every rank if an earlier cleanup of the loop
+    freed its communicator on any (PETSc's inner communicator of one member
+    can be another member, which the first's cleanup frees with its last
+    object; freed on some ranks only if PETSc's state was split already:
+    then warned of). Its cost: one word per cleanup after the first, only
+    when a sync point cleans two communicators or more."""
+    for i, member in enumerate(members):
+        if i:
+            word = members[0].reduce_or([_FREED if member.comm_freed else _LIVE])[0]
+            if word & _STOP:
+                return
+            if word & _FREED:
+                if word & _LIVE:
+                    _warn_split_state(member)
+                continue
+        try:
+            PETSc.garbage_cleanup(member.comm)
+        except BaseException:
+            if i + 1 < len(members):
+                members[0].reduce_or([_STOP])  # the word the others wait for
+            raise
 
 
 def _look(member: Manager) -> int:
