@@ -931,11 +931,9 @@ fs_wants_c(FamilyState *s)
         int rc = vote_of(PyTuple_GET_ITEM(parts, i), LOOK, &v);
         if (rc < 0 || v) {
             Py_DECREF(parts);
-            /* A vote, or a bad one, or one that raised (an Exception): its
-             * own sync point, visited, refuses it on every rank alike. */
-            if (rc < 0 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
-                return -1;
-            }
+            /* A vote, or a bad one, or one that raised (an interrupt too:
+             * see the Python twin): its own sync point, visited, asks it
+             * again and refuses it on every rank alike. */
             PyErr_Clear();
             return 1;
         }
@@ -2364,7 +2362,9 @@ steady_prepare(FamilyState *s, Steady *st)
         PyObject *p = steady_part(s, st, i);
         long v;
         if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 5 || vote_of(p, s->seq, &v) < 0) {
-            PyErr_Clear(); /* a vote that raises, or is not a byte: the steps say so */
+            /* A vote that raises (an interrupt too), or is not a byte: the
+             * steps ask it again, and say so on every rank alike. */
+            PyErr_Clear();
             return 0;
         }
         st->flags |= v;

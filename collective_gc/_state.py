@@ -580,7 +580,13 @@ class FamilyState:
             try:
                 if vote(LOOK):
                     return True
-            except Exception:  # noqa: BLE001 (its own sync point refuses it on every rank)
+            except BaseException:  # noqa: BLE001 (its own sync point refuses it on every rank)
+                # An interrupt too (a vote's sys.exit()): raised here it would
+                # leave the parent's sync point before its agreement on this
+                # rank only. The visit asks the vote again, in the child's own
+                # sync point, which holds what it raises until its collectives
+                # are done. (A signal's interrupt does not arrive here: a sync
+                # point is a protected region.)
                 return True
         return any(c.wants() for c in self._children)
 

@@ -467,11 +467,18 @@ class SyncPoint:
             core.keep(self.failures)
             self.failures.clear()
             core.left()
-            raise CollectiveGCError(
+            refused = CollectiveGCError(
                 f"rank {fam.rank}: a participant of the {fam.label} voted outside "
                 f"0..255, or its vote raised, at sync point {self.seq} (here: "
                 f"{'; '.join(self.bad) or 'none'}); nothing was destroyed"
             )
+            if self.caught:
+                # A vote raised an interrupt here (KeyboardInterrupt,
+                # SystemExit): it, not the refusal, is this rank's to raise.
+                self.caught[0].add_note(f"collective_gc: {refused}")
+                del refused
+                _raise_own(self.caught)
+            raise refused
         if self.flags & FLAG_FAILED:
             # Failures kept by earlier sync points: reported now, on every
             # rank, instead of destroying (the participants still see the
@@ -710,9 +717,13 @@ class SyncPoint:
             if p.field is not None:
                 try:
                     vote = p.vote(owner)
-                except Exception as exc:  # noqa: BLE001 (on this rank only: a bad vote)
+                except BaseException as exc:  # on this rank only: a bad vote
                     # Raised here, it would leave the other ranks in the
-                    # agreement; refused on every rank alike instead.
+                    # agreement; refused on every rank alike instead. An
+                    # interrupt (a vote's sys.exit(), say) is held, and
+                    # raised on this rank once the collectives are done.
+                    if not isinstance(exc, Exception):
+                        self.caught.append(exc)
                     (_, _, _, text), *_ = _destroy.rows_of([(-1, "", exc)], 0, self.caught)
                     self.bad.append(f"{type(p).__name__}'s vote raised {text}")
                     flags |= FLAG_BAD_VOTE

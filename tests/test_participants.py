@@ -318,12 +318,12 @@ class RaisingVote(cgc.Participant):
 
     field = 5
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, error: type[BaseException] = ValueError) -> None:
+        self.rank, self.error = rank, error
 
     def vote(self, mgr: cgc.Manager) -> int:
         if mgr.rank == self.rank:
-            raise ValueError(f"this vote fails on rank {self.rank}")
+            raise self.error(f"this vote fails on rank {self.rank}")
         return 0
 
 
@@ -353,6 +353,71 @@ def test_a_vote_raising_on_one_rank_is_refused_on_every_rank(comm: MPI.Intracomm
     verdicts = everyone(comm, (seen, named, before, then, log))
     assert verdicts[0] == ("CollectiveGCError", True, [], "ok", ["destroyed"]), verdicts
     assert all(v == ("CollectiveGCError", False, [], "ok", ["destroyed"]) for v in verdicts[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_vote_raising_an_interrupt_on_one_rank_is_held_there_and_refused_elsewhere(
+    comm: MPI.Intracomm, interrupt: type[BaseException]
+) -> None:
+    """A participant's vote raises KeyboardInterrupt or SystemExit (its
+    ``sys.exit()``) on rank 0 only: rank 0 still takes part in the
+    agreement, which refuses the sync point on every rank alike (nothing
+    destroyed, the family usable), and then raises its interrupt, with a
+    note naming the refusal; the other ranks raise the refusal. From the
+    review of stop 57's diff: only an Exception was caught, and an
+    interrupt left rank 0's sync point before its agreement."""
+    import time
+
+    log: list[str] = []
+    owner = Obj()
+    cgc.register(owner, log.append, "destroyed", comm=comm)
+    del owner
+    noted = False
+    try:
+        vote = RaisingVote(0, interrupt)
+        cgc.manager(comm).sync(participants=[vote], deadline=time.monotonic() + 20)
+        seen = "ok"
+    except (interrupt, cgc.CollectiveGCError) as exc:
+        seen = type(exc).__name__
+        noted = any("nothing was destroyed" in n for n in getattr(exc, "__notes__", []))
+    before = list(log)
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    verdicts = everyone(comm, (seen, noted, before, then, log))
+    assert verdicts[0] == (interrupt.__name__, True, [], "ok", ["destroyed"]), verdicts
+    assert all(v == ("CollectiveGCError", False, [], "ok", ["destroyed"]) for v in verdicts[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_childs_vote_raising_an_interrupt_on_one_rank_is_raised_there_only(
+    comm: MPI.Intracomm,
+) -> None:
+    """As for a vote that raises an Exception: the parent's look at the
+    child takes a vote raising SystemExit on one rank for a wish to visit
+    (raised there, it would leave the parent's sync point before its
+    agreement on that rank only), the child's own sync point holds the
+    interrupt until its collectives are done and refuses the vote on
+    every rank; the interrupt is raised on its rank, and the parent's next
+    agreement reports the refusal on every rank."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    child = cgc.split(comm, 0, key=-rank)
+    cgc.collect(child, generation=None, timeout=30)  # the child's family exists
+    cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
+    part = RaisingVote(0, SystemExit)  # rank 0 of the child, the last of comm
+    part.quiet_finish = True  # (else the look wants a visit before asking the vote)
+    cgc.manager(child).add_participant(part)
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=20))
+    cgc.manager(child).remove_participant(part)
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    after = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    del child
+    for _ in range(3):
+        cgc.collect(comm, generation=None, timeout=30)  # frees the child
+    verdicts = everyone(comm, (seen, then, after))
+    expected = [
+        ("SystemExit" if r == last else "ok", "DestroyError", "ok") for r in range(len(verdicts))
+    ]
+    assert verdicts == expected, verdicts
 
 
 @pytest.mark.mpi(min_size=2)
