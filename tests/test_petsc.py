@@ -1620,6 +1620,20 @@ def test_an_unread_release_cleans_past_a_member_an_earlier_cleanup_freed(
     assert all(v == ["ok"] * 6 for v in verdicts), verdicts
 
 
+def test_the_petsc_questions_make_no_manager() -> None:
+    """``cp.held`` and ``cp.immortal`` of a communicator collective_gc never
+    saw answer "nothing" without making a manager for it (a question has no
+    side effect: such a manager would be one more for the exit agreement
+    and the leak checks). From a review of the PETSc adapter (stop 57)."""
+    c = MPI.COMM_SELF.Dup()
+    try:
+        answers = (cp.held(c), cp.immortal(c))
+        made = [m for m in cgc.managers() if m.comm == c]
+    finally:
+        c.Free()
+    assert (answers, made) == ((0, []), [])
+
+
 # Communicators on which a test left PETSc's state split between ranks: never
 # freed here (a free would be collective PETSc work on them).
 _SPLIT: list[MPI.Intracomm] = []

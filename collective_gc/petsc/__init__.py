@@ -51,7 +51,7 @@ from petsc4py import PETSc
 from .._api import add_comm_resolver, register
 from .._comms import adopt, contains, relation
 from .._errors import RegistrationError
-from .._lookup import manager, managers
+from .._lookup import lookup, managers
 from .._manager import Manager, family
 from .._registration import Registration
 from .._scope import sync_point
@@ -133,7 +133,8 @@ def held(comm: MPI.Comm) -> int:
     (which would hang then) works until the next sync point says what
     failed, on every rank, and refuses the family, which keeps its holds.
     """
-    cleanup = cleanup_of(manager(comm))
+    mgr = lookup(comm)  # (a question: no manager is made for it)
+    cleanup = None if mgr is None else cleanup_of(mgr)
     return 0 if cleanup is None else len(cleanup.state.holds)
 
 

@@ -21,7 +21,7 @@ from petsc4py import PETSc
 
 from .._agree import FIELD_PETSC
 from .._errors import ExitLeakWarning
-from .._lookup import manager
+from .._lookup import lookup, manager
 from .._manager import Manager, State, open_family
 from .._syncpoint import Participant
 from . import _destroyers, _internals
@@ -358,8 +358,8 @@ def immortal(comm: MPI.Comm) -> list[str]:
     says them at exit. Only communicators whose family :func:`install` (or
     :func:`manage`) ran on are looked at.
     """
-    mgr = manager(comm)
-    return keepers(mgr) if cleanup_of(mgr) is not None else []
+    mgr = lookup(comm)  # (a question: no manager is made for it)
+    return keepers(mgr) if mgr is not None and cleanup_of(mgr) is not None else []
 
 
 def _warn_immortal_at_exit() -> None:
