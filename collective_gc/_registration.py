@@ -117,9 +117,10 @@ def gc_hook_back() -> int:
 
 
 def track_origins(on: bool | None = None) -> bool:
-    """Whether new registrations record where they are made; ``on`` sets it.
-    Returns the setting before the call."""
-    return GC.origins if on is None else GC.track(on)
+    """Whether new registrations record where they are made. ``on`` True
+    asks them to, False takes back one such ask (paired: they record while
+    any ask stands). Returns whether they did before the call."""
+    return GC.origins > 0 if on is None else GC.track(on)
 
 
 def shut_down() -> bool:

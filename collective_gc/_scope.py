@@ -350,7 +350,8 @@ class collective_scope:
         self.collections = 0
         self.seconds = 0.0
         self._state = "new"
-        self._origins_were = False
+        # What entering did, each undone once by _put_back.
+        self._in_policy = self._in_family = self._tracking = False
         self._thread = 0
         self._owner_stack: list[collective_scope] | None = None
         # Collections that ran without the collector hook strict mode sees
@@ -373,30 +374,52 @@ class collective_scope:
             )
         self._thread = threading.get_ident()
         self._unseen = _registration.gc_hook_back()
-        self._origins_were = _registration.track_origins()
         stack = _stack()
         self._owner_stack = stack
-        # Stack first, then the collector: if an interrupt lands in between,
-        # __exit__ is never called, so undo here whatever was done.
-        stack.append(self)
-        self._state = "open"
+        # One protected region: a signal's handler runs once the scope is
+        # open, not half-way through opening it (adding the watch is
+        # collective), and if the handler raises there, __exit__ will never
+        # be called: what was done is put back, as when a step raises.
+        entered = None
         try:
-            _gcpolicy.POLICY.enter(self.gc)
-            if self._watch is not None:
-                try:
+            try:
+                entered = _interrupts.enter()  # (if it raises, nothing entered)
+                stack.append(self)
+                self._state = "open"
+                _gcpolicy.POLICY.enter(self.gc)
+                self._in_policy = True
+                if self._watch is not None:
                     # Collective, as entering is (it may make the family's
                     # first collective): the same participants on every rank.
                     self.manager.add_participant(self._watch)
-                except BaseException:
-                    _gcpolicy.POLICY.leave(self.gc)
-                    raise
+                    self._in_family = True
+                if self.track_origins:
+                    _registration.track_origins(True)
+                    self._tracking = True
+            finally:
+                if entered is not None:
+                    _interrupts.leave(entered)
         except BaseException:
-            stack.remove(self)
-            self._state = "exited"
+            self._put_back()
             raise
-        if self.track_origins:
-            _registration.track_origins(True)
         return self
+
+    def _put_back(self) -> None:
+        """Undo, once, what entering did (local: every rank leaves alike)."""
+        stack = self._owner_stack
+        if stack is not None and self in stack:
+            stack.remove(self)
+        self._state = "exited"
+        if self._tracking:
+            self._tracking = False
+            _registration.track_origins(False)
+        if self._in_policy:
+            self._in_policy = False
+            _gcpolicy.POLICY.leave(self.gc)
+        if self._in_family:
+            self._in_family = False
+            assert self._watch is not None
+            self.manager.remove_participant(self._watch)
 
     def __exit__(
         self,
@@ -437,13 +460,7 @@ class collective_scope:
             finally:
                 # Whichever way we leave, the state this scope changed is put
                 # back (trio's CancelScope._close does the same on misuse).
-                if self in stack:
-                    stack.remove(self)
-                self._state = "exited"
-                _registration.track_origins(self._origins_were)
-                _gcpolicy.POLICY.leave(self.gc)
-                if self._watch is not None:
-                    self.manager.remove_participant(self._watch)  # (local: as every rank leaves)
+                self._put_back()
         finally:
             if entered is not None:
                 _interrupts.leave(entered)

@@ -226,7 +226,7 @@ typedef struct {
     unsigned long main;
     unsigned long collecting;
     char off;
-    char origins;
+    Py_ssize_t origins; /* how many ask registrations to record their origin */
     Py_ssize_t seen;
 } GcState;
 
@@ -277,8 +277,14 @@ gc_track(GcState *self, PyObject *arg)
     if (on < 0) {
         return NULL;
     }
-    PyObject *was = PyBool_FromLong(self->origins);
-    self->origins = (char)on;
+    /* Counted (see the Python twin); one step under the GIL. */
+    PyObject *was = PyBool_FromLong(self->origins > 0);
+    if (on) {
+        self->origins++;
+    }
+    else if (self->origins > 0) {
+        self->origins--;
+    }
     return was;
 }
 
@@ -329,7 +335,7 @@ gc_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static PyMethodDef gc_methods[] = {
     {"phase", (PyCFunction)(void (*)(void))gc_phase, METH_FASTCALL, "The gc.callbacks hook."},
     {"switch_off", (PyCFunction)gc_switch_off, METH_O, "Finalizers off (exit, fork), or on."},
-    {"track", (PyCFunction)gc_track, METH_O, "Record origins or not; the setting before."},
+    {"track", (PyCFunction)gc_track, METH_O, "One more asker for origins, or one fewer; whether on before."},
     {"forked", (PyCFunction)gc_forked, METH_NOARGS, "In a forked child: nobody collects."},
     {"finalize", (PyCFunction)gc_finalize, METH_O, "Every registration's callback."},
     {NULL},
@@ -339,7 +345,7 @@ static PyMemberDef gc_members[] = {
     {"main", T_ULONG, offsetof(GcState, main), READONLY, NULL},
     {"collecting", T_ULONG, offsetof(GcState, collecting), READONLY, NULL},
     {"off", T_BOOL, offsetof(GcState, off), READONLY, NULL},
-    {"origins", T_BOOL, offsetof(GcState, origins), READONLY, NULL},
+    {"origins", T_PYSSIZET, offsetof(GcState, origins), READONLY, NULL},
     {"seen", T_PYSSIZET, offsetof(GcState, seen), READONLY, NULL},
     {NULL},
 };

@@ -159,17 +159,20 @@ def _int64(value: int) -> int:
 
 class GcState:
     """What every finalizer reads: the thread running the cyclic collector
-    (0: none), whether finalizers are off, whether registrations record
-    their origin; and how many collections its hook saw start."""
+    (0: none), whether finalizers are off, how many asked registrations to
+    record their origin (they do while any does); and how many collections
+    its hook saw start."""
 
-    __slots__ = ("main", "collecting", "off", "origins", "seen")
+    __slots__ = ("main", "collecting", "off", "origins", "seen", "_lock")
 
     def __init__(self, main: int) -> None:
         self.main = main  # the main thread's ident
         self.collecting = 0
         self.off = False
-        self.origins = False
+        self.origins = 0
         self.seen = 0
+        # (The C twin's count is changed under the GIL, in one step.)
+        self._lock = threading.Lock()
 
     def phase(self, phase: str, info: dict[str, Any]) -> None:
         """The hook in ``gc.callbacks``. The collector runs finalizers on the
@@ -187,10 +190,15 @@ class GcState:
         self.off = bool(off)
 
     def track(self, on: bool) -> bool:
-        """Whether registrations record where they were made; returns the setting before."""
-        was = self.origins
-        self.origins = bool(on)
-        return was
+        """One more asker that registrations record where they were made
+        (``on``), or one fewer; returns whether they did before. Counted, not
+        set: scopes on two threads, or a scope inside the pytest plugin's
+        watch, end in any order, and each ending must not switch off what
+        another still asks for."""
+        with self._lock:
+            was = self.origins > 0
+            self.origins = self.origins + 1 if on else max(0, self.origins - 1)
+            return was
 
     def forked(self) -> None:
         """In a forked child: only this thread exists, and it is not collecting."""

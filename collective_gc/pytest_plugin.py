@@ -322,7 +322,6 @@ class _Watch:
     local: set[int] = field(default_factory=set)
     # Keys of the cyclic deaths left in each manager's inbox before the test.
     before: dict[Manager, set[int]] = field(default_factory=dict)
-    origins_were: bool = False
     # Read at the end of the call, before the test's fixtures are torn down
     # (see _before_teardown): the managers then in use, and the registrations
     # the test left alive or queued, with that state. A fixture's teardown may
@@ -434,7 +433,7 @@ def _begin(leak: bool, strict: bool) -> _Watch:
                 # fresh Dup of a communicator in use) starts from here.
                 watch.cyclic_of.setdefault(fam, mgr.cyclic)
         # Name where each object was registered in the failure message.
-        watch.origins_were = _registration.track_origins(True)
+        _registration.track_origins(True)  # (taken back at its end: _end_strict)
     if leak:
         watch.keys = {mgr: mgr.next_key for mgr in managers()}
         watch.local = set(local.live())
@@ -604,7 +603,7 @@ def _end_strict(watch: _Watch) -> list[tuple[str, str]]:
     try:
         gc.collect()  # cycles the test left behind die here, inside the watch
     finally:
-        _registration.track_origins(watch.origins_were)
+        _registration.track_origins(False)
     from mpi4py import MPI
 
     from ._manager import family
