@@ -808,12 +808,13 @@ class Collective:
                 self.core.close(False)
                 self.become(State.EXITED, "the program is exiting (its exit agreement ran)")
 
-    def after_fork(self) -> None:
+    def after_fork(self) -> list[Any]:
         """In a forked child: nothing here belongs to this process. Fresh
-        locks: one that another thread held at the fork is never released there."""
+        locks: one that another thread held at the fork is never released
+        there. Returns its registrations' calls, which the child keeps."""
         self.lock = threading.RLock()
         self.core.become(_FORKED, "this is a forked child", False)
-        self.registry.after_fork()
+        return self.registry.after_fork()
 
 
 def leak_text(regs: Sequence[Any], label: str) -> str:
@@ -893,10 +894,11 @@ def forget(fam: Collective) -> None:
             _FAMILIES.remove(fam)
 
 
-def after_fork() -> None:
-    """In a forked child: every family belongs to the parent."""
+def after_fork() -> list[Any]:
+    """In a forked child: every family belongs to the parent. Returns their
+    registrations' calls, which the child keeps."""
     global _LOCK
     _LOCK = threading.RLock()
-    for fam in _FAMILIES:
-        fam.after_fork()
+    calls = [call for fam in _FAMILIES for call in fam.after_fork()]
     _tree.after_fork()  # (its listed barriers are the parent's requests)
+    return calls

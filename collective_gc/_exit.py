@@ -19,6 +19,7 @@ import sys
 import time
 import types
 import warnings
+from typing import Any
 
 from mpi4py import MPI
 
@@ -131,13 +132,23 @@ def _at_exit() -> None:
         local.shutdown()
 
 
+# What the parent's registrations held, in a forked child: the parent's
+# resources (a PETSc object, an HDF5 file, a window, a shared segment). The
+# child never runs their destroys, and must not let go of them either: the
+# last reference dropped runs a resource's own destructor (an H5Fclose, a
+# collective MPI call) in a process that shares the parent's MPI state. So
+# they stay here for the child's life (a forked child usually leaves by
+# os._exit, which runs no destructor).
+_INHERITED: list[Any] = []
+
+
 def _after_fork_in_child() -> None:
     # Only the forking thread exists in the child: each module makes its
     # locks anew rather than take them (another thread may have held one).
     _registration.after_fork()
     _gcpolicy.after_fork()
-    _lookup.after_fork()
-    local.after_fork()
+    _INHERITED.extend(_lookup.after_fork())
+    _INHERITED.extend(local.after_fork())
 
 
 # Whether the interpreter is dying of an uncaught exception: noted by our

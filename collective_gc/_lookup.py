@@ -155,11 +155,12 @@ def release_freed() -> None:
     _FREED[:] = keep
 
 
-def after_fork() -> None:
+def after_fork() -> list[Any]:
     """In a forked child: every manager belongs to the parent. A fresh lock:
-    one that another thread held at the fork is never released there."""
+    one that another thread held at the fork is never released there.
+    Returns the registrations' calls, which the child keeps."""
     global _REGISTRY_LOCK
     _REGISTRY_LOCK = threading.RLock()
     _LAST[0] = _LAST[1] = None
     _manager.after_fork(_MANAGERS)
-    _collective.after_fork()
+    return _collective.after_fork()

@@ -259,15 +259,14 @@ class Registry:
         pending keys: the next drain drops them. Returns what was live."""
         return self.state.forget(owner)
 
-    def after_fork(self) -> list[Registration]:
+    def after_fork(self) -> list[Any]:
         """In a forked child: the parent's registrations are not ours. Fresh
-        locks: one another thread held at the fork is never released there."""
+        locks: one another thread held at the fork is never released there.
+        Returns their calls, which the child keeps (see FamilyState.after_fork)."""
         self.lock = threading.RLock()
         if self.registrar is not None:
             self.registrar = threading.RLock()
-        regs = list(self.state.live.values())
-        self.state.after_fork()
-        return regs
+        return self.state.after_fork()
 
     # -- reads that change nothing ---------------------------------------------
 

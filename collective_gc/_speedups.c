@@ -1209,17 +1209,17 @@ fs_destroy_now(FamilyState *s, PyObject *reg)
     Py_RETURN_NONE;
 }
 
+/* Detach the live registrations (``owner``'s only, unless None) without
+ * running them: the list of them. Their calls are appended to ``calls`` if
+ * given (a forked child keeps them: see _state.FamilyState.after_fork), else
+ * let go of. */
 static PyObject *
-fs_forget(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+forget_c(FamilyState *s, PyObject *owner, PyObject *calls)
 {
-    PyObject *owner = n > 0 ? a[0] : Py_None;
     PyObject *values = PyDict_Values(s->live); /* a snapshot: allocations below may run code */
     PyObject *out = values == NULL ? NULL : PyList_New(0);
-    PyObject *empty = PyTuple_New(0);
-    if (out == NULL || empty == NULL) {
+    if (out == NULL) {
         Py_XDECREF(values);
-        Py_XDECREF(out);
-        Py_XDECREF(empty);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); i++) {
@@ -1231,17 +1231,12 @@ fs_forget(FamilyState *s, PyObject *const *a, Py_ssize_t n)
         if (PyList_Append(out, (PyObject *)reg) < 0) {
             goto fail;
         }
-        reg->state = DETACHED;
-        Py_XSETREF(reg->destroy, Py_NewRef(Py_None));
-        Py_XSETREF(reg->args, Py_NewRef(empty));
-        PyObject *key = PyLong_FromLongLong(reg->key);
-        if (key == NULL) {
+        PyObject *call = take_c(reg, DETACHED, s->live);
+        int kept = call == NULL ? -1 : calls == NULL || call == Py_None ? 0 : PyList_Append(calls, call);
+        Py_XDECREF(call);
+        if (kept < 0) {
             goto fail;
         }
-        if (PyDict_DelItem(s->live, key) < 0) {
-            PyErr_Clear();
-        }
-        Py_DECREF(key);
     }
     if (owner == Py_None) {
         if (PyList_SetSlice(s->inbox, 0, PyList_GET_SIZE(s->inbox), NULL) < 0) {
@@ -1253,13 +1248,17 @@ fs_forget(FamilyState *s, PyObject *const *a, Py_ssize_t n)
         s->stale = 1;
     }
     Py_DECREF(values);
-    Py_DECREF(empty);
     return out;
 fail:
     Py_DECREF(values);
-    Py_DECREF(empty);
     Py_DECREF(out);
     return NULL;
+}
+
+static PyObject *
+fs_forget(FamilyState *s, PyObject *const *a, Py_ssize_t n)
+{
+    return forget_c(s, n > 0 ? a[0] : Py_None, NULL);
 }
 
 /* -- the queue ------------------------------------------------------------ */
@@ -2232,9 +2231,14 @@ fs_take_failed(FamilyState *s, PyObject *unused)
 static PyObject *
 fs_after_fork(FamilyState *s, PyObject *unused)
 {
-    PyObject *r = fs_forget(s, NULL, 0);
-    Py_XDECREF(r);
-    return r == NULL ? NULL : Py_NewRef(Py_None);
+    PyObject *calls = PyList_New(0);
+    PyObject *r = calls == NULL ? NULL : forget_c(s, Py_None, calls);
+    if (r == NULL) {
+        Py_XDECREF(calls);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return calls;
 }
 
 /* -- the steady state ------------------------------------------------------- */

@@ -771,13 +771,16 @@ class FamilyState:
             del call
             fn(*args)
 
-    def forget(self, owner: Any = None) -> list[Any]:
+    def forget(self, owner: Any = None, calls: list[Any] | None = None) -> list[Any]:
         """Detach the registrations (``owner``'s only, if given) without
-        running them; what was live."""
+        running them; what was live. Their calls go to ``calls`` if given
+        (a forked child keeps them: :meth:`after_fork`), else are let go of."""
         with self._lock:
             regs = [r for r in self.live.values() if owner is None or r._owner is owner]
             for reg in regs:
-                take_call(reg, DETACHED, self.live)
+                call = take_call(reg, DETACHED, self.live)
+                if calls is not None and call is not None:
+                    calls.append(call)
             if owner is None:
                 self.inbox.clear()
                 self._pend = self._ages = _NO_KEYS
@@ -1146,11 +1149,16 @@ class FamilyState:
         self.progress = 0
         return None
 
-    def after_fork(self) -> None:
+    def after_fork(self) -> list[Any]:
         """In a forked child nothing here is this process's: a fresh lock (one
-        another thread held at the fork is never released there), nothing queued."""
+        another thread held at the fork is never released there), nothing
+        queued. Returns the registrations' calls, (destroy, args): they hold
+        the parent's resources, which the child must keep (see
+        collective_gc._exit: letting go here would run their destructors)."""
         self._lock = threading.RLock()
-        self.forget()
+        calls: list[Any] = []
+        self.forget(calls=calls)
+        return calls
 
 
 def _run_destroys(

@@ -207,6 +207,56 @@ def test_forked_child_never_runs_parent_destroys_or_syncs(comm: MPI.Intracomm) -
     assert cgc.collect(comm).destroyed == 1 and log == ["parent"]
 
 
+class _Resource:
+    """Stands in for what a registration's destroy holds (a PETSc object,
+    an HDF5 file): its destructor, which would close it, notes the process
+    it ran in."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __del__(self) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _close(resource: _Resource) -> None:
+    pass  # (the resource's own destructor runs when the call lets go of it)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_keeps_the_parents_resources_without_destroying_them(
+    comm: MPI.Intracomm, tmp_path: Path
+) -> None:
+    """A registration's call holds the parent's resources (on a communicator,
+    and rank-local). A forked child must neither run the destroy nor let go
+    of them: the last reference dropped runs the resource's own destructor
+    there (an HDF5 file's close, collective over MPI, in a process sharing
+    the parent's MPI state). Only the parent's sync point destroys them.
+    From a review of the exit and fork handling (stop 58): the child's fork
+    handler detached the registrations and dropped their calls, and the
+    resources' destructors ran in the child."""
+    path = tmp_path / f"closed.{comm.Get_rank()}"
+    owners = [Obj(), Obj()]
+    cgc.register(owners[0], _close, _Resource(path), comm=comm)
+    cgc.register(owners[1], _close, _Resource(path), comm=None)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del owners
+            gc.collect()
+            cgc.local.flush(timeout=5)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    in_child = path.read_text().split() if path.exists() else []
+    del owners
+    cgc.collect(comm, generation=None)
+    assert cgc.local.flush(timeout=10)
+    closed = path.read_text().split()
+    assert (status, in_child, closed) == (0, [], [str(os.getpid())] * 2)
+
+
 def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*mpiexec_cmd(4, 100), *args],
