@@ -36,9 +36,25 @@ def exit_timeout() -> float:
     """Seconds the exit agreement may wait (``COLLECTIVE_GC_EXIT_TIMEOUT``, default 10).
 
     Local. Unset or empty means 10; ``inf`` means no deadline. Anything else
-    that is not a positive number raises ValueError: a typo silently turned
-    into 10 s would time out an exit the user meant to wait for.
+    that is not a positive number is a usage error at import (ValueError): a
+    typo silently turned into 10 s would time out an exit the user meant to
+    wait for. Read again at each use, so that a value the program sets later
+    counts; a bad one set later is warned of and the value read at import
+    used instead (raised at exit, it would skip the exit agreement on this
+    rank; at a scope's exit, replace the body's exception).
     """
+    try:
+        return _read_exit_timeout()
+    except ValueError as exc:
+        warnings.warn(
+            f"collective_gc: {exc}; using {_AT_IMPORT} s, the value read at import",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _AT_IMPORT
+
+
+def _read_exit_timeout() -> float:
     raw = os.environ.get(EXIT_TIMEOUT_ENV, "").strip()
     if not raw:
         return 10.0
@@ -77,6 +93,8 @@ def _at_exit() -> None:
                     ExitLeakWarning,
                     stacklevel=1,
                 )
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                _end_exits()
             return
         if not MPI.Is_initialized() or not fams:
             return
@@ -93,33 +111,37 @@ def _at_exit() -> None:
                         stacklevel=1,
                     )
             return
-        # Garbage a gc.freeze() took out of reach is found too (see _gcpolicy).
-        _gcpolicy.thaw_all()
-        gc.collect()
-        _lookup.release_freed()
-        deadline = time.monotonic() + exit_timeout()
         interrupt: BaseException | None = None
-        # One protected region for every family's exit agreement: a signal's
-        # handler runs once they are all done (see _interrupts). Newest
-        # first: a derived family's before the one it came from.
+        # One protected region for the exit collection and every family's
+        # exit agreement: a signal's handler runs once they are all done
+        # (see _interrupts), not in the collection (which may be long), where
+        # it would skip this rank's exit agreements while the others wait in
+        # them. Newest first: a derived family's before the one it came from.
         entered = _interrupts.enter()
         try:
-            for fam in reversed(_collective.families()):
-                owner = next((m for _, m in fam.live_members()), None)
-                if owner is None:
-                    continue
-                try:
-                    fam.exit_agreement(owner, deadline)
-                except BaseException as exc:
-                    # An interrupt, raised by a destroy on this rank: the other
-                    # ranks go on with the other families' exit agreements, and
-                    # so does this one; it is raised once they are done.
-                    if interrupt is None:
-                        interrupt = exc
-                    else:
-                        interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
-            for fam in _collective.families():
-                fam.end_exit()
+            try:
+                # Garbage a gc.freeze() took out of reach is found too (see _gcpolicy).
+                _gcpolicy.thaw_all()
+                gc.collect()
+                _lookup.release_freed()
+                deadline = time.monotonic() + exit_timeout()
+                for fam in reversed(_collective.families()):
+                    owner = next((m for _, m in fam.live_members()), None)
+                    if owner is None:
+                        continue
+                    try:
+                        fam.exit_agreement(owner, deadline)
+                    except BaseException as exc:
+                        # An interrupt, raised by a destroy on this rank: the
+                        # other ranks go on with the other families' exit
+                        # agreements, and so does this one; it is raised once
+                        # they are done.
+                        if interrupt is None:
+                            interrupt = exc
+                        else:
+                            interrupt.add_note(f"collective_gc: then, at exit: {exc!r}")
+            finally:
+                _end_exits()  # (whatever raised: no request left posted at MPI_Finalize)
             if interrupt is not None:
                 try:
                     raise interrupt
@@ -142,6 +164,12 @@ def _at_exit() -> None:
 _INHERITED: list[Any] = []
 
 
+def _end_exits() -> None:
+    """Every family's watch taken down (local), before MPI_Finalize."""
+    for fam in _collective.families():
+        fam.end_exit()
+
+
 def _after_fork_in_child() -> None:
     # Only the forking thread exists in the child: each module makes its
     # locks anew rather than take them (another thread may have held one).
@@ -161,15 +189,19 @@ _previous_excepthook = sys.excepthook
 def _excepthook(
     tp: type[BaseException], value: BaseException, tb: types.TracebackType | None
 ) -> None:
-    _UNCAUGHT[0] = True
+    # The interpreter calls the hook from C, with no Python frame below it;
+    # Python code calls it too, for an exception it handled and goes on
+    # after (code.InteractiveInterpreter does for every error it shows, once
+    # the hook is not sys.__excepthook__): no death, so the exit agreement
+    # must still run.
+    if sys._getframe().f_back is None:
+        _UNCAUGHT[0] = True
     _previous_excepthook(tp, value, tb)
 
 
 # Read once here so that a bad value is a usage error at import, on every rank
-# alike and before anything collective, not an exception at exit (where it
-# would skip the exit agreement) or at a scope's exit (where it would replace
-# the body's exception). Later reads see a value the program set since.
-exit_timeout()
+# alike and before anything collective (see exit_timeout).
+_AT_IMPORT = _read_exit_timeout()
 sys.excepthook = _excepthook
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)

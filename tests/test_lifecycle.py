@@ -393,3 +393,56 @@ def test_forked_child_returns_from_fork_while_other_threads_hold_our_locks(
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung on a lock another thread held at the fork")
     assert os.WEXITSTATUS(status) == 0
+
+
+# Each rank registers an object on a duplicate of COMM_WORLD, drops it, and
+# exits without a sync point: the exit agreement must destroy it everywhere.
+_EXIT_AGREEMENT_AFTER = (
+    JOB_HEAD
+    + """
+world = MPI.COMM_WORLD.Dup()
+
+
+def destroyed(r):
+    print(f"destroyed on rank {r}", flush=True)
+
+
+o = Obj()
+cgc.register(o, destroyed, rank, comm=world)
+del o
+"""
+)
+
+
+def test_an_exit_timeout_set_wrong_after_import_is_warned_of_and_the_exit_agreement_runs(
+    tmp_path: Path,
+) -> None:
+    """``COLLECTIVE_GC_EXIT_TIMEOUT`` is read again at exit, so that a value
+    the program sets after import counts; a bad one is warned of, and the
+    value read at import is used. From a review of the exit handling (stop
+    58): it raised ValueError in the exit handler, which ran no exit
+    agreement and destroyed nothing, without a leak warning."""
+    source = _EXIT_AGREEMENT_AFTER + "os.environ['COLLECTIVE_GC_EXIT_TIMEOUT'] = '30s'\n"
+    proc, outs, errs, _ = run_job(tmp_path, source)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert [o.strip() for o in outs] == [f"destroyed on rank {r}" for r in range(4)], report
+    warned = ["'30s' is not a positive number of seconds", "using 10.0 s, the value read at import"]
+    assert all(w in e for e in errs for w in warned), report
+
+
+def test_an_error_shown_and_handled_is_no_death_at_exit(tmp_path: Path) -> None:
+    """An error that Python code hands to ``sys.excepthook`` and goes on
+    after (``code.InteractiveInterpreter`` does, for each error it shows)
+    is no uncaught exception: the rank still takes part in the exit
+    agreement. From a review of the exit handling (stop 58): rank 0 took
+    it for its death, skipped the exit agreement, and the other ranks
+    waited in it until their deadline, every destroy lost."""
+    source = _EXIT_AGREEMENT_AFTER + (
+        "import code\nif rank == 0:\n    code.InteractiveInterpreter().runsource('1/0')\n"
+    )
+    proc, outs, errs, took = run_job(tmp_path, source, COLLECTIVE_GC_EXIT_TIMEOUT="20")
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert [o.strip() for o in outs] == [f"destroyed on rank {r}" for r in range(4)], report
+    assert "ZeroDivisionError" in errs[0] and "uncaught" not in errs[0], report
