@@ -132,7 +132,11 @@ def manage(
     queued; at the first sync point on ``comm`` at which every rank has queued
     it, the handles are released (:func:`free_win`, :func:`close_file`), last
     first, on every rank in the same order. Releasing a handle yourself first
-    is fine: its handle is then null, and the managed release skips it.
+    is fine through the object you managed (``win.Free()``): its handle is
+    then null, and the managed release skips it. Not through another Python
+    object for the same handle (``MPI.Win.fromhandle``, ``MPI.Win(win)``):
+    the managed object still holds the old value, and releasing a freed
+    handle is erroneous (an MPI may have given its value to a new object).
 
     Each handle's group must be that of ``comm`` (create the window or open the
     file on ``comm``, or register it on the communicator it was made on).
