@@ -2494,6 +2494,27 @@ steady_finish(FamilyState *s, Steady *st)
 /* 8. report: the stats; failures go to the caller (`failed`, `progress`). A
  * signal that came in the wait is deferred here, inside the sync point's
  * protected region (the caller's), for the region's end to run. */
+/* The failures the steady state stored for the steps to report, when it is
+ * left by an exception instead (a second Ctrl-C at its end, out of memory):
+ * kept, as (seq, failure), for the family's next agreement to report on every
+ * rank (what the steps' report does: _syncpoint.keep_failures), not lost. */
+static void
+keep_failed(FamilyState *s, long long seq)
+{
+    PyObject *exc = take_exception();
+    PyObject *failed = take_list(&s->failed);
+    s->progress = 0;
+    for (Py_ssize_t i = 0; failed != NULL && i < PyList_GET_SIZE(failed); i++) {
+        PyObject *row = Py_BuildValue("(LO)", seq, PyList_GET_ITEM(failed, i));
+        if (row == NULL || PyList_Append(s->unreported, row) < 0) {
+            PyErr_Clear(); /* out of memory: the exception raised says more */
+        }
+        Py_XDECREF(row);
+    }
+    Py_XDECREF(failed);
+    restore_exception(exc);
+}
+
 static PyObject *
 steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
 {
@@ -2508,7 +2529,8 @@ steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
         stats = targs == NULL ? NULL : PyTuple_Type.tp_new((PyTypeObject *)s->stats, targs, NULL);
         Py_XDECREF(targs);
     }
-    if (PyList_GET_SIZE(st->failures)) {
+    int failed = PyList_GET_SIZE(st->failures) > 0;
+    if (failed) {
         Py_SETREF(s->failed, st->failures);
         s->progress = STEP_REPORT;
     }
@@ -2519,10 +2541,16 @@ steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
     if (st->error != NULL) {
         restore_exception(st->error);
         st->error = NULL;
+        if (failed) {
+            keep_failed(s, st->seq);
+        }
         return NULL;
     }
     if (stats != NULL && PyErr_CheckSignals() < 0) {
         Py_CLEAR(stats);
+        if (failed) {
+            keep_failed(s, st->seq);
+        }
     }
     return stats;
 }

@@ -1346,3 +1346,50 @@ def test_the_interrupted_rank_raises_the_destroy_error_at_the_next_agreement_too
         assert second == "DestroyError", verdicts
         assert failures == [(bad, key, "brake", "KeyboardInterrupt: b")], verdicts
     assert len({v[3] for v in verdicts}) == 1, verdicts  # the next sync point in step
+
+
+def _fails(tag: str) -> None:
+    raise ValueError(f"destroy {tag} fails")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_second_ctrl_c_at_a_sync_points_end_keeps_its_failures_for_the_next(
+    comm: MPI.Intracomm,
+) -> None:
+    """A sync point's destroys end with one failure on every rank, and a
+    second Ctrl-C arrives once its collectives are done (each rank's
+    destroys send SIGINT twice: the first is held, the second runs its
+    handler at once). The KeyboardInterrupt is raised on every rank, and
+    the failure is still reported, as DestroyError on every rank, by the
+    family's next agreement. From the review of the report step (stop 57):
+    the steady state had stored the failures for the steps to report, and
+    the interrupt left them there, never reported."""
+    import ctypes
+
+    cgc.collect(comm, generation=None, timeout=30)  # the family exists, steady from now
+    pid = os.getpid()
+    # libc's kill() through ctypes: no Python code runs after it, and no
+    # signal check (os.kill runs the handler at once for its own process).
+    kill = ctypes.CDLL(None).kill
+    # Destroys run newest first: a signal (its handler held: the first),
+    # the failure (whose Python code lets the handler run), a signal (its
+    # handler called at once: the second) whose handler runs at the sync
+    # point's end, where the C steady state checks for signals.
+    owners = [Obj(), Obj(), Obj()]
+    cgc.register(owners[0], kill, pid, signal.SIGINT, comm=comm, name="second")
+    cgc.register(owners[1], _fails, "x", comm=comm, name="fails")
+    cgc.register(owners[2], kill, pid, signal.SIGINT, comm=comm, name="first")
+    del owners
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        first = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    message = ""
+    try:
+        cgc.collect(comm, generation=None, timeout=30)
+        then = "ok"
+    except cgc.DestroyError as exc:
+        then, message = "DestroyError", str(exc)
+    verdicts = everyone(comm, (first, then, "destroy x fails" in message))
+    assert all(v == ("KeyboardInterrupt", "DestroyError", True) for v in verdicts), verdicts
