@@ -586,7 +586,10 @@ class FamilyState:
             if shift < 0:
                 continue
             try:
-                if vote(LOOK):
+                # A wish, or a bad vote (not an int in 0..255: its own sync
+                # point refuses it on every rank), as the C twin's vote_of.
+                seen = vote(LOOK)
+                if type(seen) is not int or seen:
                     return True
             except BaseException:  # noqa: BLE001 (its own sync point refuses it on every rank)
                 # An interrupt too (a vote's sys.exit()): raised here it would

@@ -420,22 +420,32 @@ def test_a_childs_vote_raising_an_interrupt_on_one_rank_is_raised_there_only(
     assert verdicts == expected, verdicts
 
 
+class NoneVote(RaisingVote):
+    """A vote that is not an int on one rank (a participant's bug there)."""
+
+    def vote(self, mgr: cgc.Manager) -> Any:
+        return None if mgr.rank == self.rank else 0
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", [RaisingVote, NoneVote])
 def test_a_childs_vote_raising_on_one_rank_is_reported_on_every_rank(
-    comm: MPI.Intracomm,
+    comm: MPI.Intracomm, kind: type[RaisingVote]
 ) -> None:
     """A parent's sync point asks each child whether it has something (its
     participants' votes, looked at); a vote raising there on rank 0 sends
     the parent to visit the child, whose own sync point refuses it on every
     rank: the parent reports that, on every rank (at its next agreement,
-    as any failure of a visit). From a review of the
-    report step (stop 57): the look raised on rank 0 alone, before the
-    parent's agreement."""
+    as any failure of a visit). So does a vote that is not an int (None)
+    there, in both twins. From a review of the report step (stop 57): the
+    look raised on rank 0 alone, before the parent's agreement; and (stop
+    58) the Python look took a None vote for no wish, the C one for a bad
+    vote."""
     rank = comm.Get_rank()
     child = cgc.split(comm, 0, key=-rank)
     cgc.collect(child, generation=None, timeout=30)  # the child's family exists
     cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
-    part = RaisingVote(0)  # rank 0 of the child, the last of comm
+    part = kind(0)  # rank 0 of the child, the last of comm
     # A quiet finish: else the look would want a visit before asking the vote.
     part.quiet_finish = True
     cgc.manager(child).add_participant(part)
