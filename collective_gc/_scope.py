@@ -437,6 +437,19 @@ class collective_scope:
                 f"attempted to exit {self!r} from a thread other than the one that "
                 "entered it; it is closed now, without its exit sync point"
             )
+        elif _registration.GC.collecting == self._thread:
+            # A generator (or coroutine) left suspended inside the scope, in a
+            # reference cycle, closed by the cyclic collector: its exit sync
+            # point would be MPI inside the collector, which runs at a
+            # different moment on each rank. (Raised in the collector, the
+            # error is printed as unraisable.)
+            misuse = (
+                f"{self!r} was exited by the cyclic garbage collector (a generator "
+                "holding it open was collected), which runs at a different moment on "
+                "each rank; it is closed now, without its exit sync point (what that "
+                "would have destroyed waits for the next sync point). Close such a "
+                "generator explicitly, on every rank (gen.close(), contextlib.closing)"
+            )
         elif not stack or stack[-1] is not self:
             inner = stack[-1] if stack else None
             misuse = (
