@@ -1415,7 +1415,7 @@ def test_the_family_cleanup_forgets_the_members_that_were_freed(comm: MPI.Intrac
         cgc.collect(comm, generation=None)
     cleanup = _cleanup.cleanup_of(cgc.manager(comm))
     assert cleanup is not None
-    kept = len(cleanup.comms)
+    kept = len(cleanup.installed)
     vecs = [PETSc.Vec().createMPI(2, comm=comm) for _ in range(3)]
     del vecs
     cgc.collect(comm, generation=None)

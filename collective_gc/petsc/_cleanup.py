@@ -56,25 +56,27 @@ class _Cleanup(Participant):
         # unless PETSc's garbage cannot be read here: then every sync point cleans.
         self.quiet_finish = _internals.READER is not None
         # The installed members, in the order install ran on them (the same on
-        # every rank: install is collective); weak, so that the family's
-        # participants never keep a manager alive.
-        self.comms: list[weakref.ref[Manager]] = []
+        # every rank: install is collective), each with its communicator's
+        # handle read at install (the vote's reads); weak, so that the
+        # family's participants never keep a manager alive. One tuple,
+        # rebound in one store by its two writers (install, and the votes'
+        # _look_at, on any thread) under the lock: a reader takes it whole.
+        self.installed: tuple[tuple[weakref.ref[Manager], int], ...] = ()
+        self.lock = threading.Lock()
         self.state = comm_state(True)
-        # Their communicators' handles, read at install (the vote's reads).
-        self.handles: list[int] = []
 
     def add(self, mgr: Manager) -> None:
         """Clean ``mgr``'s communicator too. Collective (install)."""
-        if all(ref() is not mgr for ref in self.comms):
-            self.comms.append(weakref.ref(mgr))
-            self.handles.append(MPI._handleof(mgr.comm))
-            self._look_at()
+        with self.lock:
+            if all(ref() is not mgr for ref, _ in self.installed):
+                self.installed += ((weakref.ref(mgr), MPI._handleof(mgr.comm)),)
+        self._look_at()
 
     def members(self) -> list[Manager]:
         """The installed communicators still in use (not freed: collectively,
         so alike on every rank). Local."""
         out = []
-        for ref in self.comms:
+        for ref, _ in self.installed:
             mgr = ref()
             if mgr is not None and not mgr.comm_freed and mgr.state is not State.RELEASED:
                 out.append(mgr)
@@ -87,17 +89,17 @@ class _Cleanup(Participant):
         # install and by every vote of the steps (each sync point after a
         # member's free), so the lists hold the members in use, not every one
         # a long run installed (a DOLFINx loop installs a mesh's at each step).
-        kept = [
-            (ref, handle)
-            for ref, handle in zip(self.comms, self.handles)
-            if (member := ref()) is not None and not member.comm_freed
-        ]
-        if len(kept) != len(self.comms):
-            self.comms[:] = [ref for ref, _ in kept]
-            self.handles[:] = [handle for _, handle in kept]
-        handles = tuple(self.handles)
-        if handles != self.state.members:
-            self.state.set_members(handles)
+        with self.lock:
+            kept = tuple(
+                (ref, handle)
+                for ref, handle in self.installed
+                if (member := ref()) is not None and not member.comm_freed
+            )
+            if len(kept) != len(self.installed):
+                self.installed = kept
+            handles = tuple(handle for _, handle in kept)
+            if handles != self.state.members:
+                self.state.set_members(handles)
 
     def vote(self, mgr: Manager) -> int:
         """This rank's vote: whether it holds garbage (on an installed
@@ -366,7 +368,7 @@ def _warn_immortal_at_exit() -> None:
     # Runs before collective_gc's own exit handler (registered after it), and
     # only looks: no MPI call, no destroy.
     for cleanup in list(_INSTALLED):
-        for ref in list(cleanup.comms):
+        for ref, _ in cleanup.installed:
             mgr = ref()
             if mgr is None:
                 continue
