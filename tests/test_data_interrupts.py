@@ -18,11 +18,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
-from data_scripts.fns import slow, small, tagged
+from data_scripts.fns import N, make, slow, small, tagged
 
 from collective_gc import local
-from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, testing
+from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, _shm, testing
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
@@ -171,6 +172,57 @@ def test_close_from_another_thread_while_next_waits(kind: str) -> None:
         next(it)
     if kind == "thread":
         gate.set()
+
+
+def test_close_from_another_thread_while_next_maps_a_segment(tmp_path: Any) -> None:
+    """close() from another thread lands as next() maps a new segment's descriptor;
+    then a third party opens a file, and may get a number the loader freed. The
+    loader must neither map that file nor close it.
+
+    From a review of the loader (channel races, part D). The other thread's
+    close() is run from a profile hook at the entry of ``_shm.map_fd``: a
+    thread switch can happen there, and the hook makes it happen there every
+    time (the loader runs on unchanged; only the moment is forced).
+    """
+    it = ProcessPrefetch(make, range(8), num_workers=1)
+    theirs: list[int] = []
+    size = N * 4
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code is not _shm.map_fd.__code__ or theirs:
+            return
+        sys.setprofile(None)
+        fd = frame.f_locals["fd"]
+        closer = threading.Thread(target=it.close)
+        closer.start()
+        closer.join(20)
+        # Another component opens files: the lowest free number first, so
+        # one gets `fd` if the loader closed it.
+        while True:
+            g = os.open(tmp_path / f"victim{len(theirs)}", os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(g, size)
+            os.pwrite(g, b"\x7f" * 16, 0)
+            theirs.append(g)
+            if g >= fd:
+                break
+
+    sys.setprofile(hook)
+    try:
+        x = next(it)
+    except StopIteration:
+        x = None
+    finally:
+        sys.setprofile(None)
+    assert theirs, "the hook never ran: no segment was mapped"
+    for g in theirs:
+        os.fstat(g)  # still open: OSError (EBADF) if the loader closed it
+        os.close(g)
+    if x is not None:  # mapped before the close took effect: the worker's element
+        assert x.dtype == np.float32 and (x == 0).all()
+        del x
+    with pytest.raises(StopIteration):
+        next(it)
+    gc.collect()
 
 
 def test_nothing_of_the_loaders_runs_python_code_when_it_dies() -> None:

@@ -444,10 +444,13 @@ class Channel:
                     continue
                 n = 0  # shut down under us by stop(): the end
                 break
+            # Still inside the socket call: a close_fds() from another thread
+            # between the receive and this move would close the descriptor and
+            # leave its number here, for attach() to map whatever reuses it.
+            if self.cmsg.len:
+                self.take_descriptor()
         finally:
             self._end_io()
-        if self.cmsg.len:
-            self.take_descriptor()
         if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
             self._close_inbox_fd()
             self._mark_end()
@@ -494,20 +497,31 @@ class Channel:
         fail). The descriptor is closed only after the mapping is stored: an
         interrupt before that leaves it for the next call (a mapping made and
         dropped meanwhile unmaps itself).
+
+        Also False if :meth:`shut` came first (from another thread): the
+        descriptor is used only inside ``_begin_io``/``_end_io``, as the
+        socket is, so close_fds() never closes it under us (its number could
+        be reused meanwhile by another thread's file, which we would map,
+        then close).
         """
-        if self.inbox_fd < 0:  # an interrupt struck before the receive could take it
-            self.take_descriptor()
-        fd = self.inbox_fd
-        if fd < 0:
+        if not self._begin_io():
             return False
-        mapping = map_fd(fd, capacity)
-        segment = Segment(mapping, capacity, f"ProcessPrefetch {self.name} slot {slot}")
-        watch_segment(segment)
-        self.slots.segments[slot] = segment
-        self.attached = seq
-        self.inbox_fd = -1
-        os.close(fd)
-        return True
+        try:
+            if self.inbox_fd < 0:  # an interrupt struck before the receive could take it
+                self.take_descriptor()
+            fd = self.inbox_fd
+            if fd < 0:
+                return False
+            mapping = map_fd(fd, capacity)
+            segment = Segment(mapping, capacity, f"ProcessPrefetch {self.name} slot {slot}")
+            watch_segment(segment)
+            self.slots.segments[slot] = segment
+            self.attached = seq
+            self.inbox_fd = -1
+            os.close(fd)
+            return True
+        finally:
+            self._end_io()
 
     # -- stopping ---------------------------------------------------------------
 
