@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from data_scripts.fns import ForkThenCrash
 
-from collective_gc.data import ProcessPrefetch, WorkerError
+from collective_gc.data import ProcessPrefetch, WorkerError, testing
 
 from _util import in_thread, process_alive, script_env
 
@@ -127,6 +127,69 @@ def test_close_stops_what_fn_forked(tmp_path: Any) -> None:
         assert next(it)[0] == 0
         it.close()
         assert not _outlive(record), "fn's child outlived close()"
+    finally:
+        it.close()
+        _kill_listed(record)
+
+
+class StartThenEnd:
+    """At key 1: start a helper with ``subprocess`` (as fn may start ffmpeg), write
+    its pid to ``path``, then end the worker ``how``: ``segv`` (a crash in C
+    code), ``exit`` (``sys.exit()`` in fn) or ``stop`` (SIGSTOP: the worker
+    answers nothing, so close() SIGKILLs it after ``close_timeout``). Other
+    keys: a small element. Defined here, so workers import this module."""
+
+    def __init__(self, path: str, how: str) -> None:
+        self.path, self.how = path, how
+
+    def __call__(self, i: int) -> int:
+        if i == 1:
+            helper = subprocess.Popen(["sleep", "120"])
+            with open(self.path, "a") as f:
+                f.write(f"{helper.pid}\n")
+            if self.how == "exit":
+                sys.exit(3)
+            os.kill(os.getpid(), signal.SIGSEGV if self.how == "segv" else signal.SIGSTOP)
+            time.sleep(120)
+        return i
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("how", ["segv", "exit", "stop"])
+def test_what_fn_started_with_subprocess_dies_however_the_worker_ends(
+    tmp_path: Any, how: str
+) -> None:
+    """A helper that fn started with ``subprocess`` (which runs no at-fork hook:
+    no PDEATHSIG of its own) is in the worker's process group, and must not
+    outlive close(), whether the worker crashed, called ``sys.exit()`` (which
+    escaped the worker's loop into the interpreter's own exit, atexit and all)
+    or was SIGKILLed by close() after ``close_timeout``.
+
+    From a review of the loader (grandchild.py). The parent SIGKILLed is a
+    documented limitation: PDEATHSIG kills the worker, nothing kills the helper.
+    """
+    record = tmp_path / "helpers"
+    it = ProcessPrefetch(StartThenEnd(str(record), how), range(6), num_workers=1, close_timeout=0.5)
+    try:
+        assert next(it) == 0
+        if how == "stop":
+            (worker,) = testing.workers(it)
+            deadline = time.monotonic() + 20
+            while _state(worker.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert _state(worker.pid) == "T"
+        else:
+            with pytest.raises(WorkerError) as info:
+                next(it)
+            if how == "exit":  # reported as fn's error, not as a bare exit code
+                assert "SystemExit" in str(info.value)
+        it.close()
+        assert record.read_text().split(), "fn never started its helper"
+        assert not _outlive(record, 3), "fn's subprocess outlived close()"
     finally:
         it.close()
         _kill_listed(record)

@@ -164,7 +164,8 @@ class WorkerProcess:
                 os.close(fd)
 
     def join(self, timeout: float) -> None:
-        """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``.
+        """Wait for the process (after :meth:`stop`); SIGKILL it after ``timeout``;
+        then SIGKILL what is left of its process group.
 
         Bounded even if an interrupt left the ``Popen``'s own wait lock held
         (it can land between CPython's acquire and its ``try``, in an earlier
@@ -178,19 +179,33 @@ class WorkerProcess:
             self.join_at = time.monotonic() + timeout
         try:
             self.proc.wait(max(0.0, self.join_at - time.monotonic()))
-            return
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-        if self.kill_at is None:
-            self.kill_at = time.monotonic() + timeout
-        try:
-            self.proc.wait(max(0.0, self.kill_at - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            self._kill_group()  # the worker and what its fn started
+            if self.kill_at is None:
+                self.kill_at = time.monotonic() + timeout
             try:
-                _, status = os.waitpid(self.proc.pid, 0)  # SIGKILLed: exits at once
-            except ChildProcessError:
-                return  # reaped by someone else meanwhile
-            self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.proc.wait(max(0.0, self.kill_at - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    _, status = os.waitpid(self.proc.pid, 0)  # SIGKILLed: exits at once
+                except ChildProcessError:
+                    pass  # reaped by someone else meanwhile
+                else:
+                    self.proc.returncode = os.waitstatus_to_exitcode(status)
+        # Reaped. The worker kills its group on its own ways out, but not when
+        # it dies of a signal (a crash in fn, our SIGKILL): what fn started
+        # (subprocess, ffmpeg-style helpers) is still there, and must go now.
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        # The worker leads its own process group (start_new_session=True). Its
+        # number cannot be reused while any member lives, so this reaches only
+        # what is left of the group; none left: ESRCH (another group taking the
+        # number in the microseconds since the reap would need the pids to wrap).
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left of the group
+            pass
 
     def forget_in_child(self) -> None:
         """In a process forked from the owner: close our copies of the pipes; inert from now.

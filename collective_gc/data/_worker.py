@@ -26,7 +26,10 @@ process group of its own, and kills that whole group (itself included) on
 every way out it takes (the watch thread's, the end of its share, a failed
 start); a child it forks through ``os.fork`` (or multiprocessing's fork) is
 given ``PR_SET_PDEATHSIG`` of its own at once, so it dies even when the
-worker is killed outright.
+worker is killed outright. The parent's ``join`` kills what is left of the
+group once the worker is reaped (a crash, its SIGKILL). A process started
+through ``subprocess`` (no at-fork hook runs) outlives a worker killed by
+``PR_SET_PDEATHSIG`` when the parent is SIGKILLed: a documented limitation.
 
 A worker runs under ``SCHED_BATCH`` (see :func:`_be_batch`): the parent's
 wake-ups never preempt the parent.
@@ -246,6 +249,11 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
         _Server(sock, fn, worker_id, window, ring_fd, bell_fd, wake_fd).serve(keys)
     except _ParentGone:
         pass  # the parent closed the loader or died: nobody to report to
+    except BaseException as exc:  # noqa: BLE001 (SystemExit from fn, a bug of ours)
+        # Never out through the interpreter's own exit: it would run atexit
+        # handlers and leave what fn started alive; _exit ends the group.
+        _send_error(sock, exc, "while serving")
+        _exit(1)
     _exit(0)
 
 
