@@ -10,7 +10,9 @@ Launcher tests (they start worker processes): serial session only.
 from __future__ import annotations
 
 import gc
+import linecache
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ import pytest
 from data_scripts.fns import N, make, slow, small, tagged
 
 from collective_gc import local
-from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, _shm, testing
+from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, _shm, _thread, testing
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
@@ -223,6 +225,62 @@ def test_close_from_another_thread_while_next_maps_a_segment(tmp_path: Any) -> N
     with pytest.raises(StopIteration):
         next(it)
     gc.collect()
+
+
+def _waits_for_room(state: Any) -> bool:
+    """Whether the producer thread of ``state`` is at its wait for room."""
+    frame = sys._current_frames().get(state.ident)
+    return (
+        frame is not None
+        and frame.f_code is _thread._produce.__code__
+        and "room.acquire()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    )
+
+
+def _sigint_at_entry_of(code: Any, caller: str) -> None:
+    """A real SIGINT, its KeyboardInterrupt raised at the entry of the next call of
+    ``code`` from a function named ``caller`` on this (the main) thread: a
+    profile hook raises the signal there, and Python runs its handler as the
+    hook's C call returns, as it would at the function's first instruction."""
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code and frame.f_back.f_code.co_name == caller:
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(hook)
+
+
+def test_thread_loader_interrupted_as_it_signals_room_goes_on() -> None:
+    """An interrupt at the entry of next()'s ``_signal(s.room)``, after it took the
+    element (which the next call delivers from ``_ready``): the call after that
+    must not wait for ever for a producer that waits for room.
+
+    From a review of the loader (thread interrupts, part A). The point is forced
+    (see _sigint_at_entry_of); buffer_size=1 and a producer seen waiting for
+    room make it the case where that one signal was the only wake-up.
+    """
+    it = ThreadPrefetch(range(10), buffer_size=1)
+    assert next(it) == 0
+    s = it._holder.running
+    deadline = time.monotonic() + 10
+    while not (len(s.items) == 1 and _waits_for_room(s)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert _waits_for_room(s)
+    _sigint_at_entry_of(_thread._signal.__code__, "__next__")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        sys.setprofile(None)
+    assert next(it) == 1  # the element the interrupted call took
+    finished, outcome = in_thread(lambda: next(it), 3)
+    if not finished:  # unstick the producer, then fail
+        s.stop = True
+        _thread._signal(s.room)
+    assert finished, "next() waits for ever after an interrupt"
+    assert outcome == 2
+    assert list(it) == list(range(3, 10))
 
 
 def test_nothing_of_the_loaders_runs_python_code_when_it_dies() -> None:

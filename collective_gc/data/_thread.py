@@ -354,6 +354,12 @@ class ThreadPrefetch(Loader[T, State[T]]):
                     raise error
                 finally:
                     del error
+            # Room first: an interrupt in the call that took the last element
+            # may have cut its _signal(s.room) (the element went out through
+            # _ready), and a producer waiting for room would never make the
+            # one we wait for. A signal too many is harmless: the producer
+            # looks at len(items) again.
+            _signal(s.room)
             s.filled.acquire()  # interruptible; a lost "True" loses nothing
         # No call between taking the element and keeping it in _ready.
         item = items[0]
