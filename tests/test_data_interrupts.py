@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -237,18 +237,28 @@ def _waits_for_room(state: Any) -> bool:
     )
 
 
-def _sigint_at_entry_of(code: Any, caller: str) -> None:
-    """A real SIGINT, its KeyboardInterrupt raised at the entry of the next call of
-    ``code`` from a function named ``caller`` on this (the main) thread: a
-    profile hook raises the signal there, and Python runs its handler as the
-    hook's C call returns, as it would at the function's first instruction."""
+def _sigint_when(match: Callable[[Any, str, Any], bool]) -> None:
+    """A real SIGINT, its KeyboardInterrupt raised at the first profile event of
+    this (the main) thread that ``match`` accepts: a profile hook raises the
+    signal there, and Python runs its handler as the hook's C call returns. At
+    a "call" event, that is the function's entry; at a "c_return", right after
+    the C call returned: two points where a signal's handler runs in CPython."""
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is code and frame.f_back.f_code.co_name == caller:
+        if match(frame, event, arg):
             sys.setprofile(None)
             signal.raise_signal(signal.SIGINT)
 
     sys.setprofile(hook)
+
+
+def _sigint_at_entry_of(code: Any, caller: str) -> None:
+    """SIGINT at the entry of the next call of ``code`` from a function named ``caller``."""
+    _sigint_when(
+        lambda frame, event, arg: (
+            event == "call" and frame.f_code is code and frame.f_back.f_code.co_name == caller
+        )
+    )
 
 
 def test_thread_loader_interrupted_as_it_signals_room_goes_on() -> None:
@@ -281,6 +291,46 @@ def test_thread_loader_interrupted_as_it_signals_room_goes_on() -> None:
     assert finished, "next() waits for ever after an interrupt"
     assert outcome == 2
     assert list(it) == list(range(3, 10))
+
+
+def test_thread_loader_close_after_a_close_interrupted_past_its_wait() -> None:
+    """An interrupt right after close()'s wait for the producer returned (it holds
+    the producer's ``finished`` lock then): a later close() must return, not
+    wait for ever for a producer that has exited.
+
+    From a review of the loader (thread_b.py). The point is forced: SIGINT as
+    that ``acquire`` returns (see _sigint_when).
+    """
+    it = ThreadPrefetch(range(3), buffer_size=1)
+    assert next(it) == 0
+    s = it._holder.running
+    _sigint_when(
+        lambda frame, event, arg: (
+            event == "c_return" and getattr(arg, "__self__", None) is s.finished
+        )
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            it.close()
+    finally:
+        sys.setprofile(None)
+    assert s.done
+    # Again on this thread: a new thread may reuse the exited producer's
+    # ident, and close() never waits for the producer from its own thread.
+    # SIGALRM bounds the wait (a hang fails the test, not the session).
+
+    def too_long(signum: int, frame: Any) -> None:
+        raise TimeoutError("close() waits for ever after an interrupted close()")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 3)
+        it.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 def test_nothing_of_the_loaders_runs_python_code_when_it_dies() -> None:

@@ -56,6 +56,7 @@ class State(Generic[T]):
         "__weakref__",
         "done",
         "error",
+        "exited",
         "filled",
         "finished",
         "forked",
@@ -82,6 +83,10 @@ class State(Generic[T]):
         self.launched = False  # the producer thread exists
         self.finished = threading.Lock()  # held until the producer has returned
         self.finished.acquire()
+        # Set just before `finished` is released: a waiter cut short after
+        # its acquire (the lock then stays held) must not make later waits
+        # wait for a release that never comes again.
+        self.exited = False
         self.ident = 0  # the producer thread's
         self.source: Iterator[T] | None = None  # the iterator, until the producer takes it
         # In a process forked while the producer ran: no producer here (see _after_fork).
@@ -136,6 +141,7 @@ def _produce(state: State[T]) -> None:
                 close()
         state.done = True
         _signal(state.filled)
+        state.exited = True
         state.finished.release()
 
 
@@ -149,6 +155,7 @@ def _stop(state: State[Any], timeout: float | None) -> None:
         and timeout != 0
         and not state.forked
         and threading.get_ident() != state.ident
+        and not state.exited  # nothing to wait for (and `finished` may stay held)
     ):
         if state.finished.acquire(timeout=-1 if timeout is None else timeout):
             state.finished.release()
