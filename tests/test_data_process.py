@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -197,6 +198,34 @@ def test_worker_crash_reports_exit_code() -> None:
     assert info.value.exitcode == -signal.SIGKILL
     assert "SIGKILL" in str(info.value) and "worker 2" in str(info.value)
     assert it.closed
+
+
+def test_works_with_descriptors_numbered_above_1024() -> None:
+    """With more than 1024 files open, the loader's descriptors (socket, pidfd,
+    doorbells: the worker keeps their numbers) are numbered 1024 and up, which
+    ``select`` refuses; every wait (the consumer's, and the worker's while the
+    window is full) must still work.
+
+    From a review of the loader (fds_and_errors.py, part 2).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"at most {hard} descriptors may be open here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        it = ProcessPrefetch(make, range(40), num_workers=1, buffer_size=2)
+        try:
+            got = [int(next(it)[0])]
+            time.sleep(0.2)  # the worker fills its window and sleeps until we consume
+            got += [int(x[0]) for x in it]
+            assert got == list(range(40))
+        finally:
+            it.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_unpicklable_fn_is_refused_before_any_worker_starts() -> None:

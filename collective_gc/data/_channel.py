@@ -42,7 +42,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 from . import _protocol as P
 from ._forked import close_fields
@@ -107,6 +106,11 @@ _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 # How often a consumer waiting for a worker wakes up to send it slots freed
 # meanwhile on other threads (the only case where nobody else would).
 POLL = 0.05
+POLL_MS = POLL * 1000
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLIN | select.POLLOUT
+# What select() counted as readable: data, the end, an error.
+_READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 # A waiting consumer asks to be woken once per this many seconds of a
 # worker's posts (at most a window of them): see _protocol, "Doorbells".
 ASK_SPAN = 5e-4
@@ -357,6 +361,7 @@ class Channel:
                 self._mark_end()
                 break
             moved = False
+            ready: dict[int, int] = {}
             try:
                 bell = self.bell
                 ring = self.ring
@@ -371,21 +376,23 @@ class Channel:
                         pass  # no count to drain: nothing rang since
                     moved = self.posted(ask - 1) or self.posted(seq + 1)
                 if not moved:
-                    owes = [self.sock] if self._owes() else []
-                    watch: list[Any] = [self.sock]
+                    # poll, not select: select refuses descriptors numbered
+                    # 1024 and up, which a process with many files open gets.
+                    watch = select.poll()
+                    watch.register(self.sockfd, _POLLOUT if self._owes() else _POLLIN)
                     if bell >= 0:
-                        watch.append(bell)
+                        watch.register(bell, _POLLIN)
                     if self.pidfd >= 0:
-                        watch.append(self.pidfd)
-                    readable, _, _ = select.select(watch, owes, [], POLL)
+                        watch.register(self.pidfd, _POLLIN)
+                    ready = dict(watch.poll(POLL_MS))
             finally:
                 self._end_io()
             if moved:
                 continue  # _ring_moved() says what it found
-            if self.sock in readable:
+            if ready.get(self.sockfd, 0) & _READABLE:
                 if self._recv(_DONTWAIT):
                     break
-            elif (self.pidfd >= 0 and self.pidfd in readable) or (
+            elif (self.pidfd >= 0 and ready.get(self.pidfd, 0) & _READABLE) or (
                 self.pidfd < 0 and self.proc.poll() is not None
             ):
                 # The worker has exited: what it posted or sent before is there;

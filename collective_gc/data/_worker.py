@@ -170,6 +170,14 @@ def _watch(fd: int) -> None:
         _end_group(0)  # not _exit(): flushing could block on a dead parent's pipe
 
 
+def _readable(fd: Any, timeout: float) -> bool:
+    # poll, not select: select refuses descriptors numbered 1024 and up (the
+    # doorbells keep the parent's numbers, which may be that high).
+    watch = select.poll()
+    watch.register(fd, select.POLLIN)
+    return bool(watch.poll(timeout * 1000))
+
+
 def _set_pdeathsig(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -487,11 +495,11 @@ class _Server:
         ring the parent never made costs a stall, never a hang.
         """
         try:
-            if select.select([fd], [], [], LONG_SLEEP)[0]:
+            if _readable(fd, LONG_SLEEP):
                 return call(fd, *args)
             _be_normal()
             try:
-                if timeout is None or select.select([fd], [], [], timeout)[0]:
+                if timeout is None or _readable(fd, timeout):
                     return call(fd, *args)
                 return b""
             finally:

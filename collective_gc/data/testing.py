@@ -131,7 +131,9 @@ def drop_socket_message(loader: ProcessPrefetch[Any], worker: int, timeout: floa
     if channel.has_message():
         channel.done_with_inbox()
         return True
-    if not select.select([channel.sock], [], [], timeout)[0]:
+    watch = select.poll()  # not select, which refuses descriptors numbered 1024 and up
+    watch.register(channel.sock, select.POLLIN)
+    if not watch.poll(timeout * 1000):
         return False
     channel.sock.recv(1 << 16)
     return True
