@@ -190,6 +190,41 @@ def test_unpicklable_error_crosses_as_its_type_or_worker_error() -> None:
     assert "in locked_fail" in str(info2.value.__cause__)
 
 
+class RaiseText:
+    """Raise ValueError(``text`` + the key) for every key. Defined here, so
+    workers import this module."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self, key: Any) -> None:
+        raise ValueError(self.text + str(key)[:10])
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [("bad sample: " + "\u6c49" * 30000, 0), ("bad sample", "k" * 300_000)],
+    ids=["non-ascii-text", "long-key"],
+)
+def test_an_error_too_big_for_one_message_crosses_cut(text: str, key: Any) -> None:
+    """An error whose message is short in characters but long in bytes (CJK:
+    3 bytes each), or whose key has a long repr, is cut to fit one message:
+    the parent raises the worker's type with the end of its traceback, never
+    "sent a malformed message" (nor a silent end for a worker whose send failed).
+
+    From a review of the loader (fds_and_errors.py, part 1).
+    """
+    with pytest.raises(ValueError) as info:
+        next(ProcessPrefetch(RaiseText(text), [key], num_workers=1))
+    assert not isinstance(info.value, WorkerError)
+    cause = str(info.value.__cause__)
+    assert cause.endswith(text[-20:] + str(key)[:10] + '\n"""')  # the end, where the error is
+    if key:  # the key's repr is cut
+        assert "while loading key 'kkk" in cause and "k" * 100 not in cause
+    else:  # the text is cut
+        assert "[... traceback cut ...]" in cause and len(cause.encode()) < 1 << 16
+
+
 def test_worker_crash_reports_exit_code() -> None:
     it = ProcessPrefetch(crash_at_2, range(6), num_workers=3)
     assert next(it)[0] == 0 and next(it)[0] == 1

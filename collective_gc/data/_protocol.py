@@ -290,6 +290,7 @@ class WorkerError(LoaderError):
 
 
 _TEXT_MAX = INLINE_MAX // 2 - 1024
+_CUT = "[... traceback cut ...]\n"
 _OBJECT_MAX = INLINE_MAX // 4
 
 
@@ -303,7 +304,7 @@ def pack_error(exc: BaseException, where: str) -> bytes:
     """
     text = "".join(traceback.format_exception(exc))
     if len(text) > _TEXT_MAX:
-        text = "[... traceback cut ...]\n" + text[-_TEXT_MAX:]
+        text = _CUT + text[-_TEXT_MAX:]
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     obj_blob: bytes | None
     try:
@@ -315,7 +316,17 @@ def pack_error(exc: BaseException, where: str) -> bytes:
         type_blob: bytes | None = pickle.dumps(type(exc))
     except (pickle.PicklingError, AttributeError, TypeError):  # cannot be named: text only
         type_blob = None
-    return pickle.dumps((obj_blob, type_blob, name, where, text))
+    blob = pickle.dumps((obj_blob, type_blob, name, where, text))
+    if len(blob) <= INLINE_MAX:
+        return blob
+    # Too big for one message, which the parent could not receive whole: the
+    # cut above counts characters, and one may take 4 bytes (or the object is
+    # big). Measured in bytes now: the object goes (its type still crosses),
+    # and the text keeps as many bytes of its end as fit.
+    rest = len(pickle.dumps((None, type_blob, name, where, _CUT))) + 16  # + a longer length
+    tail = text.encode("utf-8", "surrogatepass")[-max(1, INLINE_MAX - rest) :]
+    text = _CUT + tail.decode("utf-8", "ignore")  # a character cut in two is dropped
+    return pickle.dumps((None, type_blob, name, where, text))
 
 
 def rebuild_error(blob: bytes, worker: str) -> BaseException:

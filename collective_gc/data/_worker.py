@@ -45,6 +45,7 @@ import io
 import mmap
 import os
 import pickle
+import reprlib
 import runpy
 import select
 import signal
@@ -573,7 +574,8 @@ class _Server:
             except _ParentGone:
                 raise
             except Exception as exc:  # noqa: BLE001 (any error of fn crosses to the parent)
-                blob = P.pack_error(exc, f"while loading key {key!r}")
+                # reprlib: a key's repr may be as long as the key (its error must fit one message).
+                blob = P.pack_error(exc, f"while loading key {reprlib.repr(key)}")
                 self._post(P.HEAD.pack(P.ERROR, -1, self.seq, 0, len(blob), 0) + blob, last=True)
                 return
             self.seq += 1
