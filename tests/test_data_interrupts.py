@@ -26,6 +26,7 @@ from data_scripts.fns import N, make, slow, small, tagged
 
 from collective_gc import local
 from collective_gc.data import LoaderError, ProcessPrefetch, ThreadPrefetch, _shm, _thread, testing
+from collective_gc.data._channel import Channel
 
 from _pester import INTERRUPTS, TOTAL, check_exactly_once, consume_under_interrupts
 from _util import in_thread, script_env
@@ -331,6 +332,36 @@ def test_thread_loader_close_after_a_close_interrupted_past_its_wait() -> None:
         signal.signal(signal.SIGALRM, previous)
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_process_loader_interrupted_as_it_leaves_a_socket_call_leaks_nothing() -> None:
+    """An interrupt as next() leaves a socket call of its channel (at the entry of
+    ``Channel._end_io``), then close(): no descriptor of the worker (its pidfd,
+    doorbells, socket) stays open.
+
+    From a review of the loader (channel races, part C). The point is forced:
+    SIGINT at the entry of the first ``_end_io`` (see _sigint_when).
+    """
+    gc.collect()
+    before = set(os.listdir("/proc/self/fd"))
+    it = ProcessPrefetch(make, range(8), num_workers=1)
+    _sigint_when(
+        lambda frame, event, arg: event == "call" and frame.f_code is Channel._end_io.__code__
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        sys.setprofile(None)
+    it.close()
+    it.close()  # close() may be repeated; the first one should suffice
+    del it
+    gc.collect()
+    left = {
+        fd: os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - before
+    }
+    left = {fd: name for fd, name in left.items() if not name.startswith("/proc/")}
+    assert not left, f"descriptors left open: {left}"
 
 
 def test_nothing_of_the_loaders_runs_python_code_when_it_dies() -> None:

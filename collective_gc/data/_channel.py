@@ -231,6 +231,7 @@ class Channel:
                 self.sent_consumed, self.sent_allowance = consumed, allowance
                 del self.slots.freed[: len(freed)]  # only those: collect_dead may append
         finally:
+            self.busy = False  # a store before any call (see _end_io)
             self._end_io()
 
     def _write_control(self) -> None:
@@ -290,6 +291,7 @@ class Channel:
             except OSError:  # the worker is gone; it needs nothing more from us
                 pass
             finally:
+                self.busy = False  # a store before any call (see _end_io)
                 self._end_io()
 
     def _owes(self) -> bool:
@@ -300,12 +302,17 @@ class Channel:
     def _begin_io(self) -> bool:
         self.busy = True
         if self.closed:
+            self.busy = False
             self._end_io()
             return False
         return True
 
     def _end_io(self) -> None:
-        self.busy = False
+        # Called once the caller has stored busy = False, in its finally, with
+        # no call before the store: an interrupt at the entry of this call
+        # (or of close_fds) leaves the consumer out of its socket call, so a
+        # later close() (shut) closes the descriptors. Were the store in here,
+        # such an interrupt would leave busy set for good, and them open.
         if self.closed:
             self.close_fds()
 
@@ -386,6 +393,7 @@ class Channel:
                         watch.register(self.pidfd, _POLLIN)
                     ready = dict(watch.poll(POLL_MS))
             finally:
+                self.busy = False  # a store before any call (see _end_io)
                 self._end_io()
             if moved:
                 continue  # _ring_moved() says what it found
@@ -457,6 +465,7 @@ class Channel:
             if self.cmsg.len:
                 self.take_descriptor()
         finally:
+            self.busy = False  # a store before any call (see _end_io)
             self._end_io()
         if msg.flags & _TRUNCATED or 0 < n < P.HEAD.size:
             self._close_inbox_fd()
@@ -528,6 +537,7 @@ class Channel:
             os.close(fd)
             return True
         finally:
+            self.busy = False  # a store before any call (see _end_io)
             self._end_io()
 
     # -- stopping ---------------------------------------------------------------
