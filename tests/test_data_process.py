@@ -9,6 +9,7 @@ module, without pulling in pytest.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import mmap
 import os
@@ -261,6 +262,31 @@ def test_works_with_descriptors_numbered_above_1024() -> None:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_received_segment_descriptors_are_close_on_exec() -> None:
+    """A slot's descriptor, received from the worker, is close-on-exec from the
+    receive on: a subprocess started meanwhile by any thread does not inherit it.
+
+    From a review of the loader (received memfds). Looked at as the consumer maps it
+    (a profile hook at the entry of ``_shm.map_fd``, the descriptor's only use).
+    """
+    seen: list[int] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is collective_gc.data._shm.map_fd.__code__:
+            seen.append(fcntl.fcntl(frame.f_locals["fd"], fcntl.F_GETFD))
+
+    it = ProcessPrefetch(make, range(4), num_workers=1)
+    sys.setprofile(hook)
+    try:
+        got = [int(x[0]) for x in it]
+    finally:
+        sys.setprofile(None)
+        it.close()
+    assert got == [0, 1, 2, 3]
+    assert seen, "no segment was mapped"
+    assert all(flags & fcntl.FD_CLOEXEC for flags in seen), seen
 
 
 def test_unpicklable_fn_is_refused_before_any_worker_starts() -> None:

@@ -102,6 +102,9 @@ _SCM_RIGHTS = int(socket.SCM_RIGHTS)
 _SOL_SOCKET = int(socket.SOL_SOCKET)
 # Plain ints: flag arithmetic on the enum members costs microseconds per element.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+# Received descriptors close-on-exec, as every other of ours: a subprocess
+# started meanwhile (by any thread) must not inherit a worker's segment.
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 # How often a consumer waiting for a worker wakes up to send it slots freed
 # meanwhile on other threads (the only case where nobody else would).
@@ -446,7 +449,7 @@ class Channel:
                 self.cmsg.len = 0
                 msg.controllen = _CMSG_ROOM
                 msg.flags = 0
-                n: int = _RECVMSG(self.sockfd, self.msg_ref, flags)
+                n: int = _RECVMSG(self.sockfd, self.msg_ref, flags | _CLOEXEC)
                 if n >= 0:
                     break
                 err = ctypes.get_errno()
