@@ -802,11 +802,20 @@ class Collective:
         """At exit, once every family's exit agreement ran: withdraw the
         watch's standing receive, since MPI is finalized next (mpi4py's
         ``Py_AtExit``) and a receive still posted then is erroneous. No sync
-        point runs here afterwards. Local."""
-        with self.lock:
+        point runs here afterwards. Local.
+
+        Not waiting for ever for the family's lock: a sync point on a daemon
+        thread may hold it, waiting in a collective for a rank that will not
+        come (this one, dying of an uncaught exception, say); then the
+        receive is left posted, as before this existed."""
+        if not self.lock.acquire(timeout=1.0):
+            return
+        try:
             if self.core.comm is not None and not MPI.Is_finalized():
                 self.core.close(False)
                 self.become(State.EXITED, "the program is exiting (its exit agreement ran)")
+        finally:
+            self.lock.release()
 
     def after_fork(self) -> list[Any]:
         """In a forked child: nothing here belongs to this process. Fresh

@@ -46,12 +46,12 @@ def exit_timeout() -> float:
     try:
         return _read_exit_timeout()
     except ValueError as exc:
-        warnings.warn(
-            f"collective_gc: {exc}; using {_AT_IMPORT} s, the value read at import",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return _AT_IMPORT
+        text = f"collective_gc: {exc}; using {_AT_IMPORT} s, the value read at import"
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+    except Warning:  # warnings made errors (-W error): said, never raised here
+        print(f"RuntimeWarning: {text}", file=sys.stderr)
+    return _AT_IMPORT
 
 
 def _read_exit_timeout() -> float:
@@ -154,13 +154,15 @@ def _at_exit() -> None:
         local.shutdown()
 
 
-# What the parent's registrations held, in a forked child: the parent's
-# resources (a PETSc object, an HDF5 file, a window, a shared segment). The
-# child never runs their destroys, and must not let go of them either: the
-# last reference dropped runs a resource's own destructor (an H5Fclose, a
-# collective MPI call) in a process that shares the parent's MPI state. So
-# they stay here for the child's life (a forked child usually leaves by
-# os._exit, which runs no destructor).
+# What the parent's collective registrations held, in a forked child: the
+# parent's resources (a PETSc object, an HDF5 file, a window). The child never
+# runs their destroys, and must not let go of them either: the last reference
+# dropped runs a resource's own destructor (an H5Fclose, a collective MPI call)
+# in a process that shares the parent's MPI state. So they stay here for the
+# child's life (a forked child usually leaves by os._exit, which runs no
+# destructor). Rank-local registrations (collective_gc.local) hold no
+# collective resource: their calls are let go of in the child, which releases
+# the child's copies (a mapping, a descriptor; see collective_gc.data).
 _INHERITED: list[Any] = []
 
 
@@ -176,7 +178,7 @@ def _after_fork_in_child() -> None:
     _registration.after_fork()
     _gcpolicy.after_fork()
     _INHERITED.extend(_lookup.after_fork())
-    _INHERITED.extend(local.after_fork())
+    local.after_fork()
 
 
 # Whether the interpreter is dying of an uncaught exception: noted by our
@@ -189,14 +191,27 @@ _previous_excepthook = sys.excepthook
 def _excepthook(
     tp: type[BaseException], value: BaseException, tb: types.TracebackType | None
 ) -> None:
-    # The interpreter calls the hook from C, with no Python frame below it;
-    # Python code calls it too, for an exception it handled and goes on
-    # after (code.InteractiveInterpreter does for every error it shows, once
-    # the hook is not sys.__excepthook__): no death, so the exit agreement
-    # must still run.
-    if sys._getframe().f_back is None:
+    # The interpreter calls the hook for an exception that kills it, from C
+    # or through another library's hook that wraps ours (a crash reporter's).
+    # The standard library's interactive interpreter calls it for every
+    # error it shows and goes on after (code.InteractiveInterpreter, once the
+    # hook is not sys.__excepthook__): no death, so the exit agreement must
+    # still run.
+    if not _from_interactive_interpreter():
         _UNCAUGHT[0] = True
     _previous_excepthook(tp, value, tb)
+
+
+def _from_interactive_interpreter() -> bool:
+    try:
+        frame: types.FrameType | None = sys._getframe(2)  # (the hook's caller)
+    except ValueError:
+        return False  # none: the interpreter's own call, from C
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "code":
+            return True
+        frame = frame.f_back
+    return False
 
 
 # Read once here so that a bad value is a usage error at import, on every rank

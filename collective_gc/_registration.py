@@ -379,17 +379,17 @@ class Ledger:
         with self.lock:
             return take_call(reg, state, self.live)
 
-    def after_fork(self) -> list[tuple[Callable[..., object], tuple[Any, ...]]]:
+    def after_fork(self) -> list[Registration]:
         """In a forked child: a fresh lock (one that another thread held at the
-        fork is never released there), then everything detached without
-        running it. Returns the calls taken out: they hold the parent's
-        resources, which the child keeps (see collective_gc._exit)."""
+        fork is never released there), then :meth:`forget`."""
         self.lock = threading.RLock()
+        return self.forget()
+
+    def forget(self) -> list[Registration]:
+        """Detach everything without running it (a forked child). Returns what was live."""
         with self.lock:
-            calls = [
-                call
-                for reg in list(self.live.values())
-                if (call := take_call(reg, DETACHED, self.live)) is not None
-            ]
+            regs = list(self.live.values())
+            for reg in regs:
+                take_call(reg, DETACHED, self.live)
             self.live.clear()
-        return calls
+        return regs

@@ -201,8 +201,11 @@ class GcState:
             return was
 
     def forked(self) -> None:
-        """In a forked child: only this thread exists, and it is not collecting."""
+        """In a forked child: only this thread exists, and it is not
+        collecting. A fresh lock: one another thread held at the fork is
+        never released there."""
         self.collecting = 0
+        self._lock = threading.Lock()
 
     def finalize(self, reg: RegistrationFields) -> None:
         """The weak-reference callback of every registration: record whether

@@ -15,7 +15,7 @@ destroys in the order the objects died, each exactly once.
 
 The thread starts with the first rank-local registration. At exit it is
 drained (see :func:`shutdown`); in a forked child it does not exist, and the
-parent's registrations are kept, never run (see :func:`after_fork`).
+parent's registrations are dropped without running (see :func:`after_fork`).
 """
 
 from __future__ import annotations
@@ -206,10 +206,8 @@ def shutdown(timeout: float = 5.0) -> None:
     _REAPER.shutdown(timeout)
 
 
-def after_fork() -> list[Any]:
-    """In a forked child: forget the parent's registrations, never run them.
-    Returns their calls, which the child keeps (see collective_gc._exit)."""
+def after_fork() -> None:
+    """In a forked child: forget the parent's registrations, never run them."""
     global _REAPER
-    calls = _REAPER.ledger.after_fork()
+    _REAPER.ledger.after_fork()
     _REAPER = _Reaper()
-    return calls
