@@ -391,8 +391,10 @@ class collective_scope:
                 if self._watch is not None:
                     # Collective, as entering is (it may make the family's
                     # first collective): the same participants on every rank.
-                    self.manager.add_participant(self._watch)
+                    # (Marked first: added and then raising, it is still
+                    # removed; removing one that is not there does nothing.)
                     self._in_family = True
+                    self.manager.add_participant(self._watch)
                 if self.track_origins:
                     _registration.track_origins(True)
                     self._tracking = True
@@ -405,7 +407,11 @@ class collective_scope:
         return self
 
     def _put_back(self) -> None:
-        """Undo, once, what entering did (local: every rank leaves alike)."""
+        """Undo, once, what entering did. Local: every rank leaves alike,
+        but where one rank alone was interrupted as it entered, or had its
+        scope exited by its cyclic collector; then its strict watch is gone
+        there only, and the family's next sync point reports that the ranks'
+        participants differ."""
         stack = self._owner_stack
         if stack is not None and self in stack:
             stack.remove(self)

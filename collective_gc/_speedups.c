@@ -2552,6 +2552,9 @@ steady_report(FamilyState *s, Steady *st, double t0, PyObject *collected)
             keep_failed(s, st->seq);
         }
     }
+    else if (stats == NULL && failed) {
+        keep_failed(s, st->seq); /* the stats could not be made (memory) */
+    }
     return stats;
 }
 

@@ -343,6 +343,17 @@ class SyncPoint:
                     step(self)
             else:
                 self._traced(tracer, t0, start)
+        except BaseException as exc:
+            # Left by an error of its collectives (a timeout, a mismatch)
+            # while holding an interrupt of its own (a vote's): named on
+            # what is raised, not lost.
+            for held in self.caught:
+                if held is not exc:
+                    exc.add_note(
+                        f"collective_gc: {held!r} was raised on this rank meanwhile, and "
+                        "held for the end of the sync point's collectives"
+                    )
+            raise
         finally:
             self.failures = self.caught = _NONE  # see the class docs
         return self._stats(collected, t0)
