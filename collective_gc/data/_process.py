@@ -108,7 +108,17 @@ def spawn(
 class WorkerProcess:
     """A worker's process: its boot data, its parent-watch pipe, stopping and reaping it."""
 
-    __slots__ = ("boot", "forked", "join_at", "kill_at", "lock", "name", "proc", "sentinel")
+    __slots__ = (
+        "boot",
+        "forked",
+        "group_gone",
+        "join_at",
+        "kill_at",
+        "lock",
+        "name",
+        "proc",
+        "sentinel",
+    )
 
     def __init__(self, wid: int, proc: subprocess.Popen[bytes], sentinel: int, boot: int) -> None:
         self.proc = proc
@@ -121,6 +131,11 @@ class WorkerProcess:
         # across calls (see join).
         self.join_at: float | None = None
         self.kill_at: float | None = None
+        # Set once join has reaped the worker and killed what was left of its
+        # group: a later join (close() stops more than once, and may be
+        # called again) must not kill that group number, which may belong to
+        # another process group by then.
+        self.group_gone = False
 
     def send_boot(self, data: bytes) -> None:
         """Write the boot data (blocks only while the worker starts, for a big pickle)."""
@@ -175,6 +190,8 @@ class WorkerProcess:
             return  # not our child: the owner waits for it
         # The deadlines are kept across calls (NOTE [ Loader shutdown and
         # interrupts ] in _loader, rule 3).
+        if self.group_gone:
+            return
         if self.join_at is None:
             self.join_at = time.monotonic() + timeout
         try:
@@ -196,6 +213,7 @@ class WorkerProcess:
         # it dies of a signal (a crash in fn, our SIGKILL): what fn started
         # (subprocess, ffmpeg-style helpers) is still there, and must go now.
         self._kill_group()
+        self.group_gone = True
 
     def _kill_group(self) -> None:
         # The worker leads its own process group (start_new_session=True). Its

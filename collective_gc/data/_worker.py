@@ -267,7 +267,13 @@ def main(boot: IO[bytes], prep: dict[str, Any], argv: Sequence[str]) -> NoReturn
 
 
 def _send_error(sock: socket.socket, exc: BaseException, where: str) -> None:
-    blob = P.pack_error(exc, where)
+    # Never raises: each caller leaves through _exit() next, which kills the
+    # worker's group; raising here would leave by the interpreter's own exit.
+    try:
+        blob = P.pack_error(exc, where)
+    except BaseException:  # noqa: BLE001 (its text or pickling raised: the type's name crosses)
+        stand_in = RuntimeError(f"{type(exc).__name__} (its details could not be sent)")
+        blob = P.pack_error(stand_in, where)
     _send_quietly(sock, P.HEAD.pack(P.ERROR, -1, 0, 0, len(blob), 0) + blob)
 
 
