@@ -191,24 +191,27 @@ _previous_excepthook = sys.excepthook
 def _excepthook(
     tp: type[BaseException], value: BaseException, tb: types.TracebackType | None
 ) -> None:
-    # The interpreter calls the hook for an exception that kills it, from C
-    # or through another library's hook that wraps ours (a crash reporter's).
-    # The standard library's interactive interpreter calls it for every
-    # error it shows and goes on after (code.InteractiveInterpreter, once the
-    # hook is not sys.__excepthook__): no death, so the exit agreement must
-    # still run.
-    if not _from_interactive_interpreter():
+    # The interpreter calls the hook for an exception that kills it once the
+    # program's frames are gone: from C, or through another library's hook
+    # that wraps ours (a crash reporter's). Code that goes on after (the
+    # interactive interpreter of module code for every error it shows, a GUI
+    # toolkit for an error in a callback, a program logging one) calls it
+    # with the program's frames still below: a module's code among them. No
+    # death, so the exit agreement must still run.
+    if not _program_running():
         _UNCAUGHT[0] = True
     _previous_excepthook(tp, value, tb)
 
 
-def _from_interactive_interpreter() -> bool:
+def _program_running() -> bool:
+    """Whether a module's code (a ``<module>`` frame: the main script's, or
+    an import's) is below the hook's caller."""
     try:
         frame: types.FrameType | None = sys._getframe(2)  # (the hook's caller)
     except ValueError:
         return False  # none: the interpreter's own call, from C
     while frame is not None:
-        if frame.f_globals.get("__name__") == "code":
+        if frame.f_code.co_name == "<module>":
             return True
         frame = frame.f_back
     return False

@@ -349,9 +349,10 @@ class SyncPoint:
             # what is raised, not lost.
             for held in self.caught:
                 if held is not exc:
+                    # (Its name only: a repr may raise, and replace exc.)
                     exc.add_note(
-                        f"collective_gc: {held!r} was raised on this rank meanwhile, and "
-                        "held for the end of the sync point's collectives"
+                        f"collective_gc: {type(held).__name__} was raised on this rank "
+                        "meanwhile, and held for the end of the sync point's collectives"
                     )
             raise
         finally:
