@@ -445,3 +445,25 @@ def test_an_error_shown_and_handled_is_no_death_at_exit(tmp_path: Path) -> None:
     assert proc.returncode == 0, report
     assert [o.strip() for o in outs] == [f"destroyed on rank {r}" for r in range(4)], report
     assert "ZeroDivisionError" in errs[0] and "uncaught" not in errs[0], report
+
+
+@pytest.mark.launcher
+def test_a_death_through_a_hook_that_wraps_ours_is_still_a_death(tmp_path: Path) -> None:
+    """A library's sys.excepthook installed after collective_gc's calls ours
+    from Python (a crash reporter's). An uncaught exception on rank 0 is
+    still its death: rank 0 leaks its pending destroy and says so at once,
+    rather than waiting in an exit agreement the others never reach (until
+    the exit timeout, 60 s here). From a review of this stop's exit fix: a
+    hook called with any Python caller was taken for no death."""
+    source = _EXIT_AGREEMENT_AFTER + (
+        "import time\n"
+        "previous = sys.excepthook\n"
+        "sys.excepthook = lambda *info: previous(*info)\n"
+        "if rank == 0:\n"
+        "    raise RuntimeError('rank 0 dies')\n"
+        "time.sleep(60)\n"
+    )
+    proc, outs, errs, took = run_job(tmp_path, source, COLLECTIVE_GC_EXIT_TIMEOUT="60")
+    report = job_report(proc, outs, errs)
+    assert proc.returncode != 0 and took < 40, report
+    assert "exiting on an uncaught exception: 1 pending" in errs[0], report
