@@ -429,17 +429,32 @@ def test_an_exit_timeout_set_wrong_after_import_is_warned_of_and_the_exit_agreem
     assert all(w in e for e in errs for w in warned), report
 
 
-@pytest.mark.launcher
-def test_an_error_shown_and_handled_is_no_death_at_exit(tmp_path: Path) -> None:
-    """An error that Python code hands to ``sys.excepthook`` and goes on
-    after (``code.InteractiveInterpreter`` does, for each error it shows)
-    is no uncaught exception: the rank still takes part in the exit
-    agreement. From a review of the exit handling (stop 58): rank 0 took
-    it for its death, skipped the exit agreement, and the other ranks
-    waited in it until their deadline, every destroy lost."""
-    source = _EXIT_AGREEMENT_AFTER + (
+_SHOWN = {
+    "interactive": (
         "import code\nif rank == 0:\n    code.InteractiveInterpreter().runsource('1/0')\n"
-    )
+    ),
+    "logged": (
+        "def log_it():\n"
+        "    try:\n"
+        "        1 / 0\n"
+        "    except ZeroDivisionError:\n"
+        "        sys.excepthook(*sys.exc_info())\n"
+        "if rank == 0:\n"
+        "    log_it()\n"
+    ),
+}
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("how", sorted(_SHOWN))
+def test_an_error_shown_and_handled_is_no_death_at_exit(tmp_path: Path, how: str) -> None:
+    """An error that Python code hands to ``sys.excepthook`` and goes on
+    after (``code.InteractiveInterpreter`` does, for each error it shows; a
+    program may, to log one) is no uncaught exception: the rank still takes
+    part in the exit agreement. From a review of the exit handling (stop
+    58): rank 0 took it for its death, skipped the exit agreement, and the
+    other ranks waited in it until their deadline, every destroy lost."""
+    source = _EXIT_AGREEMENT_AFTER + _SHOWN[how]
     proc, outs, errs, took = run_job(tmp_path, source, COLLECTIVE_GC_EXIT_TIMEOUT="20")
     report = job_report(proc, outs, errs)
     assert proc.returncode == 0, report

@@ -657,7 +657,7 @@ def test_a_scope_opens_whole_or_leaves_nothing_under_interrupts() -> None:
     previous = signal.signal(signal.SIGALRM, _interrupt)
     cut = 0
     try:
-        for _ in range(3000):
+        for _ in range(400):
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2e-4))
                 with cgc.collective_scope(comm, strict=True, track_origins=True, gc="managed"):
@@ -693,7 +693,7 @@ def test_a_scope_opens_whole_or_leaves_nothing_under_interrupts() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         comm.Free()
-    assert cut > 100  # (the interrupts came, at many points)
+    assert cut > 50  # (the interrupts came, at many points)
     assert left == (None, True, False, ()), left
     assert (first_open, second_open, after) == (True, True, False)
 
