@@ -346,14 +346,9 @@ class SyncPoint:
         except BaseException as exc:
             # Left by an error of its collectives (a timeout, a mismatch)
             # while holding an interrupt of its own (a vote's): named on
-            # what is raised, not lost.
-            for held in self.caught:
-                if held is not exc:
-                    # (Its name only: a repr may raise, and replace exc.)
-                    exc.add_note(
-                        f"collective_gc: {type(held).__name__} was raised on this rank "
-                        "meanwhile, and held for the end of the sync point's collectives"
-                    )
+            # what is raised, not lost. (In a function of its own: this frame
+            # is in exc's traceback, and must not hold another exception.)
+            _name_held(exc, self.caught)
             raise
         finally:
             self.failures = self.caught = _NONE  # see the class docs
@@ -872,6 +867,17 @@ def _interrupts_among(
             )
             found.append(exc)
     return found
+
+
+def _name_held(exc: BaseException, caught: list[BaseException]) -> None:
+    """Note on ``exc`` the interrupts this rank held meanwhile (by type only:
+    a repr may raise, and replace ``exc``)."""
+    for held in caught:
+        if held is not exc:
+            exc.add_note(
+                f"collective_gc: {type(held).__name__} was raised on this rank "
+                "meanwhile, and held for the end of the sync point's collectives"
+            )
 
 
 def _raise_own(caught: list[BaseException]) -> NoReturn:
