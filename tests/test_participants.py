@@ -355,6 +355,29 @@ def test_a_vote_raising_on_one_rank_is_refused_on_every_rank(comm: MPI.Intracomm
     assert all(v == ("CollectiveGCError", False, [], "ok", ["destroyed"]) for v in verdicts[1:])
 
 
+def _with_a_childs_participant(comm: MPI.Intracomm, part: RaisingVote) -> list[Any]:
+    """Every rank's outcomes of three sync points of ``comm`` (the first with
+    ``part`` added to a child family made by splitting ``comm`` in reverse
+    rank order, whose rank 0 is ``comm``'s last), the child freed after."""
+    rank = comm.Get_rank()
+    child = cgc.split(comm, 0, key=-rank)
+    cgc.collect(child, generation=None, timeout=30)  # the child's family exists
+    cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
+    # A quiet finish: else the look would want a visit before asking the vote.
+    part.quiet_finish = True
+    cgc.manager(child).add_participant(part)
+    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=20))
+    cgc.manager(child).remove_participant(part)
+    # (Known on the child's ranks at the visit, it is reported by the
+    # parent's next agreement.)
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    after = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
+    del child
+    for _ in range(3):
+        cgc.collect(comm, generation=None, timeout=30)  # frees the child
+    return everyone(comm, (seen, then, after))
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_a_vote_raising_an_interrupt_on_one_rank_is_held_there_and_refused_elsewhere(
@@ -399,21 +422,8 @@ def test_a_childs_vote_raising_an_interrupt_on_one_rank_is_raised_there_only(
     interrupt until its collectives are done and refuses the vote on
     every rank; the interrupt is raised on its rank, and the parent's next
     agreement reports the refusal on every rank."""
-    rank, last = comm.Get_rank(), comm.Get_size() - 1
-    child = cgc.split(comm, 0, key=-rank)
-    cgc.collect(child, generation=None, timeout=30)  # the child's family exists
-    cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
-    part = RaisingVote(0, SystemExit)  # rank 0 of the child, the last of comm
-    part.quiet_finish = True  # (else the look wants a visit before asking the vote)
-    cgc.manager(child).add_participant(part)
-    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=20))
-    cgc.manager(child).remove_participant(part)
-    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
-    after = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
-    del child
-    for _ in range(3):
-        cgc.collect(comm, generation=None, timeout=30)  # frees the child
-    verdicts = everyone(comm, (seen, then, after))
+    last = comm.Get_size() - 1
+    verdicts = _with_a_childs_participant(comm, RaisingVote(0, SystemExit))
     expected = [
         ("SystemExit" if r == last else "ok", "DestroyError", "ok") for r in range(len(verdicts))
     ]
@@ -441,22 +451,5 @@ def test_a_childs_vote_raising_on_one_rank_is_reported_on_every_rank(
     look raised on rank 0 alone, before the parent's agreement; and (stop
     58) the Python look took a None vote for no wish, the C one for a bad
     vote."""
-    rank = comm.Get_rank()
-    child = cgc.split(comm, 0, key=-rank)
-    cgc.collect(child, generation=None, timeout=30)  # the child's family exists
-    cgc.collect(comm, generation=None, timeout=30)  # and is the parent's child
-    part = kind(0)  # rank 0 of the child, the last of comm
-    # A quiet finish: else the look would want a visit before asking the vote.
-    part.quiet_finish = True
-    cgc.manager(child).add_participant(part)
-    seen = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=20))
-    cgc.manager(child).remove_participant(part)
-    # (Known on the child's ranks at the visit, it is reported by the
-    # parent's next agreement.)
-    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
-    after = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=30))
-    del child
-    for _ in range(3):
-        cgc.collect(comm, generation=None, timeout=30)  # frees the child
-    verdicts = everyone(comm, (seen, then, after))
+    verdicts = _with_a_childs_participant(comm, kind(0))
     assert all(v == ("ok", "DestroyError", "ok") for v in verdicts), verdicts
