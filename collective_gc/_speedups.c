@@ -680,6 +680,10 @@ typedef struct FamilyState {
     /* registrations and the queue */
     long long next_key;
     unsigned long long order;
+    /* next_key and order as the last drain cut them: what the exchange sends
+     * (see the Python twin's drain) */
+    long long cut_key;
+    unsigned long long cut_order;
     long thread;
     int busy;
     PyObject *live;  /* dict: key -> registration */
@@ -1324,6 +1328,10 @@ fs_drain(FamilyState *s, PyObject *arg)
     if (seq == -1 && PyErr_Occurred()) {
         return NULL;
     }
+    /* The cut, before the inbox is read (one C call: no registration comes
+     * in between). */
+    s->cut_key = s->next_key;
+    s->cut_order = s->order;
     Py_ssize_t n = PyList_GET_SIZE(s->inbox);
     PyObject *cyclic = PyList_New(0);
     if (cyclic == NULL) {
@@ -1534,8 +1542,9 @@ reshape(FamilyState *s)
 /* Pack the header and the bitmap of keys[0..n) (ascending) into the buffer. */
 static void
 pack(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long long flags,
-     long long parts, unsigned long long children)
+     long long fingerprint, unsigned long long children)
 {
+    long long parts = (long long)((uint64_t)fingerprint ^ (uint64_t)s->cut_order);
     int64_t *buf = s->buf;
     long long lo = s->wlo, nbits = s->nbits;
     s->lo = lo;
@@ -1543,8 +1552,8 @@ pack(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long long f
     long long seqword = s->seq * 2 + at_exit;
     buf[0] = seqword;
     buf[1] = ~seqword;
-    buf[2] = s->next_key;
-    buf[3] = ~s->next_key;
+    buf[2] = s->cut_key;
+    buf[3] = ~s->cut_key;
     buf[4] = parts;
     buf[5] = ~parts;
     buf[6] = ~flags;
@@ -1814,7 +1823,7 @@ start_and_wait(FamilyState *s, double at)
 
 static int
 exchange_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long long flags,
-           long long parts, unsigned long long children, double at)
+           long long fingerprint, unsigned long long children, double at)
 {
     if ((s->nbits != s->wbits || s->buf == NULL) && reshape(s) < 0) {
         return -1;
@@ -1822,7 +1831,7 @@ exchange_c(FamilyState *s, const int64_t *keys, Py_ssize_t n, int at_exit, long 
     if (at >= 0) {
         flags |= FLAG_DEADLINE;
     }
-    pack(s, keys, n, at_exit, flags, parts, children);
+    pack(s, keys, n, at_exit, flags, fingerprint, children);
     return start_and_wait(s, at);
 }
 
@@ -1831,12 +1840,13 @@ static PyObject *
 fs_exchange(FamilyState *s, PyObject *const *a, Py_ssize_t n)
 {
     if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "exchange(at_exit, flags, parts, children, deadline)");
+        PyErr_SetString(PyExc_TypeError,
+                        "exchange(at_exit, flags, fingerprint, children, deadline)");
         return NULL;
     }
     int at_exit = PyObject_IsTrue(a[0]);
     long long flags = PyLong_AsLongLong(a[1]);
-    long long parts = PyLong_AsLongLong(a[2]);
+    long long fingerprint = PyLong_AsLongLong(a[2]);
     unsigned long long children = PyLong_AsUnsignedLongLongMask(a[3]);
     double at = a[4] == Py_None ? -1.0 : PyFloat_AsDouble(a[4]);
     if (PyErr_Occurred() || at_exit < 0) {
@@ -1846,7 +1856,7 @@ fs_exchange(FamilyState *s, PyObject *const *a, Py_ssize_t n)
         PyErr_SetString(PyExc_RuntimeError, "exchange: the family has no private communicator");
         return NULL;
     }
-    int found = exchange_c(s, s->pend, s->npend, at_exit, flags, parts, children, at);
+    int found = exchange_c(s, s->pend, s->npend, at_exit, flags, fingerprint, children, at);
     if (found < 0) {
         return NULL;
     }
@@ -2381,6 +2391,8 @@ steady_prepare(FamilyState *s, Steady *st)
     }
     /* Votes may run Python code (and let other threads register): the inbox
      * is read from here on, with no Python code run before it is drained. */
+    s->cut_key = s->next_key; /* the cut, as a drain makes it */
+    s->cut_order = s->order;
     Py_ssize_t nk = PyList_GET_SIZE(s->inbox);
     int64_t *keys = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(int64_t));
     if (keys == NULL) {
@@ -2410,8 +2422,7 @@ steady_prepare(FamilyState *s, Steady *st)
 static int
 steady_agree(FamilyState *s, Steady *st, long long fp, double at)
 {
-    long long parts = (long long)((uint64_t)fp ^ (uint64_t)s->order);
-    int found = exchange_c(s, st->keys, st->nk, 0, st->flags, parts, 0, at);
+    int found = exchange_c(s, st->keys, st->nk, 0, st->flags, fp, 0, at);
     if (found != DONE) {
         /* A handler's exception, a rank gave up, or this one did (LATE: its
          * notice names it): nothing may be lost, the drained keys are
@@ -2647,6 +2658,8 @@ static PyMemberDef fs_members[] = {
     {"unreported", T_OBJECT, offsetof(FamilyState, unreported), READONLY, NULL},
     {"next_key", T_LONGLONG, offsetof(FamilyState, next_key), READONLY, NULL},
     {"order", T_ULONGLONG, offsetof(FamilyState, order), READONLY, NULL},
+    {"cut_key", T_LONGLONG, offsetof(FamilyState, cut_key), READONLY, NULL},
+    {"cut_order", T_ULONGLONG, offsetof(FamilyState, cut_order), READONLY, NULL},
     {"thread", T_LONG, offsetof(FamilyState, thread), READONLY, NULL},
     {"busy", T_INT, offsetof(FamilyState, busy), READONLY, NULL},
     {"live", T_OBJECT, offsetof(FamilyState, live), READONLY, NULL},

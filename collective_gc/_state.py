@@ -461,6 +461,8 @@ class FamilyState:
         # registrations and the queue
         "next_key",
         "order",
+        "cut_key",
+        "cut_order",
         "thread",
         "busy",
         "live",
@@ -519,6 +521,12 @@ class FamilyState:
         self.unreported: list[tuple[int, Any]] = []
         self.next_key = 0
         self.order = 0  # the registrations' order over the members (order_step), unsigned
+        # next_key and order as the last drain found them, before taking the
+        # inbox: what the exchange sends. A registration on another thread
+        # after that point is the next interval's on this rank, whenever the
+        # exchange packs (see drain).
+        self.cut_key = 0
+        self.cut_order = 0
         # The one thread that has registered since the last sync point on a
         # family of size > 1 (0: none yet; -1: any thread may, size 1).
         self.thread = 0 if size > 1 else -1
@@ -749,12 +757,13 @@ class FamilyState:
         ):
             return None  # dropped here: its callback never runs
         self.thread = me  # (the interval's first, on the main thread: its registrar)
-        key = self.next_key
+        with self._lock:  # the key and the order move together (drain cuts both)
+            key = self.next_key  # (ints only in here: no allocation that may collect)
+            self.next_key = key + 1
+            if tag:
+                self.order = (self.order + order_step(key, tag)) & _MASK64
         _set_key(reg, key)
         self.live[key] = reg
-        self.next_key = key + 1
-        if tag:
-            self.order = (self.order + order_step(key, tag)) & _MASK64
         return reg
 
     def claim(self, reg: Any, state: int) -> tuple[Callable[..., object], tuple[Any, ...]] | None:
@@ -798,7 +807,19 @@ class FamilyState:
 
     def drain(self, seq: int) -> list[Any]:
         """Take the inbox into the pending keys (drained at sync point
-        ``seq``); returns the cyclic deaths among them. Only sync points drain."""
+        ``seq``); returns the cyclic deaths among them. Only sync points
+        drain, every one of them, before its exchange.
+
+        It first cuts the interval: the next key and the order it records are
+        what the exchange sends, so that a registration another thread makes
+        once the inbox is taken (the sync point may wait long before it packs
+        its message) is the next interval's, as it is on a rank where it
+        came after the sync point. Cut before the inbox is read: every key
+        it holds then is below the cut, save one registered and dropped in
+        between, which is pending here and the next interval's everywhere,
+        agreed only if every rank has it pending too."""
+        with self._lock:
+            self.cut_key, self.cut_order = self.next_key, self.order
         inbox = self.inbox
         n = len(inbox)
         if not n and not self.stale:
@@ -898,11 +919,12 @@ class FamilyState:
         return comm.Iallreduce(MPI.IN_PLACE, buf, MPI.BAND)
 
     def exchange(
-        self, at_exit: bool, flags: int, parts: int, children: int, deadline: float | None
+        self, at_exit: bool, flags: int, fingerprint: int, children: int, deadline: float | None
     ) -> int:
         """Collective: one allreduce (MPI_BAND, in place) of the header (this
-        sync point's number and kind, the next key, ``parts``: the
-        participants' fingerprint, each as x and ~x; ``flags`` and
+        sync point's number and kind, the next key and the participants'
+        ``fingerprint`` mixed with the registrations' order, both as the
+        last drain cut them, each as x and ~x; ``flags`` and
         ``children`` complemented; the hash filter of the pending keys
         outside the window) and the window's bitmap of the pending keys.
         Returns DONE, WATCHED (a rank's notice came first: before the post,
@@ -919,7 +941,9 @@ class FamilyState:
         buf = self._buf  # same length as before: the memory MPI may be bound to stays
         seqword = self.seq * 2 + at_exit
         buf[0], buf[1] = seqword, ~seqword
-        buf[2], buf[3] = self.next_key, ~self.next_key
+        buf[2], buf[3] = self.cut_key, ~self.cut_key
+        parts = (fingerprint ^ self.cut_order) & _MASK64
+        parts = parts - (1 << 64) if parts >> 63 else parts
         buf[4], buf[5] = parts, ~parts
         buf[6] = ~(flags if deadline is None else flags | _FLAG_DEADLINE)
         buf[8] = ~_int64(children)

@@ -409,10 +409,10 @@ class SyncPoint:
             # every rank, since the agreement tells every rank of them.
             self.failures.extend(core.take_unreported())
             self.flags |= FLAG_FAILED
-        if core.inbox or core.stale:
-            self.cyclic = fam.registry.drain(self.seq)
-            if self.cyclic:
-                self.flags |= FLAG_CYCLIC
+        # (Always: the drain also cuts the interval the exchange reports.)
+        self.cyclic = fam.registry.drain(self.seq)
+        if self.cyclic:
+            self.flags |= FLAG_CYCLIC
         self.quiet = quiet and not self.flags & (FLAG_CYCLIC | FLAG_BAD_VOTE | FLAG_FAILED)
 
     # -- 2. agree ----------------------------------------------------------------
@@ -442,7 +442,7 @@ class SyncPoint:
                 found = core.exchange(
                     self.at_exit,
                     self.flags,
-                    _agree.as_int64(self.fingerprint ^ core.order),
+                    self.fingerprint,
                     self.wanted,
                     self.dl.at,
                 )
@@ -746,7 +746,7 @@ class SyncPoint:
         # Every rank saw the disagreement: one more gather says who differs.
         fam = self.fam
         registry = fam.registry
-        next_key = self.core.next_key
+        next_key = self.core.cut_key  # (what this rank sent)
         newest = [
             (r.key, r.name, where(r))
             for r in registry.alive()[-3:] + registry.pending(self.seq)[-3:]
@@ -756,7 +756,7 @@ class SyncPoint:
             next_key,
             self.at_exit,
             self.identities,
-            self.core.order,
+            self.core.cut_order,
             sorted(set(newest)),
         )
         assert comm is not None

@@ -382,8 +382,9 @@ def test_a_library_communicator_freed_on_another_thread_lets_go_alike_on_every_r
 def test_a_registration_made_while_this_rank_waits_in_a_sync_point_is_the_next_ones(
     comm: MPI.Intracomm, outcomes: list[str]
 ) -> None:
-    """Each rank's thread registers once its sync point has taken in what was
-    queued (so after the rank sent its message), and the ranks arrive apart:
+    """Each rank's thread registers as soon as its sync point has taken in
+    what was queued (maybe before the rank packs its message: a registration
+    from then on is the next interval's), and the ranks arrive apart:
     on the early ones the registration lands while the sync point still waits
     for the others, on the last one after it returned, or just before. It is
     the next interval's everywhere, and the key window the ranks move to must
@@ -416,8 +417,9 @@ def test_a_registration_made_while_this_rank_waits_in_a_sync_point_is_the_next_o
             while go.wait(30) and not stop.is_set():
                 go.clear()
                 while cgc_testing.family(comm).inbox:  # type: ignore[union-attr]
-                    time.sleep(0.0005)  # not yet taken in: the message is not sent yet
-                time.sleep(0.002)
+                    time.sleep(0.0005)  # not yet taken in
+                # Taken in, so cut: the sync point may not have packed its
+                # message yet, and the registration must not count in it.
                 during[0] += inside[0]
                 queue_one()
                 done.set()
