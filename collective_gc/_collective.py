@@ -117,6 +117,7 @@ class Collective:
         "size",
         "label",
         "name",
+        "number",
         "core",
         "registry",
         "lock",
@@ -142,6 +143,10 @@ class Collective:
         # What a trace calls it: the label with the family's number, the same
         # on every rank (see open); the label alone for a family of size 1.
         self.name = self.label
+        # Its number (see _number): the same on every rank of it, and two
+        # families that share a process never have the same one; 0 for a
+        # family of size 1 (no collective, so never an order to keep).
+        self.number = 0
         self.core: FamilyState = FamilyState(rank, size, GC, Registration, CollectStats)
         self.registry = Registry(self.core, self.label)
         # Sync points and explicit destroys, one thread at a time.
@@ -229,6 +234,7 @@ class Collective:
                 State.UNUSABLE, f"{doing} was abandoned ({type(exc).__name__})", first=False
             )
             raise
+        self.number = number
         self.name = f"communicator of size {self.size} #{number} (rank {self.rank})"
         # Local: it only posts the receive of the watch.
         self.core.open(comm, PERSISTENT)
@@ -271,28 +277,36 @@ class Collective:
         """If no member is left and nothing is registered: let go of the
         private duplicate (local; kept a while, not freed: a late rank's
         notice may still come, see _transport.retire), unless a sync point is
-        under way (its end does it). True if done."""
+        under way (its end does it). True if done.
+
+        One protected region: its steps (the duplicate retired, the family
+        forgotten, its children listed for another family to adopt) are
+        done whole or not begun, whatever signal arrives meanwhile."""
         core = self.core
         if self.members or not self.registry.is_empty() or core.inside:
             return False
         if core.comm is None and core.code != OPEN:
             return True
-        # (A forked child makes no MPI call: its parent's requests and
-        # communicators are not its own.)
-        private = None if core.code == _FORKED else core.close(True)
-        if core.code == OPEN:
-            core.become(_RELEASED, "every communicator of it was freed or closed", False)
-        # Nothing is left to let go: what still waits (a freed member's
-        # release, which holds its manager, which holds this family) would
-        # otherwise keep a cycle that only the collector frees.
-        self.leaving = []
-        self.recorded = []
-        self.extra = None
-        core.set_hold(HOLD_LEAVING, False)
-        forget(self)
-        if self.children:
-            _tree.orphan(self, families())  # its children: reached by another family now
-        retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
+        entered = _enter()
+        try:
+            # (A forked child makes no MPI call: its parent's requests and
+            # communicators are not its own.)
+            private = None if core.code == _FORKED else core.close(True)
+            if core.code == OPEN:
+                core.become(_RELEASED, "every communicator of it was freed or closed", False)
+            # Nothing is left to let go: what still waits (a freed member's
+            # release, which holds its manager, which holds this family) would
+            # otherwise keep a cycle that only the collector frees.
+            self.leaving = []
+            self.recorded = []
+            self.extra = None
+            core.set_hold(HOLD_LEAVING, False)
+            forget(self)
+            if self.children:
+                _tree.orphan(self, families())  # its children: reached by another family now
+            retire(private)  # last: it may free an older one, which runs MPI's delete callbacks
+        finally:
+            _leave(entered)
         return True
 
     # -- state ---------------------------------------------------------------------

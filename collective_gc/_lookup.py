@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import _collective, _manager
+from . import _collective, _interrupts, _manager
 from ._errors import CollectiveGCError
 from ._manager import Manager
 
@@ -137,22 +137,31 @@ def release_freed() -> None:
     """
     if MPI.Is_finalized():
         return
-    keep = []
-    for mgr in list(_FREED):
-        fam = _manager.family(mgr)
-        others = fam is not None and any(
-            m is not mgr and not m.comm_freed for _, m in fam.live_members()
-        )
-        if mgr.state is not _collective.State.OPEN and mgr.state is not _collective.State.UNUSABLE:
-            _forget(mgr)
-        elif not others and not mgr.registered:
-            _manager.let_go(mgr, _collective.State.RELEASED, "its communicator was freed")
-            _forget(mgr)
-        elif fam is None or not others:
-            keep.append(mgr)
-        else:
-            _forget(mgr)  # its family's sync point lets it go (comm_was_freed queued it)
-    _FREED[:] = keep
+    # One protected region: a manager is let go of whole (its registrations
+    # detached and named, its family left) or not at all, whatever signal comes.
+    entered = _interrupts.enter()
+    try:
+        keep = []
+        for mgr in list(_FREED):
+            fam = _manager.family(mgr)
+            others = fam is not None and any(
+                m is not mgr and not m.comm_freed for _, m in fam.live_members()
+            )
+            if (
+                mgr.state is not _collective.State.OPEN
+                and mgr.state is not _collective.State.UNUSABLE
+            ):
+                _forget(mgr)
+            elif not others and not mgr.registered:
+                _manager.let_go(mgr, _collective.State.RELEASED, "its communicator was freed")
+                _forget(mgr)
+            elif fam is None or not others:
+                keep.append(mgr)
+            else:
+                _forget(mgr)  # its family's sync point lets it go (comm_was_freed queued it)
+        _FREED[:] = keep
+    finally:
+        _interrupts.leave(entered)
 
 
 def after_fork() -> list[Any]:

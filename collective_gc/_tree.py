@@ -19,6 +19,7 @@ collective_gc._collective, which is above it.
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from collections.abc import Iterable
@@ -178,9 +179,19 @@ def link(parent: Collective, child: Collective, comm: MPI.Intracomm, label: str)
     if ranks is None:
         return False
     child.parent = parent
-    parent.children.append(Child(child, ranks, label))
+    # In the families' numbers' order, not in the order they were linked: a
+    # parent's sync point visits its children in list order, each visit a
+    # collective over the child, so two children sharing two processes must
+    # be in one order on both. Linking is local (where each rank listed
+    # them, see _Listed); the numbers are agreed, and each rank's families
+    # have distinct numbers.
+    bisect.insort(parent.children, Child(child, ranks, label), key=_number_of)
     _publish(parent)
     return True
+
+
+def _number_of(child: Child) -> int:
+    return child.fam.number
 
 
 def wanted(fam: Collective) -> int:
@@ -206,7 +217,7 @@ def wanted(fam: Collective) -> int:
 def visit(fam: Collective, bits: int, deadline: float | None) -> list[Failure]:
     """The sync points of ``fam``'s children whose bits are in the agreed
     ``bits`` (each collective over its child: its ranks all saw the same
-    bit), in the order they were made; then those gone leave the list. Two
+    bit), in the order they were made (their numbers'); then those gone leave the list. Two
     children whose bits collide are visited together: a visit that finds
     nothing costs one collective of that child, never a wrong result."""
     failures: list[Failure] = []

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,10 @@ import pytest
 from mpi4py import MPI
 
 import collective_gc as cgc
+from collective_gc import _collective as cgc_collective
 from collective_gc import _exit
 from collective_gc import _manager as cgc_manager
+from collective_gc import _transport as cgc_transport
 from collective_gc import _tree as cgc_tree
 
 from _util import (
@@ -740,6 +743,122 @@ def test_a_family_no_sync_point_adopts_leaves_the_others_their_steady_state(
     report = job_report(proc, outs, errs)
     assert proc.returncode == 0, report
     assert [out.strip() for out in outs] == ["['steady', 'steady', 'steady']"] * 4, report
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize(
+    "at", [(cgc_collective, "forget"), (cgc_tree, "orphan"), (cgc_transport, "retire")]
+)
+def test_a_ctrl_c_while_a_freed_family_lets_go_leaves_its_child_to_be_adopted(
+    comm: MPI.Intracomm, at: tuple[Any, str]
+) -> None:
+    """A half of the communicator, with a library's communicator made under a
+    scope of it (its child, holding an object), is freed by the user; the
+    next lookup lets its family go, which lists the child again for the
+    communicator's sync points to adopt. A Ctrl-C arrives on every rank
+    as that letting go calls ``at`` (a profile hook raises the signal
+    there). The interrupt must be raised, and the letting go be whole: the
+    child adopted by the communicator's family and its object destroyed
+    at its sync points. From a review of ``_tree``/``_transport`` (stop 58):
+    the letting go ran outside any protected region, and a signal there
+    left the child's parent the freed family, so nothing reached it."""
+    module, name = at
+    rank = comm.Get_rank()
+    log: list[int] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == name:
+            if frame.f_code.co_filename == module.__file__:
+                sys.setprofile(None)
+                signal.raise_signal(signal.SIGINT)
+
+    with GcDisabled():
+        settle(comm, quiet=1)
+        half = comm.Split(rank % 2)
+        with cgc.collective_scope(half):
+            inner = half.Split(0, key=half.Get_size() - half.Get_rank())
+            o = Obj()
+            cgc.register(o, log.append, 1, comm=inner)
+            cgc.collect(inner, generation=None, timeout=30)
+        fam = cgc_manager.family(cgc.manager(inner))
+        assert fam is not None and fam.parent is cgc_manager.family(cgc.manager(half))
+        half.Free()  # its manager lets go at the next lookup
+        raised = False
+        sys.setprofile(hook)
+        try:
+            cgc.collect(comm, generation=None, timeout=30)
+        except KeyboardInterrupt:
+            raised = True
+        finally:
+            sys.setprofile(None)
+        del o
+        settle(comm, quiet=3)
+        adopted = fam.parent is cgc_manager.family(cgc.manager(comm))
+        destroyed = list(log)
+        cgc.manager(inner).close(timeout=30)
+        inner.Free()
+    assert everyone(comm, (raised, adopted, destroyed)) == [(True, True, [1])] * comm.Get_size()
+
+
+_ADOPTED_TOGETHER_JOB = (
+    JOB_HEAD
+    + """
+from collective_gc import _manager as cgc_manager
+
+world = MPI.COMM_WORLD
+size = world.Get_size()
+inside = rank < 3  # a and b: three of the four processes
+early = rank % 2 == 0
+log = []
+# Three orders of those processes, or of all four: three families (COMM_WORLD's
+# manager is never used, so a new family has no parent but a scope's).
+x = world.Split(0, key=size - rank)
+cgc.collect(x, generation=None, timeout=30)  # its family: a's parent, below
+with cgc.collective_scope(x):
+    a = world.Split(0 if inside else MPI.UNDEFINED, key=(rank + 1) % size)
+    if inside:
+        oa = Obj()
+        cgc.register(oa, log.append, "a", comm=a)  # a is x's child
+b = world.Split(0 if inside else MPI.UNDEFINED, key=(rank + 2) % size)
+if inside and early:
+    cgc.manager(b)  # looked up last: the registration on b below finds x not yet let go
+x.Free()
+if inside and not early:
+    cgc.manager(b)  # x let go here: a listed as unreached now, before b
+if inside:
+    ob = Obj()
+    cgc.register(ob, log.append, "b", comm=b)  # b made: listed (on the early ranks, before a)
+    del oa, ob
+p = world.Dup()
+cgc.manager(p)  # (x let go here on the other ranks: a listed after b)
+failed = None
+try:
+    for _ in range(6):
+        cgc.collect(p, generation=None, timeout=10)
+except cgc.CollectiveGCError as exc:
+    failed = type(exc).__name__
+print(sorted(log), failed, flush=True)
+"""
+)
+
+
+@pytest.mark.launcher
+def test_two_families_listed_in_different_orders_are_visited_in_one_order(
+    tmp_path: Path,
+) -> None:
+    """Two library communicators over the same processes are listed as
+    unreached in different orders on different ranks (one orphaned when the
+    user frees its parent, which a rank lets go at its next lookup, the other
+    made by its first registration), both are adopted by the same sync point
+    of a communicator containing them, and both hold a dropped object. Every
+    rank must visit them in one order: the one they were made in. From a
+    review of ``_tree`` (stop 58): a parent linked them in the order this
+    rank listed them, and the ranks waited in different children's
+    agreements until their deadline."""
+    proc, outs, errs, _ = run_job(tmp_path, _ADOPTED_TOGETHER_JOB)
+    report = job_report(proc, outs, errs)
+    assert proc.returncode == 0, report
+    assert [out.strip() for out in outs] == ["['a', 'b'] None"] * 3 + ["[] None"], report
 
 
 @pytest.mark.mpi(min_size=4)
