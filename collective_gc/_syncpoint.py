@@ -345,9 +345,14 @@ class SyncPoint:
                 self._traced(tracer, t0, start)
         except BaseException as exc:
             # Left by an error of its collectives (a timeout, a mismatch)
-            # while holding an interrupt of its own (a vote's): named on
-            # what is raised, not lost. (In a function of its own: this frame
-            # is in exc's traceback, and must not hold another exception.)
+            # while holding an interrupt of its own (a vote's): the interrupt
+            # is raised, the error its context, as a wait's held interrupt is
+            # (a program that catches timeouts and tries again would swallow
+            # a mere note); one raised meanwhile is named on it. (In
+            # functions of their own: this frame is in the traceback, and
+            # must not hold another exception.)
+            if self.caught and isinstance(exc, Exception):
+                _raise_own(self.caught)
             _name_held(exc, self.caught)
             raise
         finally:

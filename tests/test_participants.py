@@ -412,6 +412,37 @@ def test_a_vote_raising_an_interrupt_on_one_rank_is_held_there_and_refused_elsew
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_held_vote_interrupt_is_raised_when_the_sync_point_then_times_out(
+    comm: MPI.Intracomm,
+) -> None:
+    """Rank 0's vote raises KeyboardInterrupt (held for the end of the
+    collectives), then rank 0's deadline passes while the others are late.
+    Rank 0 raises the interrupt, what its user asked for, with the timeout as
+    its context, and its family is unusable; the late ranks learn of the
+    timeout. From the reviews of stop 58: the interrupt was only a note on
+    the CollectiveTimeoutError, which code that catches timeouts and tries
+    again swallows with it."""
+    import time
+
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None, timeout=30)  # the family: made in time
+    raised: tuple[str, str] = ("nothing", "nothing")
+    try:
+        if rank == 0:
+            vote = RaisingVote(0, KeyboardInterrupt)
+            cgc.manager(comm).sync(participants=[vote], deadline=time.monotonic() + 0.5)
+        else:
+            time.sleep(2.0)  # rank 0 times out meanwhile
+            cgc.collect(comm, generation=None, timeout=30)
+    except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+        raised = (type(exc).__name__, type(exc.__context__).__name__)
+    broken = cgc.manager(comm).broken is not None
+    verdicts = everyone(comm, (raised, broken))
+    assert verdicts[0] == (("KeyboardInterrupt", "CollectiveTimeoutError"), True), verdicts
+    assert all(v[0][0] == "CollectiveTimeoutError" and v[1] for v in verdicts[1:]), verdicts
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_childs_vote_raising_an_interrupt_on_one_rank_is_raised_there_only(
     comm: MPI.Intracomm,
 ) -> None:
