@@ -26,8 +26,13 @@ _REGISTRY_LOCK = threading.RLock()
 _MANAGERS: list[Manager] = []
 _KEYVAL: list[int] = []
 # A weak reference to the communicator object of the last lookup, and its
-# manager: a cache for many registrations on one communicator.
-_LAST: list[Any] = [None, None]
+# manager: a cache for many registrations on one communicator. One pair,
+# written in one store and read in one load, so that no thread reads one
+# lookup's reference with another's manager (two stores are not torn under
+# the GIL, which switches threads at calls and jumps only; without it, they
+# would be).
+_NOTHING: tuple[Any, Manager | None] = (None, None)
+_LAST: list[tuple[Any, Manager | None]] = [_NOTHING]
 # Managers whose communicator was freed, appended by the delete callback.
 _FREED: list[Manager] = []
 
@@ -36,8 +41,8 @@ def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
     # An MPI attribute delete callback: record only, never call MPI here.
     _manager.comm_was_freed(mgr)
     _FREED.append(mgr)
-    if _LAST[1] is mgr:
-        _LAST[0] = _LAST[1] = None  # the cache never gives a freed communicator's manager
+    if _LAST[0][1] is mgr:
+        _LAST[0] = _NOTHING  # the cache never gives a freed communicator's manager
 
 
 def _keyval() -> int:
@@ -62,10 +67,9 @@ def check_comm(comm: object) -> MPI.Intracomm:
 
 def lookup(comm: MPI.Comm) -> Manager | None:
     """The manager of ``comm`` if it has one, else None. Local."""
-    last = _LAST
-    mgr = last[1]
-    if mgr is not None and last[0]() is comm:
-        return mgr  # type: ignore[no-any-return]
+    ref, mgr = _LAST[0]
+    if mgr is not None and ref() is comm:
+        return mgr
     c = check_comm(comm)
     if not _KEYVAL:
         return None
@@ -82,9 +86,9 @@ def manager(comm: MPI.Comm) -> Manager:
     """
     # The cache, inline: this runs at every registration and sync point
     # (a freed communicator's manager leaves it: _delete_attr).
-    mgr = _LAST[1]
-    if mgr is not None and _LAST[0]() is comm:
-        return mgr  # type: ignore[no-any-return]
+    ref, mgr = _LAST[0]
+    if mgr is not None and ref() is comm:
+        return mgr
     c = check_comm(comm)
     if _FREED:
         release_freed()
@@ -102,7 +106,7 @@ def manager(comm: MPI.Comm) -> Manager:
             _MANAGERS.append(mgr)
     # A weak reference: holding the user's communicator object would keep a
     # managed one (cgc.dup) alive for ever.
-    _LAST[0], _LAST[1] = weakref.ref(comm), mgr
+    _LAST[0] = (weakref.ref(comm), mgr)
     return mgr
 
 
@@ -120,8 +124,8 @@ def _forget(mgr: Manager) -> None:
     with _REGISTRY_LOCK:
         if mgr in _MANAGERS:
             _MANAGERS.remove(mgr)
-        if _LAST[1] is mgr:
-            _LAST[0] = _LAST[1] = None
+        if _LAST[0][1] is mgr:
+            _LAST[0] = _NOTHING
 
 
 def release_freed() -> None:
@@ -170,6 +174,6 @@ def after_fork() -> list[Any]:
     Returns the registrations' calls, which the child keeps."""
     global _REGISTRY_LOCK
     _REGISTRY_LOCK = threading.RLock()
-    _LAST[0] = _LAST[1] = None
+    _LAST[0] = _NOTHING
     _manager.after_fork(_MANAGERS)
     return _collective.after_fork()
