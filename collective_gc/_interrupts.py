@@ -38,6 +38,13 @@ still be interrupted, at the price of leaving that region half-way (its
 manager is then unusable, as before this mechanism). Only the main thread's
 regions matter: Python runs signal handlers in the main thread only.
 
+A region's first edge. A region begins with a call, and the interpreter
+runs handlers before it too (as the function starts, after a C call): a
+function that must not be left there, because nobody calls it again (a
+scope's ``__exit__``), makes ``enter()`` its first call and is marked by
+:func:`protect_entry`; the handler, given the frame the signal arrived in,
+defers it when that frame is such a function's, before its call.
+
 Handlers installed inside a region. Code that runs inside a region (a
 destroy, a finalizer, a participant's finish) may install a handler itself: a
 library that sets up a ``SIGALRM`` preemption in a destructor. Wrapping at the
@@ -66,12 +73,13 @@ with the frame in which the signal arrived.
 
 from __future__ import annotations
 
+import dis
 import importlib
 import signal
 import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._state import Region
 
@@ -80,7 +88,7 @@ from ._state import Region
 # empty sync point.
 _getsignal: Callable[[int], object] = importlib.import_module("_signal").getsignal
 
-__all__ = ["SIGNALS", "REGION", "Deferring", "enter", "leave", "deferred"]
+__all__ = ["SIGNALS", "REGION", "Deferring", "enter", "leave", "deferred", "protect_entry"]
 
 Handler = Callable[[int, types.FrameType | None], Any]
 
@@ -116,7 +124,7 @@ class Deferring:
 
     def __call__(self, signum: int, frame: types.FrameType | None) -> Any:
         handler = self.__wrapped__
-        if not REGION.depth:
+        if not REGION.depth and (frame is None or _ENTRIES.get(frame.f_code, -1) <= frame.f_lasti):
             return handler(signum, frame)
         deferred = REGION.deferred
         for _, seen, _ in deferred:
@@ -129,6 +137,31 @@ class Deferring:
 
     def __repr__(self) -> str:
         return f"<collective_gc deferring handler of {self.__wrapped__!r}>"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# The functions whose first call enters a region, by code object, with the
+# offset of the instruction that loads ``enter`` (see protect_entry).
+_ENTRIES: dict[types.CodeType, int] = {}
+
+
+def protect_entry(fn: _F) -> _F:
+    """Decorator: ``fn``'s region begins at its first bytecode. A region
+    entered by a call cannot cover the instructions before that call, where
+    the interpreter still runs handlers (at the function's entry, after a C
+    call); a function that must not be left there, because its caller never
+    calls it again (``__exit__``: a ``with`` statement calls it once), makes
+    ``enter()`` its first call and is decorated: a signal whose handler
+    would run in its frame before that call is deferred as inside the
+    region, which then delivers it (trio marks its protected code objects
+    the same way, and its handler looks at the interrupted frame)."""
+    code = fn.__code__
+    offsets = [i.offset for i in dis.get_instructions(code) if i.argval == "enter"]
+    if not offsets:
+        raise TypeError(f"{fn.__qualname__} never calls enter(): it has no region to begin")
+    _ENTRIES[code] = offsets[0]
+    return fn
 
 
 def _guard() -> tuple[object, ...]:

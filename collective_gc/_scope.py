@@ -427,50 +427,26 @@ class collective_scope:
             assert self._watch is not None
             self.manager.remove_participant(self._watch)
 
+    @_interrupts.protect_entry
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._state != "open":
-            raise CollectiveGCError(f"attempted to exit {self!r}, which is not open")
-        stack = self._owner_stack
-        assert stack is not None
-        misuse = None
-        if threading.get_ident() != self._thread:
-            misuse = (
-                f"attempted to exit {self!r} from a thread other than the one that "
-                "entered it; it is closed now, without its exit sync point"
-            )
-        elif _registration.GC.collecting == self._thread:
-            # A generator (or coroutine) left suspended inside the scope, in a
-            # reference cycle, closed by the cyclic collector: its exit sync
-            # point would be MPI inside the collector, which runs at a
-            # different moment on each rank. (Raised in the collector, the
-            # error is printed as unraisable.)
-            misuse = (
-                f"{self!r} was exited by the cyclic garbage collector (a generator "
-                "holding it open was collected), which runs at a different moment on "
-                "each rank; it is closed now, without its exit sync point (what that "
-                "would have destroyed waits for the next sync point). Close such a "
-                "generator explicitly, on every rank (gen.close(), contextlib.closing)"
-            )
-        elif not stack or stack[-1] is not self:
-            inner = stack[-1] if stack else None
-            misuse = (
-                f"attempted to exit {self!r} while an inner scope, {inner!r}, is still "
-                "open; scopes must be exited innermost first. It is closed now, "
-                "without its exit sync point"
-            )
-        # One protected region, the exit collection included: it runs on
-        # every rank before the exit sync point (and may be long), so a
-        # signal there would leave this rank's exit sync point unmade while
-        # the others wait in it; held, it is raised once the scope is closed.
+        # One protected region, entered first (a signal before that is
+        # deferred to its end too: see protect_entry), the exit collection
+        # included: it runs on every rank before the exit sync point (and
+        # may be long), so a signal there would leave this rank's exit sync
+        # point unmade while the others wait in it, and one raised before
+        # the scope is put back would leave it open for ever (Python calls
+        # __exit__ once); held, it is raised once the scope is closed.
         entered = None
+        misuse = None
         try:
             try:
                 entered = _interrupts.enter()  # (if it raises, nothing entered)
+                misuse = self._misuse()
                 if misuse is None:
                     if exc is None:
                         self._sync(collect=True, deadline_s=self.timeout)
@@ -479,12 +455,47 @@ class collective_scope:
             finally:
                 # Whichever way we leave, the state this scope changed is put
                 # back (trio's CancelScope._close does the same on misuse).
-                self._put_back()
+                if self._state == "open":
+                    self._put_back()
         finally:
             if entered is not None:
                 _interrupts.leave(entered)
         if misuse is not None:
             raise CollectiveGCError(misuse)
+
+    def _misuse(self) -> str | None:
+        """Why this exit may not run its exit sync point (it still closes
+        the scope), or None; raises if the scope is not open."""
+        if self._state != "open":
+            raise CollectiveGCError(f"attempted to exit {self!r}, which is not open")
+        stack = self._owner_stack
+        assert stack is not None
+        if threading.get_ident() != self._thread:
+            return (
+                f"attempted to exit {self!r} from a thread other than the one that "
+                "entered it; it is closed now, without its exit sync point"
+            )
+        if _registration.GC.collecting == self._thread:
+            # A generator (or coroutine) left suspended inside the scope, in a
+            # reference cycle, closed by the cyclic collector: its exit sync
+            # point would be MPI inside the collector, which runs at a
+            # different moment on each rank. (Raised in the collector, the
+            # error is printed as unraisable.)
+            return (
+                f"{self!r} was exited by the cyclic garbage collector (a generator "
+                "holding it open was collected), which runs at a different moment on "
+                "each rank; it is closed now, without its exit sync point (what that "
+                "would have destroyed waits for the next sync point). Close such a "
+                "generator explicitly, on every rank (gen.close(), contextlib.closing)"
+            )
+        if not stack or stack[-1] is not self:
+            inner = stack[-1] if stack else None
+            return (
+                f"attempted to exit {self!r} while an inner scope, {inner!r}, is still "
+                "open; scopes must be exited innermost first. It is closed now, "
+                "without its exit sync point"
+            )
+        return None
 
     def _sync_after_error(self, exc: BaseException) -> None:
         if self.manager.broken is not None:

@@ -18,6 +18,7 @@ import collective_gc.testing as cgc_testing
 from _util import (
     CheckedLog,
     Obj,
+    everyone,
     make_cycle,
     noop,
     same_on_all,
@@ -637,13 +638,51 @@ def _records_origins(comm: MPI.Comm) -> bool:
     return recorded
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_ctrl_c_at_the_first_instruction_of_a_scopes_exit_closes_it_first(
+    comm: MPI.Intracomm,
+) -> None:
+    """A Ctrl-C whose handler runs at the very first instruction of a
+    scope's ``__exit__``, on every rank: before any region could begin. The
+    scope must still run its exit sync point and close, then raise the
+    interrupt; Python never calls ``__exit__`` again, so an interrupt raised
+    there left the scope open for ever, its exit sync point unmade (from
+    stop 58's note on the scopes' edges). A profile hook stands in for the
+    interpreter as ``__exit__`` begins: it calls the SIGINT handler
+    installed, with that frame, as a signal arriving then would be. (A
+    signal the hook raised would run its handler in the hook's own frame.)"""
+    log: list[int] = []
+    code = cgc.collective_scope.__exit__.__code__
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            sys.setprofile(None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # type: ignore[operator]
+
+    scope = cgc.collective_scope(comm)
+    raised = False
+    try:
+        with scope:
+            o = Obj()
+            cgc.register(o, log.append, 1, comm=comm)
+            del o
+            sys.setprofile(hook)
+    except KeyboardInterrupt:
+        raised = True
+    finally:
+        sys.setprofile(None)
+    still_open = cgc.current_scope() is scope
+    if still_open:
+        scope.__exit__(None, None, None)
+    assert everyone(comm, (raised, still_open, log)) == [(True, False, [1])] * comm.Get_size()
+
+
 def test_a_scope_opens_whole_or_leaves_nothing_under_interrupts() -> None:
     """A signal's handler raising at any point while strict scopes (a
     watch participant added on entry) that track origins are entered and
-    exited: a scope either opens whole (and its exit puts everything back;
-    one cut at the very edge of ``__enter__`` or ``__exit__``, where no
-    region can cover it, stays open whole, and is exited here) or leaves
-    nothing behind: no scope open, the collector as before, origins not
+    exited: a scope either opens whole (and its exit puts everything back,
+    also when the handler runs at the first instruction of ``__exit__``) or
+    leaves nothing behind: no scope open, the collector as before, origins not
     recorded, no participant left on the family. Also two
     scopes that track origins, ended in the other order, leave origins
     recorded while either is open. From a review of the scopes (stop 57):
@@ -668,9 +707,7 @@ def test_a_scope_opens_whole_or_leaves_nothing_under_interrupts() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         stuck = 0
         while (scope := cgc.current_scope()) is not None:
-            # Cut at the edge of __enter__ or __exit__ (where no region can
-            # cover it): open whole, so its exit puts everything back.
-            stuck += 1
+            stuck += 1  # (asserted below: cleaned up first)
             scope.__exit__(None, None, None)
         left = (
             cgc.current_scope(),
@@ -694,6 +731,7 @@ def test_a_scope_opens_whole_or_leaves_nothing_under_interrupts() -> None:
         signal.signal(signal.SIGALRM, previous)
         comm.Free()
     assert cut > 50  # (the interrupts came, at many points)
+    assert stuck == 0, f"{stuck} scopes cut at an edge of __enter__ or __exit__ stayed open"
     assert left == (None, True, False, ()), left
     assert (first_open, second_open, after) == (True, True, False)
 
