@@ -30,7 +30,7 @@ from ._errors import (
 )
 from ._exit import exit_timeout
 from ._lookup import lookup, manager
-from ._manager import Manager, quick_sync, set_timeout_source
+from ._manager import Manager, open_family, quick_sync, set_timeout_source
 from ._syncpoint import SCOPE_EXIT, CollectStats, Participant
 
 __all__ = ["collective_scope", "sync_point", "current_scope"]
@@ -388,9 +388,17 @@ class collective_scope:
                 self._state = "open"
                 _gcpolicy.POLICY.enter(self.gc)
                 self._in_policy = True
+                # The family, made now if it was not: entering is collective.
+                # The exit sync after an error on one rank then never is a
+                # first collective on the user's communicator (a duplication
+                # that rank alone would post and abandon at its deadline, for
+                # the others' next collective there to match): its agreement
+                # is the family's, whose watch tells the others. And a
+                # library's communicator made inside is the family's child
+                # from the start. (Once per communicator.)
+                open_family(self.manager)
                 if self._watch is not None:
-                    # Collective, as entering is (it may make the family's
-                    # first collective): the same participants on every rank.
+                    # Collective, as entering is: the same participants on every rank.
                     # (Marked first: added and then raising, it is still
                     # removed; removing one that is not there does nothing.)
                     self._in_family = True

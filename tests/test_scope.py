@@ -309,6 +309,39 @@ def test_exit_sync_after_error_on_one_rank_does_not_hang(comm: MPI.Intracomm) ->
     cgc.manager(comm).mark_unusable("the end of this test")  # the others skip it at exit too
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_error_on_one_rank_in_a_scopes_first_use_is_told_to_the_others(
+    comm: MPI.Intracomm,
+) -> None:
+    """Every rank enters a scope on a communicator never used before; the
+    body raises on the last rank at once, the others work on for longer
+    than the scope's timeout. The last rank's exit sync gives up at its
+    deadline and its error propagates with a note; the others' exit sync
+    points are told so by its notice (the family's watch), not left to
+    time out on a family their exit was about to make. From stop 57's
+    note: the exit sync after the error was the last rank's first
+    collective on the communicator (a duplication it alone posted and
+    abandoned, which the others' own first collective there then matched);
+    the family is made as the scope is entered now."""
+    import time
+
+    last = comm.Get_size() - 1
+    rank = comm.Get_rank()
+    seen = "nothing"
+    try:
+        with cgc.collective_scope(comm, timeout=0.5):
+            if rank == last:
+                raise KeyError("only here")
+            time.sleep(1.5)
+    except KeyError as exc:
+        seen = "KeyError, noted" if "exit sync" in "".join(exc.__notes__) else "KeyError"
+    except cgc.CollectiveGCError as exc:
+        seen = "told" if f"rank {last} gave up" in str(exc) else str(exc)
+    comm.Barrier()
+    cgc.manager(comm).mark_unusable("the end of this test")  # (skipped at exit too)
+    assert everyone(comm, seen) == ["told"] * last + ["KeyError, noted"]
+
+
 def test_two_nested_managed_scopes_on_one_comm(comm: MPI.Intracomm) -> None:
     """Found by the hostile tests of core v2 (issue 14)."""
     mgr = cgc.manager(comm)
