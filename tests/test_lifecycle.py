@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,38 @@ def test_a_forked_child_keeps_the_parents_resources_without_destroying_them(
     cgc.collect(comm, generation=None)
     closed = path.read_text().split()
     assert (status, in_child, closed) == (0, [], [str(os.getpid())])
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_lets_go_of_the_loaders_segments() -> None:
+    """A forked child lets go of the registrations' calls of the per-rank
+    loader's shared-memory segments (collective_gc.data). A child's mapping
+    of a segment is its own copy, which the loader's fork handler unmaps or
+    replaces with private memory (an element of the child views it); kept by
+    the registration's call, the child would hold that memory (a private copy
+    of the slot) for its whole life, long after its last element on it died."""
+    from collective_gc.data import _shm
+
+    if not _shm.supported():
+        pytest.skip("no memfd segments on this platform")
+    fd, mapping = _shm.create(_shm.PAGE, "collective_gc-test-fork")
+    os.close(fd)
+    segment = _shm.Segment(mapping, _shm.PAGE, "a segment")  # held as an element would hold it
+    mapped = weakref.ref(mapping)
+    del mapping
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            del segment  # the child's last element on it dies
+            gc.collect()
+            code = 0 if mapped() is None else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    del segment
+    assert cgc.local.flush(timeout=10)
+    assert (os.waitstatus_to_exitcode(status), mapped()) == (0, None)
 
 
 def _mpiexec(args: list[str], **kw: object) -> subprocess.Popen[str]:
