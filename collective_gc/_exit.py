@@ -154,15 +154,16 @@ def _at_exit() -> None:
         local.shutdown()
 
 
-# What the parent's collective registrations held, in a forked child: the
-# parent's resources (a PETSc object, an HDF5 file, a window). The child never
-# runs their destroys, and must not let go of them either: the last reference
-# dropped runs a resource's own destructor (an H5Fclose, a collective MPI call)
-# in a process that shares the parent's MPI state. So they stay here for the
-# child's life (a forked child usually leaves by os._exit, which runs no
-# destructor). Rank-local registrations (collective_gc.local) hold no
-# collective resource: their calls are let go of in the child, which releases
-# the child's copies (a mapping, a descriptor; see collective_gc.data).
+# What the parent's registrations held, in a forked child: the parent's
+# resources (a PETSc object, an HDF5 file, a window; rank-local, a buffered
+# writer, a temporary file). The child never runs their destroys, and must not
+# let go of them either: the last reference dropped runs a resource's own
+# destructor (an H5Fclose, a collective MPI call, a flush into the parent's
+# file, an unlink of it) in the child. So they stay here for the child's life
+# (a forked child usually leaves by os._exit, which runs no destructor). Only
+# the rank-local registrations made to be let go of in a child
+# (local.register_released_in_child: the loader's segments, whose mappings
+# are the child's own copies) are let go of.
 _INHERITED: list[Any] = []
 
 
@@ -178,7 +179,7 @@ def _after_fork_in_child() -> None:
     _registration.after_fork()
     _gcpolicy.after_fork()
     _INHERITED.extend(_lookup.after_fork())
-    local.after_fork()
+    _INHERITED.extend(local.after_fork())
 
 
 # Whether the interpreter is dying of an uncaught exception: noted by our

@@ -361,11 +361,14 @@ class Ledger:
     finalizers may destroy or detach on this very thread.
     """
 
-    __slots__ = ("live", "lock")
+    __slots__ = ("live", "lock", "released")
 
     def __init__(self) -> None:
         self.live: dict[int, Registration] = {}
         self.lock = threading.RLock()
+        # The keys of live registrations whose calls a forked child lets go
+        # of, where it keeps every other's (see after_fork).
+        self.released: set[int] = set()
 
     def claim(
         self, reg: Registration, state: int
@@ -377,19 +380,23 @@ class Ledger:
         already: a destroy runs at most once however threads interleave.
         """
         with self.lock:
+            self.released.discard(reg.key)
             return take_call(reg, state, self.live)
 
-    def after_fork(self) -> list[Registration]:
+    def after_fork(self) -> list[tuple[Callable[..., object], tuple[Any, ...]]]:
         """In a forked child: a fresh lock (one that another thread held at the
-        fork is never released there), then :meth:`forget`."""
+        fork is never released there), then everything detached without
+        running it. Returns the calls taken out, which the child keeps: they
+        hold the parent's resources (see collective_gc._exit). Save those of
+        the keys in ``released``, let go of here: their resources are the
+        child's own copies, which it must release (the loader's segments)."""
         self.lock = threading.RLock()
-        return self.forget()
-
-    def forget(self) -> list[Registration]:
-        """Detach everything without running it (a forked child). Returns what was live."""
+        kept: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
         with self.lock:
-            regs = list(self.live.values())
-            for reg in regs:
-                take_call(reg, DETACHED, self.live)
+            for reg in list(self.live.values()):
+                call = take_call(reg, DETACHED, self.live)
+                if call is not None and reg.key not in self.released:
+                    kept.append(call)
             self.live.clear()
-        return regs
+            self.released.clear()
+        return kept

@@ -15,7 +15,8 @@ destroys in the order the objects died, each exactly once.
 
 The thread starts with the first rank-local registration. At exit it is
 drained (see :func:`shutdown`); in a forked child it does not exist, and the
-parent's registrations are dropped without running (see :func:`after_fork`).
+parent's registrations are detached, never run, their calls kept for the
+child's life (see :func:`after_fork`).
 """
 
 from __future__ import annotations
@@ -80,12 +81,15 @@ class _Reaper:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         name: str | None,
+        released_in_child: bool = False,
     ) -> Registration:
         check_name(name)
         check_destroy(obj, destroy, args, kwargs)
         reg = make_registration(
             obj, self.proxy, self.queue.put, next(self.keys), destroy, args, kwargs, name
         )
+        if released_in_child:
+            self.ledger.released.add(reg.key)
         self.ledger.live[reg.key] = reg
         if self.thread is None:
             self._start()
@@ -188,6 +192,20 @@ def register(
     return _REAPER.register(obj, destroy, args, kwargs, name)
 
 
+def register_released_in_child(
+    obj: object, destroy: Callable[..., object], *args: Any, name: str | None = None
+) -> Registration:
+    """:func:`register`, for a resource a forked child must let go of.
+
+    A forked child keeps every rank-local registration's call, never run and
+    never let go of (see :func:`after_fork`), save this one's, which it lets
+    go of, without running it: for a resource of which the child's copy is
+    its own, to be released there (the per-rank loader's shared-memory
+    mappings: collective_gc.data's ``_shm``).
+    """
+    return _REAPER.register(obj, destroy, args, {}, name, released_in_child=True)
+
+
 def flush(timeout: float | None = None) -> bool:
     """Wait until every rank-local destroy queued so far has run.
 
@@ -206,8 +224,11 @@ def shutdown(timeout: float = 5.0) -> None:
     _REAPER.shutdown(timeout)
 
 
-def after_fork() -> None:
-    """In a forked child: forget the parent's registrations, never run them."""
+def after_fork() -> list[tuple[Callable[..., object], tuple[Any, ...]]]:
+    """In a forked child: forget the parent's registrations, never run them.
+    Returns their calls, which the child keeps (see collective_gc._exit),
+    save those of :func:`register_released_in_child`, let go of here."""
     global _REAPER
-    _REAPER.ledger.after_fork()
+    calls = _REAPER.ledger.after_fork()
     _REAPER = _Reaper()
+    return calls

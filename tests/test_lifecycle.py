@@ -256,6 +256,48 @@ def test_a_forked_child_keeps_the_parents_resources_without_destroying_them(
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("where", ["comm=None", "COMM_SELF"])
+def test_a_forked_child_keeps_the_parents_rank_local_resources_too(
+    where: str, tmp_path: Path
+) -> None:
+    """A rank-local registration's call holds the parent's resources as much
+    as a collective one's (a buffered writer, whose destructor flushes into
+    the parent's file; a temporary file, whose destructor deletes it). A
+    forked child must neither run the destroy nor let go of them: only the
+    parent destroys them. Before: the families' calls were kept (collective
+    ones, and a family of size 1's, on COMM_SELF), but the child's fork
+    handler let go of the rank-local reaper's (comm=None), and the
+    resources' destructors ran in the child."""
+    path = tmp_path / f"closed.{WORLD.Get_rank()}"
+    comm = MPI.COMM_SELF.Dup() if where == "COMM_SELF" else None
+    try:
+        owner = Obj()
+        cgc.register(owner, _close, _Resource(path), comm=comm)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                del owner
+                gc.collect()
+                cgc.local.flush(timeout=5)
+                gc.collect()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        in_child = path.read_text().split() if path.exists() else []
+        del owner
+        if comm is None:
+            assert cgc.local.flush(timeout=10)
+        else:
+            cgc.collect(comm, generation=None)
+        closed = path.read_text().split() if path.exists() else []
+        assert (status, in_child, closed) == (0, [], [str(os.getpid())])
+    finally:
+        if comm is not None:
+            cgc.manager(comm).close()
+            comm.Free()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_lets_go_of_the_loaders_segments() -> None:
     """A forked child lets go of the registrations' calls of the per-rank
     loader's shared-memory segments (collective_gc.data). A child's mapping

@@ -191,12 +191,14 @@ class Segment:
 
     def __init__(self, mapping: mmap.mmap, capacity: int, name: str) -> None:
         # Imported here: the worker side of this module must not import the core.
-        from ..local import register
+        from ..local import register_released_in_child
 
         self.view = memoryview(mapping)
         self.capacity = capacity
         # Kept so that the loader can run the unmap itself when the reaper lags.
-        self.reg = register(self, _unmap, self.view, mapping, name=name)
+        # A forked child lets go of the call (its mapping is its own copy, see
+        # detach_in_child), where it keeps the other registrations'.
+        self.reg = register_released_in_child(self, _unmap, self.view, mapping, name=name)
 
     def unmap_if_unused(self) -> bool:
         """In a forked child: unmap this process's copy unless an element here views it."""
