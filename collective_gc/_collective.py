@@ -624,6 +624,10 @@ class Collective:
     def _left(self, exc: BaseException) -> None:
         """A sync point left by ``exc``: what that makes of the family."""
         core = self.core
+        if not isinstance(exc, Exception) and isinstance(
+            exc.__context__, (CollectiveTimeoutError, CollectiveMismatchError)
+        ):
+            exc = exc.__context__  # an interrupt held, raised in the error's place
         if isinstance(exc, CollectiveTimeoutError):
             # An abandoned collective could match a later one: never again. A
             # timeout of the family's own collectives told its other ranks (its
@@ -796,21 +800,28 @@ class Collective:
                     )
                 except Exception as exc:  # reported: exit goes on with the other families
                     warnings.warn(f"collective_gc: at exit: {exc}", ExitLeakWarning, stacklevel=1)
-            left = self.registry.pending(self.core.seq)
-            if left:
-                why = (
-                    f"the manager is unusable since {self.core.reason}"
-                    if self.core.reason is not None
-                    else "they were not queued on every rank"
-                )
-                warnings.warn(
-                    f"collective_gc: rank {self.rank}: leaked at exit ({why}): "
-                    f"{leak_text(left, self.label)}",
-                    ExitLeakWarning,
-                    stacklevel=1,
-                )
         finally:
-            _leave(entered)
+            # (Also when an interrupt held by the agreement is raised: what
+            # it leaves is named all the same.)
+            try:
+                self._warn_left()
+            finally:
+                _leave(entered)
+
+    def _warn_left(self) -> None:
+        left = self.registry.pending(self.core.seq)
+        if left:
+            why = (
+                f"the manager is unusable since {self.core.reason}"
+                if self.core.reason is not None
+                else "they were not queued on every rank"
+            )
+            warnings.warn(
+                f"collective_gc: rank {self.rank}: leaked at exit ({why}): "
+                f"{leak_text(left, self.label)}",
+                ExitLeakWarning,
+                stacklevel=1,
+            )
 
     def end_exit(self) -> None:
         """At exit, once every family's exit agreement ran: withdraw the

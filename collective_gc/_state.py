@@ -666,21 +666,29 @@ class FamilyState:
     def take_key(self, tag: int) -> int:
         """The next key, for the guarded path: taken and the next one stored
         at once (a collection run by the registration's allocation may run
-        finalizers that register on this very thread)."""
-        with self._lock:
+        finalizers that register on this very thread).
+
+        The key and the order move together, with no call between the two
+        stores: a signal's handler, which the interpreter runs at calls (and
+        which may register, or cut an interval, on this very thread: the
+        lock is re-entrant), sees both before or both after; one that took a
+        key meanwhile makes this one try again."""
+        while True:
             key = self.next_key
-            self.next_key = key + 1
-            if tag:
-                self.order = (self.order + order_step(key, tag)) & _MASK64
-            return key
+            step = order_step(key, tag) if tag else 0
+            with self._lock:
+                if self.next_key == key:
+                    self.next_key = key + 1
+                    self.order = (self.order + step) & _MASK64
+                    return key
 
     def give_back(self, key: int, tag: int) -> None:
         """A refused registration's key back, unless one was taken since."""
+        step = order_step(key, tag) if tag else 0
         with self._lock:
             if self.next_key == key + 1:
                 self.next_key = key
-                if tag:
-                    self.order = (self.order - order_step(key, tag)) & _MASK64
+                self.order = (self.order - step) & _MASK64
 
     def begin_interval(self, ident: int) -> None:
         """``ident`` is the thread that registers until the next sync point."""
@@ -757,11 +765,7 @@ class FamilyState:
         ):
             return None  # dropped here: its callback never runs
         self.thread = me  # (the interval's first, on the main thread: its registrar)
-        with self._lock:  # the key and the order move together (drain cuts both)
-            key = self.next_key  # (ints only in here: no allocation that may collect)
-            self.next_key = key + 1
-            if tag:
-                self.order = (self.order + order_step(key, tag)) & _MASK64
+        key = self.take_key(tag)  # (the key and the order together: drain cuts both)
         _set_key(reg, key)
         self.live[key] = reg
         return reg

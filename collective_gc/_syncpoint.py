@@ -351,8 +351,10 @@ class SyncPoint:
             # a mere note); one raised meanwhile is named on it. (In
             # functions of their own: this frame is in the traceback, and
             # must not hold another exception.)
-            if self.caught and isinstance(exc, Exception):
-                _raise_own(self.caught)
+            if isinstance(exc, Exception):
+                held = _held(self.caught, self.failures, self.seq)
+                if held:
+                    _raise_own(held)
             _name_held(exc, self.caught)
             raise
         finally:
@@ -872,6 +874,14 @@ def _interrupts_among(
             )
             found.append(exc)
     return found
+
+
+def _held(
+    caught: list[BaseException], failures: list[tuple[int, _destroy.Failure]], seq: int
+) -> list[BaseException]:
+    """This rank's interrupts of sync point ``seq``: those held (a vote's)
+    and those among its failures (a destroy's, a child's)."""
+    return caught + [e for s, (_, _, e) in failures if s == seq and not isinstance(e, Exception)]
 
 
 def _name_held(exc: BaseException, caught: list[BaseException]) -> None:

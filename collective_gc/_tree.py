@@ -131,6 +131,10 @@ class Child:
                     (-1, f"the sync point of {self.label}", CollectiveMismatchError(str(exc)))
                 )
             except BaseException as exc:  # an interrupt is re-raised by the parent, later
+                if isinstance(exc.__context__, CollectiveTimeoutError):
+                    # A held interrupt raised in the timeout's place (see
+                    # SyncPoint.run): the timeout's path, the interrupt raised.
+                    raise
                 if not any(exc is e for _, (_, _, e) in kept):  # else it is among those below
                     failures.append((-1, f"the sync point of {self.label}", exc))
         failures.extend((key, f"{name} (on {self.label})", exc) for _, (key, name, exc) in kept)

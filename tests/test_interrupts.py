@@ -578,6 +578,37 @@ def test_an_interrupt_held_in_a_wait_that_then_times_out_is_raised_not_lost(
     ] * (len(states) - 1), states
 
 
+def _interrupt_on(rank: int, me: int) -> None:
+    if rank == me:
+        raise KeyboardInterrupt(f"a destroy on rank {me}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_destroys_interrupt_is_raised_when_the_final_check_then_times_out(
+    comm: MPI.Intracomm,
+) -> None:
+    """A destroy raises KeyboardInterrupt on rank 0; another destroy makes
+    rank 1 late past the deadline, so the final sync point's check times out
+    on rank 0. Rank 0 must raise the interrupt, the timeout its context.
+    From a review of this stop's change: interrupts among the sync point's
+    failures (a destroy's) were dropped with them when a later collective
+    of it failed."""
+    rank = comm.Get_rank()
+    cgc.collect(comm, generation=None, timeout=30)
+    a, b = Obj(), Obj()
+    cgc.register(a, _interrupt_on, 0, rank, comm=comm)
+    cgc.register(b, time.sleep, 2.5 if rank == 1 else 0.0, comm=comm)
+    del a, b
+    raised: tuple[str, str] = ("nothing", "nothing")
+    try:
+        cgc.manager(comm).sync(deadline=time.monotonic() + 1.0, final=True)
+    except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+        raised = (type(exc).__name__, type(exc.__context__).__name__)
+    time.sleep(2.0)  # the late rank's notice has come
+    verdicts = everyone(comm, raised)
+    assert verdicts[0] == ("KeyboardInterrupt", "CollectiveTimeoutError"), verdicts
+
+
 @pytest.mark.mpi(min_size=2)
 def test_an_interrupt_held_in_a_wait_that_then_finds_a_mismatch_is_raised_not_lost(
     comm: MPI.Intracomm,
@@ -859,12 +890,15 @@ def test_a_first_registration_interrupted_while_waiting_completes_on_every_rank(
     # the duplicate is still made and the object registered on every rank,
     # rank 0's register then raising the interrupt. Outside a scope the wait
     # has no deadline (MPI's Wait: the signal's handler runs once it
-    # returns); in a scope with a timeout it polls against the scope's.
+    # returns); in a scope with a timeout it polls against the scope's. (A
+    # scope makes its own communicator's family as it is entered: there the
+    # fresh communicator is another one, a library's, made in the scope.)
     held = [Obj()]
     ref = weakref.ref(held[0])
+    target = comm.Split(0, key=comm.Get_size() - comm.Get_rank()) if in_scope else comm
 
     def first() -> cgc.Registration:
-        return cgc.register(held[0], noop, comm=comm, name="first")
+        return cgc.register(held[0], noop, comm=target, name="first")
 
     if in_scope:
         got: list[tuple[str, Any, list[str]]] = []
@@ -878,10 +912,10 @@ def test_a_first_registration_interrupted_while_waiting_completes_on_every_rank(
     else:
         left = "ok"
         seen, reg, where = interrupted_on_rank_0(comm, first)
-    mgr = cgc.manager(comm)
+    mgr = cgc.manager(target)
     snap = mgr.snapshot()
     state = (
-        len(cgc.pending(comm)),
+        len(cgc.pending(target)),
         [(r.key, r.name, r() is held[0]) for r in snap.alive],
         snap.next_key,
         snap.broken,
@@ -890,7 +924,10 @@ def test_a_first_registration_interrupted_while_waiting_completes_on_every_rank(
     held.clear()  # dropped on every rank
     del reg, snap
     dead = ref() is None
-    after = collect_ok(comm)
+    after = collect_ok(target)
+    if in_scope:
+        cgc.manager(target).close(timeout=TIMEOUT)
+        target.Free()
     states = everyone(comm, (seen, left, returned, state, dead, after))
     wheres = everyone(comm, where)
     assert "dup" in wheres[0], (wheres[0], states)  # making the private duplicate

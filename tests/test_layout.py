@@ -182,7 +182,8 @@ def test_star_import_needs_no_pytest() -> None:
 # C, declared and read-only from Python): its methods are their one writer.
 _STATE_FIELDS = {
     "code", "reason", "seq", "inside", "destroying", "destroyed", "progress", "hold",
-    "unreported", "next_key", "order", "thread", "busy", "live", "inbox", "stale",
+    "unreported", "next_key", "order", "cut_key", "cut_order", "thread", "busy", "live",
+    "inbox", "stale",
     "comm", "first", "last", "gone",
 }  # fmt: skip
 # The derived-family tree's fields of a family: collective_gc._tree writes them.

@@ -442,6 +442,61 @@ def test_a_held_vote_interrupt_is_raised_when_the_sync_point_then_times_out(
     assert all(v[0][0] == "CollectiveTimeoutError" and v[1] for v in verdicts[1:]), verdicts
 
 
+class _InterruptingVote(cgc.Participant):
+    """A vote raising KeyboardInterrupt on rank 0 of its family."""
+
+    field = 5
+    quiet_finish = True
+
+    def vote(self, mgr: cgc.Manager) -> int:
+        if mgr.rank == 0:
+            raise KeyboardInterrupt("a child's vote on its rank 0")
+        return 0
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("final", [True, False])
+def test_a_childs_held_vote_interrupt_is_raised_when_the_child_then_times_out(
+    comm: MPI.Intracomm, final: bool
+) -> None:
+    """A child family of two ranks: its vote raises KeyboardInterrupt on its
+    rank 0 (held for the end of its collectives), and its other rank is
+    late into the visit (a destroy of the parent's sleeps past the
+    deadline), so the child's sync point times out. Rank 0 must raise the
+    interrupt, the timeout its context, and the parent must be abandoned
+    there as on the late rank (the timeout's path), whether or not the
+    parent's sync point is final. From a review of this stop's change: the
+    visit took the interrupt for an ordinary failure, so a final parent
+    raised its own timeout, the interrupt dropped, and a non-final one
+    stayed usable on rank 0 only."""
+    import time
+
+    rank = comm.Get_rank()
+    inside = rank < 2
+    child = cgc.split(comm, 0 if inside else MPI.UNDEFINED, key=rank)
+    if inside:
+        cgc.collect(child, generation=None, timeout=30)
+    cgc.collect(comm, generation=None, timeout=30)
+    if inside:
+        cgc.manager(child).add_participant(_InterruptingVote())
+    o = Obj()
+    cgc.register(o, time.sleep, 2.5 if rank == 1 else 0.0, comm=comm)
+    del o
+    raised: tuple[str, str] = ("nothing", "nothing")
+    try:
+        cgc.manager(comm).sync(deadline=time.monotonic() + 1.0, final=final)
+    except BaseException as exc:  # noqa: BLE001 (KeyboardInterrupt included: it is the point)
+        raised = (type(exc).__name__, type(exc.__context__).__name__)
+    time.sleep(3.0)  # the late rank's notice has come
+    broken = cgc.manager(comm).broken is not None
+    # The parent's ranks outside the child learn it at their next collective.
+    then = outcome_of(lambda: cgc.collect(comm, generation=None, timeout=10))
+    verdicts = everyone(comm, (raised, broken, then))
+    assert verdicts[0][:2] == (("KeyboardInterrupt", "CollectiveTimeoutError"), True), verdicts
+    assert all(v[1] for v in verdicts[:2]), verdicts
+    assert all(v[2] in ("CollectiveGCError", "CollectiveTimeoutError") for v in verdicts), verdicts
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_childs_vote_raising_an_interrupt_on_one_rank_is_raised_there_only(
     comm: MPI.Intracomm,
