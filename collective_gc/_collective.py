@@ -45,6 +45,7 @@ from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ExitLeakWarning,
+    in_place_of,
 )
 from ._registration import GC, Registration
 from ._registry import Registry
@@ -624,10 +625,7 @@ class Collective:
     def _left(self, exc: BaseException) -> None:
         """A sync point left by ``exc``: what that makes of the family."""
         core = self.core
-        if not isinstance(exc, Exception) and isinstance(
-            exc.__context__, (CollectiveTimeoutError, CollectiveMismatchError)
-        ):
-            exc = exc.__context__  # an interrupt held, raised in the error's place
+        exc = in_place_of(exc) or exc  # an interrupt held, raised in the error's place
         if isinstance(exc, CollectiveTimeoutError):
             # An abandoned collective could match a later one: never again. A
             # timeout of the family's own collectives told its other ranks (its

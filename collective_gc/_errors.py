@@ -15,6 +15,8 @@ __all__ = [
     "CyclicFinalizationWarning",
     "ExitLeakWarning",
     "call_each",
+    "raise_in_place_of",
+    "in_place_of",
 ]
 
 _T = TypeVar("_T")
@@ -103,3 +105,23 @@ def call_each(
             raise first
         finally:
             first = None  # no frame-traceback cycle keeping the items alive
+
+
+# The key under which an interrupt raised in a failed collective's place
+# keeps that failure (see in_place_of).
+_IN_PLACE = "collective_gc_in_place_of"
+
+
+def raise_in_place_of(interrupt: BaseException, error: BaseException) -> None:
+    """Mark ``interrupt`` (a rank's KeyboardInterrupt or SystemExit, held for
+    the end of its collectives) as raised instead of ``error`` (the timeout
+    or mismatch that then ended them); the caller raises it."""
+    interrupt.__dict__[_IN_PLACE] = error
+
+
+def in_place_of(exc: BaseException) -> BaseException | None:
+    """The error ``exc`` was raised instead of (see raise_in_place_of), or
+    None: what a sync point's caller judges it by (its context alone could
+    be any exception being handled when the sync point began)."""
+    found = exc.__dict__.get(_IN_PLACE)
+    return found if isinstance(found, BaseException) else None

@@ -81,7 +81,7 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._state import Region
+from ._state import PythonRegion, Region
 
 # The stdlib's own C implementation of signal.getsignal, which the public one
 # wraps: the wrapper converts every answer to an enum, which costs more than an
@@ -124,7 +124,7 @@ class Deferring:
 
     def __call__(self, signum: int, frame: types.FrameType | None) -> Any:
         handler = self.__wrapped__
-        if not REGION.depth and (frame is None or _ENTRIES.get(frame.f_code, -1) <= frame.f_lasti):
+        if not REGION.depth and not _at_an_entry(frame):
             return handler(signum, frame)
         deferred = REGION.deferred
         for _, seen, _ in deferred:
@@ -142,7 +142,7 @@ class Deferring:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # The functions whose first call enters a region, by code object, with the
-# offset of the instruction that loads ``enter`` (see protect_entry).
+# offset of the instruction after that call (see protect_entry).
 _ENTRIES: dict[types.CodeType, int] = {}
 
 
@@ -153,15 +153,30 @@ def protect_entry(fn: _F) -> _F:
     call); a function that must not be left there, because its caller never
     calls it again (``__exit__``: a ``with`` statement calls it once), makes
     ``enter()`` its first call and is decorated: a signal whose handler
-    would run in its frame before that call is deferred as inside the
+    would run in its frame before that call has returned (or in the pure
+    twin's ``enter`` itself, before it counts) is deferred as inside the
     region, which then delivers it (trio marks its protected code objects
     the same way, and its handler looks at the interrupted frame)."""
     code = fn.__code__
-    offsets = [i.offset for i in dis.get_instructions(code) if i.argval == "enter"]
-    if not offsets:
+    ins = list(dis.get_instructions(code))
+    loads = [n for n, i in enumerate(ins) if i.argval == "enter"]
+    calls = [n for n in range(loads[0], len(ins)) if ins[n].opname == "CALL"] if loads else []
+    if not calls or calls[0] + 1 >= len(ins):
         raise TypeError(f"{fn.__qualname__} never calls enter(): it has no region to begin")
-    _ENTRIES[code] = offsets[0]
+    _ENTRIES[code] = ins[calls[0] + 1].offset  # the instruction after that call
     return fn
+
+
+_PYTHON_ENTER = PythonRegion.enter.__code__
+
+
+def _at_an_entry(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` is a :func:`protect_entry` function's before its
+    call of ``enter``, or the pure twin's ``enter`` called from there (a
+    Python method: the handler may run in its frame before it counts)."""
+    if frame is not None and frame.f_code is _PYTHON_ENTER:
+        frame = frame.f_back
+    return frame is not None and _ENTRIES.get(frame.f_code, -1) > frame.f_lasti
 
 
 def _guard() -> tuple[object, ...]:

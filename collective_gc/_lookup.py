@@ -81,8 +81,8 @@ def manager(comm: MPI.Comm) -> Manager:
     """The manager of ``comm``: the same object each time for the same communicator.
 
     Local: making a manager sends no message (it joins its family, or makes
-    one with its private duplicate, at its first registration or sync point,
-    which are collective anyway).
+    one with its private duplicate, at its first registration, sync point or
+    scope, which are collective anyway).
     """
     # The cache, inline: this runs at every registration and sync point
     # (a freed communicator's manager leaves it: _delete_attr).

@@ -380,8 +380,11 @@ class Ledger:
         already: a destroy runs at most once however threads interleave.
         """
         with self.lock:
+            call = take_call(reg, state, self.live)
+            # (After: a fork between the two, on another thread, would find
+            # the registration live but no longer released.)
             self.released.discard(reg.key)
-            return take_call(reg, state, self.live)
+            return call
 
     def after_fork(self) -> list[tuple[Callable[..., object], tuple[Any, ...]]]:
         """In a forked child: a fresh lock (one that another thread held at the

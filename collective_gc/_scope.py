@@ -265,7 +265,9 @@ class collective_scope:
             sync point that sees one, on every rank together, after that sync
             point's destroys ran (nothing is lost).
         timeout: seconds each sync point may wait for the other ranks before
-            raising :class:`CollectiveTimeoutError` (the manager is then unusable).
+            raising :class:`CollectiveTimeoutError` (the manager is then
+            unusable); also entering, where it makes the communicator's
+            family (its first collective: a duplicate of it, once).
         track_origins: record where each object is registered inside the scope,
             for strict mode's messages (costs a stack extraction per registration).
         exit_collect: the generation every rank collects before the exit sync

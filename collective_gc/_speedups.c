@@ -570,25 +570,27 @@ region_enter(Region *self, PyObject *unused)
     if (PyThread_get_thread_ident() != self->main) {
         Py_RETURN_FALSE;
     }
-    if (self->depth == 0) {
+    /* Counted first: a signal arriving while guard() runs (Python code) is
+     * deferred already. */
+    if (self->depth++ == 0) {
         int changed = handlers_changed(self);
         if (changed < 0) {
+            self->depth--;
             return NULL;
         }
         if (changed) {
             PyObject *g = PyObject_CallNoArgs(self->guard);
-            if (g == NULL) {
-                return NULL;
-            }
-            if (!PyTuple_Check(g)) {
-                Py_DECREF(g);
-                PyErr_SetString(PyExc_TypeError, "Region: guard() must return a tuple");
+            if (g == NULL || !PyTuple_Check(g)) {
+                if (g != NULL) {
+                    Py_DECREF(g);
+                    PyErr_SetString(PyExc_TypeError, "Region: guard() must return a tuple");
+                }
+                self->depth--;
                 return NULL;
             }
             Py_SETREF(self->guarded, g);
         }
     }
-    self->depth++;
     Py_RETURN_TRUE;
 }
 

@@ -386,9 +386,15 @@ class Region:
         :meth:`leave` needs. Wraps the handlers first if they changed."""
         if threading.get_ident() != self.main:
             return False
-        if not self.depth and tuple(map(self._getsignal, self.signals)) != self.guarded:
-            self.guarded = self._guard()
+        # Counted first: a signal arriving while the handlers are looked at
+        # (calls: the interpreter runs handlers there) is deferred already.
         self.depth += 1
+        try:
+            if self.depth == 1 and tuple(map(self._getsignal, self.signals)) != self.guarded:
+                self.guarded = self._guard()
+        except BaseException:  # (a handler not wrapped yet, raising meanwhile)
+            self.depth -= 1
+            raise
         return True
 
     def leave(self, entered: bool) -> None:
@@ -724,8 +730,8 @@ class FamilyState:
         refusal can always find: other threads' first registrations take the
         guarded path, which records their names). The registration is made
         first (its allocation may start the collector, and so run other
-        code); from reading the key to
-        storing the next one no Python code of anyone else can run here.
+        code); the key and the order then move together (see take_key),
+        and the interval's registrar is noted after.
         Unlike the C twin it leaves a family of size 1 (any thread may
         register) to the guarded path's lock, since Python can switch
         threads between any two of its steps."""
@@ -764,8 +770,9 @@ class FamilyState:
             and not (thread == 0 and me == self._gc.main)
         ):
             return None  # dropped here: its callback never runs
-        self.thread = me  # (the interval's first, on the main thread: its registrar)
         key = self.take_key(tag)  # (the key and the order together: drain cuts both)
+        # (After: a handler run by that call may end the interval.)
+        self.thread = me  # (the interval's first, on the main thread: its registrar)
         _set_key(reg, key)
         self.live[key] = reg
         return reg

@@ -58,7 +58,12 @@ from mpi4py import MPI
 
 from . import _agree, _destroy, _tracing, _tree
 from ._agree import FLAG_BAD_VOTE, FLAG_CYCLIC, FLAG_FAILED, FLAG_LEAVING
-from ._errors import CollectiveGCError, CollectiveMismatchError, CollectiveTimeoutError
+from ._errors import (
+    CollectiveGCError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    raise_in_place_of,
+)
 from ._registration import where
 from ._tracing import Phases, Tracer
 from ._transport import DONE, LATE, Deadline, allgather, gave_up_error, late_text
@@ -354,6 +359,7 @@ class SyncPoint:
             if isinstance(exc, Exception):
                 held = _held(self.caught, self.failures, self.seq)
                 if held:
+                    raise_in_place_of(held[0], exc)
                     _raise_own(held)
             _name_held(exc, self.caught)
             raise
@@ -526,10 +532,8 @@ class SyncPoint:
             self.offer = _tree.NO_OFFER
         if not self.wanted or self.reporting:
             return False
-        found = _tree.visit(self.fam, self.wanted, self.dl.at)
+        _tree.visit(self.fam, self.wanted, self.dl.at, self.failures, self.seq)
         self.visited = True
-        self.failures.extend((self.seq, f) for f in found)
-        del found
         return True
 
     # -- 5. release ----------------------------------------------------------------

@@ -33,6 +33,7 @@ from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DestroyError,
+    in_place_of,
 )
 from ._state import HOLD_GONE, HOLD_REACH, State
 from ._transport import ibarrier, mpi_usable, test_kept
@@ -131,7 +132,7 @@ class Child:
                     (-1, f"the sync point of {self.label}", CollectiveMismatchError(str(exc)))
                 )
             except BaseException as exc:  # an interrupt is re-raised by the parent, later
-                if isinstance(exc.__context__, CollectiveTimeoutError):
+                if isinstance(in_place_of(exc), CollectiveTimeoutError):
                     # A held interrupt raised in the timeout's place (see
                     # SyncPoint.run): the timeout's path, the interrupt raised.
                     raise
@@ -218,23 +219,23 @@ def wanted(fam: Collective) -> int:
     return bits
 
 
-def visit(fam: Collective, bits: int, deadline: float | None) -> list[Failure]:
+def visit(
+    fam: Collective, bits: int, deadline: float | None, sink: list[tuple[int, Failure]], seq: int
+) -> None:
     """The sync points of ``fam``'s children whose bits are in the agreed
     ``bits`` (each collective over its child: its ranks all saw the same
-    bit), in the order they were made (their numbers'); then those gone leave the list. Two
-    children whose bits collide are visited together: a visit that finds
-    nothing costs one collective of that child, never a wrong result."""
-    failures: list[Failure] = []
+    bit), in the order they were made (their numbers'); then those gone
+    leave the list. Each child's failures join ``sink`` (as sync point
+    ``seq``'s) as its visit returns: a later child's timeout, raised, leaves
+    them there (an interrupt among them is still raised). Two children whose
+    bits collide are visited together: a visit that finds nothing costs one
+    collective of that child, never a wrong result."""
     for child in list(fam.children):
         if child.bit & bits:
-            failures.extend(child.visit(deadline))
+            sink.extend((seq, f) for f in child.visit(deadline))
     if any(c.done() for c in fam.children):
         fam.children = [c for c in fam.children if not c.done()]
         _publish(fam)
-    try:
-        return failures
-    finally:
-        del failures
 
 
 # Families that no parent reaches, in the order this rank listed them (see

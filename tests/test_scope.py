@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import collective_gc as cgc
 import collective_gc.testing as cgc_testing
+from collective_gc import _state
 
 from _util import (
     CheckedLog,
@@ -672,8 +673,9 @@ def _records_origins(comm: MPI.Comm) -> bool:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("at", ["start", "enter"])
 def test_a_ctrl_c_at_the_first_instruction_of_a_scopes_exit_closes_it_first(
-    comm: MPI.Intracomm,
+    comm: MPI.Intracomm, at: str
 ) -> None:
     """A Ctrl-C whose handler runs at the very first instruction of a
     scope's ``__exit__``, on every rank: before any region could begin. The
@@ -683,12 +685,24 @@ def test_a_ctrl_c_at_the_first_instruction_of_a_scopes_exit_closes_it_first(
     stop 58's note on the scopes' edges). A profile hook stands in for the
     interpreter as ``__exit__`` begins: it calls the SIGINT handler
     installed, with that frame, as a signal arriving then would be. (A
-    signal the hook raised would run its handler in the hook's own frame.)"""
+    signal the hook raised would run its handler in the hook's own frame.)
+    ``at="enter"``: as ``__exit__`` calls its region's ``enter`` (C: after
+    the call, in ``__exit__``'s frame; the pure twin's: as that method
+    starts, in its own frame), before it counts the region; from a review
+    of the first version of this, which covered the start only."""
     log: list[int] = []
     code = cgc.collective_scope.__exit__.__code__
+    enter = _state.PythonRegion.enter.__code__
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is code:
+        starts = event == "call" and frame.f_code is code
+        if at == "enter":
+            starts = (
+                event == "c_return"
+                and frame.f_code is code
+                and getattr(arg, "__name__", "") == "enter"
+            ) or (event == "call" and frame.f_code is enter and frame.f_back.f_code is code)
+        if starts:
             sys.setprofile(None)
             signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)  # type: ignore[operator]
 
