@@ -84,14 +84,20 @@ def manager(comm: MPI.Comm) -> Manager:
     one with its private duplicate, at its first registration, sync point or
     scope, which are collective anyway).
     """
+    # Freed communicators' managers first, cache or not: letting one go
+    # lists its family's children for adoption, which posts a barrier over
+    # each child's private duplicate, so every rank must do it before the
+    # same collectives (those of the next API call after the free), not
+    # wherever its cache happens to miss: a rank that ran a child's sync
+    # point first would pair its agreement with the others' barrier.
+    if _FREED:
+        release_freed()
     # The cache, inline: this runs at every registration and sync point
     # (a freed communicator's manager leaves it: _delete_attr).
     ref, mgr = _LAST[0]
     if mgr is not None and ref() is comm:
         return mgr
     c = check_comm(comm)
-    if _FREED:
-        release_freed()
     kv = _keyval()
     # Get or create under the lock: two threads making the first lookup of
     # one communicator must get one manager (a second Set_attr would replace
