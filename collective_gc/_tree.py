@@ -230,9 +230,14 @@ def visit(
     them there (an interrupt among them is still raised). Two children whose
     bits collide are visited together: a visit that finds nothing costs one
     collective of that child, never a wrong result."""
-    for child in list(fam.children):
-        if child.bit & bits:
-            sink.extend((seq, f) for f in child.visit(deadline))
+    try:
+        for child in list(fam.children):
+            if child.bit & bits:
+                sink.extend((seq, f) for f in child.visit(deadline))
+    finally:
+        # This frame is the f_back of the children's visits, which the
+        # failures' tracebacks hold: it must not hold the failures' list.
+        del sink
     if any(c.done() for c in fam.children):
         fam.children = [c for c in fam.children if not c.done()]
         _publish(fam)
