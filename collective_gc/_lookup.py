@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from threading import get_ident as _get_ident
 from typing import Any
 
 from mpi4py import MPI
@@ -35,12 +36,18 @@ _NOTHING: tuple[Any, Manager | None] = (None, None)
 _LAST: list[tuple[Any, Manager | None]] = [_NOTHING]
 # Managers whose communicator was freed, appended by the delete callback.
 _FREED: list[Manager] = []
+# Whether a communicator was freed since the main thread's last release (see
+# manager): set by the delete callback.
+_freed_since = False
+_MAIN = threading.main_thread().ident
 
 
 def _delete_attr(comm: MPI.Comm, keyval: int, mgr: Manager) -> None:
     # An MPI attribute delete callback: record only, never call MPI here.
+    global _freed_since
     _manager.comm_was_freed(mgr)
     _FREED.append(mgr)
+    _freed_since = True
     if _LAST[0][1] is mgr:
         _LAST[0] = _NOTHING  # the cache never gives a freed communicator's manager
 
@@ -84,13 +91,18 @@ def manager(comm: MPI.Comm) -> Manager:
     one with its private duplicate, at its first registration, sync point or
     scope, which are collective anyway).
     """
-    # Freed communicators' managers first, cache or not: letting one go
-    # lists its family's children for adoption, which posts a barrier over
-    # each child's private duplicate, so every rank must do it before the
-    # same collectives (those of the next API call after the free), not
-    # wherever its cache happens to miss: a rank that ran a child's sync
-    # point first would pair its agreement with the others' barrier.
-    if _FREED:
+    global _freed_since
+    # A communicator freed since the last time: its manager let go first,
+    # cache or not. Letting one go lists its family's children for
+    # adoption, which posts a barrier over each child's private duplicate,
+    # so every rank must do it before the same collectives (the main
+    # thread's next call after the free), not wherever its cache happens to
+    # miss: a rank that ran a child's sync point first would pair its
+    # agreement with the others' barrier. (Not from other threads, nor
+    # inside a region, a destroy's: at a moment of their own. Managers kept
+    # for their registrations are tried again at cache misses, as before.)
+    if _freed_since and _get_ident() == _MAIN and not _interrupts.REGION.depth:
+        _freed_since = False
         release_freed()
     # The cache, inline: this runs at every registration and sync point
     # (a freed communicator's manager leaves it: _delete_attr).
@@ -98,6 +110,8 @@ def manager(comm: MPI.Comm) -> Manager:
     if mgr is not None and ref() is comm:
         return mgr
     c = check_comm(comm)
+    if _FREED:
+        release_freed()
     kv = _keyval()
     # Get or create under the lock: two threads making the first lookup of
     # one communicator must get one manager (a second Set_attr would replace
